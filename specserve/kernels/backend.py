@@ -1,0 +1,34 @@
+"""Choose the attention implementation for a device: Triton on CUDA, the torch reference elsewhere."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specserve.kernels import reference
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    # Builds per-step index tensors shared by all layers (None where the kernel needs none).
+    build_plan: Callable[..., object] | None
+
+
+def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
+    """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
+    device = torch.device(device)
+    if prefer not in ("auto", "torch", "triton"):
+        raise ValueError(f"attention backend must be auto, torch or triton, not {prefer!r}")
+    use_triton = prefer == "triton" or (prefer == "auto" and device.type == "cuda")
+    if use_triton:
+        from specserve.kernels import triton_attention
+
+        return AttentionBackend(
+            "triton", triton_attention.write_kv, triton_attention.paged_attention, None
+        )
+    return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)
