@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,7 +28,5 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
     if use_triton:
         from specserve.kernels import triton_attention
 
-        return AttentionBackend(
-            "triton", triton_attention.write_kv, triton_attention.paged_attention, None
-        )
+        return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention, None)
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

@@ -1,0 +1,44 @@
+"""What the engine hands back: a streamed delta per step, and a request's final output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    draft_proposed: int = 0  # draft tokens proposed for this request over its life
+    draft_accepted: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per verify step is tracked by the engine; this is accepted drafts per proposal."""
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+
+@dataclass
+class StepDelta:
+    """New output of one request after one engine step (what the async engine streams)."""
+
+    request_id: str
+    offset: int  # index, among the completion tokens, of token_ids[0]
+    token_ids: list[int]
+    text: str  # new text; never ends inside a UTF-8 character
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    usage: Usage | None = None  # set on the final delta
+
+
+@dataclass
+class RequestOutput:
+    """A finished request (what LLM.generate returns)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft, e2e seconds

@@ -1,0 +1,91 @@
+"""Per-request sampling parameters, validated at the edge so bad input never reaches the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class InvalidParameter(ValueError):
+    """A request field is wrong; `field` names it so an API can answer 4xx with the culprit."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+MAX_TOKENS_LIMIT = 1 << 20
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # "auto": the engine decides k per step; "off": never speculate; an int: that many draft tokens.
+    speculation: str | int = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise InvalidParameter(name, msg)
+
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        check(is_int(self.max_tokens), "max_tokens", "must be an integer")
+        check(1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}]")
+        check(is_num(self.temperature), "temperature", "must be a number")
+        check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
+        check(is_num(self.top_p), "top_p", "must be a number")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(is_int(self.top_k), "top_k", "must be an integer")
+        check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be >= 0 (0 or -1 disables it)")
+        if self.top_k == -1:
+            self.top_k = 0
+        check(self.seed is None or is_int(self.seed), "seed", "must be an integer or null")
+        check(
+            isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            "must be a non-empty string or a list of them",
+        )
+        check(
+            isinstance(self.stop_token_ids, list) and all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be a list of non-negative integers",
+        )
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        spec = self.speculation
+        check(
+            spec in ("auto", "off") or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
+            "speculation",
+            f'must be "auto", "off" or an integer in [0, {MAX_SPECULATIVE_TOKENS}]',
+        )
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> SamplingParams:
+        """Build from a request body's sampling fields; unknown keys are refused, not silently dropped."""
+        known = {f.name for f in fields(cls)}
+        for key in body:
+            if key not in known:
+                raise InvalidParameter(key, "unknown field")
+        return cls(**body)
