@@ -1,0 +1,3 @@
+from specserve.blockmgr.block_manager import BlockManager, BlockPool
+
+__all__ = ["BlockManager", "BlockPool"]
