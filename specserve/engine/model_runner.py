@@ -1,0 +1,87 @@
+"""Runs one forward over a batch of sequences on a paged KV cache and returns the logits asked for.
+
+Used for the target model and, with its own cache and block manager, for a draft model: it knows token
+ids, positions and block tables, nothing of requests or scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.models.llama import AttentionInputs, LlamaModel
+
+
+@dataclass
+class ForwardEntry:
+    """One sequence's share of a forward pass."""
+
+    token_ids: list[int]  # tokens whose K/V this step computes (chunk, decode token, or token + drafts)
+    start_pos: int  # position of token_ids[0]
+    block_table: list[int]
+    num_logits: int  # logits wanted for the last num_logits tokens (0 for a prefill chunk mid-prompt)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self.backend = model.backend
+
+    def _slots(self, table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(
+        self, entries: list[ForwardEntry]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs, torch.Tensor]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        logit_rows: list[int] = []
+        for e in entries:
+            n = len(e.token_ids)
+            end = e.start_pos + n
+            base = len(input_ids)
+            input_ids.extend(e.token_ids)
+            positions.extend(range(e.start_pos, end))
+            slots.extend(self._slots(e.block_table, e.start_pos, end))
+            seq_lens.append(end)
+            query_lens.append(n)
+            logit_rows.extend(range(base + n - e.num_logits, base + n))
+        tables = [e.block_table for e in entries]
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        plan = None
+        if self.backend.build_plan is not None:
+            plan = self.backend.build_plan(tables, seq_lens, query_lens, self.block_size)
+            block_tables = torch.empty(0, dtype=torch.int32)  # the plan carries what the kernel reads
+        else:
+            width = max(len(t) for t in tables)
+            block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        device = self.model.device
+        attn = AttentionInputs(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            block_tables=block_tables.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            plan=plan,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            attn,
+            torch.tensor(logit_rows, dtype=torch.long, device=device),
+        )
+
+    def run(self, entries: list[ForwardEntry]) -> torch.Tensor:
+        """Float32 logits [sum(num_logits), vocab], rows in entry order."""
+        input_ids, positions, attn, logit_rows = self.prepare(entries)
+        hidden = self.model.forward(input_ids, positions, self.kv_caches, attn)
+        return self.model.logits(hidden[logit_rows]).cpu()

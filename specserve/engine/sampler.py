@@ -1,0 +1,98 @@
+"""Batched sampling: temperature, top-k, top-p and per-request seeds, vectorised over the rows of a step.
+
+Random draws use the exponential-race form (argmax p / E, E ~ Exp(1)), which samples exactly from p and
+lets every seeded request draw its noise from its own generator: its tokens do not depend on batch mates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling settings as tensors, built once per step."""
+
+    temperature: torch.Tensor  # [R, 1], 1.0 on greedy rows (they never divide)
+    top_k: torch.Tensor | None  # [R] (vocab size where off), None when no row uses it
+    top_p: torch.Tensor | None  # [R], None when no row uses it
+    greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def build(
+        cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int
+    ) -> RowParams:
+        greedy = [p.temperature == 0.0 for p in params]
+        temps = torch.tensor([[1.0 if g else p.temperature] for p, g in zip(params, greedy)])
+        top_k = None
+        if any(p.top_k and not g for p, g in zip(params, greedy)):
+            top_k = torch.tensor(
+                [p.top_k if p.top_k and p.top_k < vocab_size else vocab_size for p in params]
+            )
+        top_p = None
+        if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
+            top_p = torch.tensor([p.top_p for p in params])
+        return cls(temps, top_k, top_p, torch.tensor(greedy), all(greedy), generators)
+
+    def select(self, rows: torch.Tensor | list[int]) -> RowParams:
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        ids = idx.tolist()
+        return RowParams(
+            self.temperature[idx],
+            None if self.top_k is None else self.top_k[idx],
+            None if self.top_p is None else self.top_p[idx],
+            self.greedy[idx],
+            bool(self.greedy[idx].all()),
+            [self.generators[i] for i in ids],
+        )
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Mask logits outside each row's top-k and nucleus (at least one token always survives)."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (logits.shape[-1] - top_k).clamp(min=0)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p)[:, None]
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
+    """The distribution each row samples from (temperature, top-k, top-p applied); float32."""
+    logits = logits / rows.temperature
+    logits = apply_top_k_top_p(logits, rows.top_k, rows.top_p)
+    return logits.softmax(dim=-1)
+
+
+def exponential_noise(rows: RowParams, vocab_size: int, fallback: torch.Generator) -> torch.Tensor:
+    """Exp(1) noise per row from the row's own generator; greedy rows draw nothing (and consume no RNG)."""
+    noise = torch.ones(len(rows.generators), vocab_size)
+    for i, (gen, greedy) in enumerate(zip(rows.generators, rows.greedy.tolist())):
+        if not greedy:
+            noise[i].exponential_(generator=gen if gen is not None else fallback)
+    return noise
+
+
+def sample(logits: torch.Tensor, rows: RowParams, fallback: torch.Generator) -> torch.Tensor:
+    """One token per row: argmax on greedy rows, a draw from probabilities() on the others."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if rows.all_greedy:
+        return greedy_tokens
+    probs = probabilities(logits, rows)
+    noise = exponential_noise(rows, probs.shape[-1], fallback)
+    drawn = (probs / noise).argmax(dim=-1)
+    return torch.where(rows.greedy, greedy_tokens, drawn)

@@ -1,0 +1,140 @@
+"""Iteration-level scheduler: who runs this step and how many tokens each computes.
+
+Every step, running sequences go first (FIFO), each asking for its remaining prefill chunk or one decode
+token plus k speculative lookahead slots; then waiting sequences are admitted in arrival order while the
+per-step token budget, max_num_seqs and the KV pool allow. When the pool runs dry, a sequence's lookahead is
+dropped first, then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specserve.blockmgr import BlockManager
+from specserve.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens of the sequence computed this step (a prefill chunk, or 1 when decoding)
+    num_lookahead: int = 0  # KV slots reserved past them for draft tokens (the proposer fills up to this)
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the sequence's end, so this step yields its next token."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens + s.num_lookahead for s in self.scheduled)
+
+
+# Chooses k for a decoding sequence given the number of sequences running; None means no speculation.
+LookaheadPolicy = Callable[[Sequence, int], int]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        static_batching: bool = False,
+        lookahead: LookaheadPolicy | None = None,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked = enable_chunked_prefill
+        self.static = static_batching
+        self.lookahead = lookahead
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        if self.static and not self.running:
+            self._admit_static_batch()
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            k = 0
+            if self.lookahead is not None and seq.in_decode:
+                k = min(self.lookahead(seq, len(self.running)), budget - n)
+            while not self.bm.ensure(seq.seq_id, seq.num_computed_tokens + n + k):
+                if k:
+                    k = 0  # speculation yields to memory before anyone is preempted
+                    continue
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n, k))
+                budget -= n + k
+                index += 1
+                continue
+            break  # the sequence preempted itself: nobody behind it can run either
+
+        if out.preempted or self.static:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not self.chunked and remaining > budget:
+                break
+            n = min(remaining, budget)
+            if not self.bm.ensure(seq.seq_id, seq.num_computed_tokens + n):
+                break  # FIFO: a later, smaller request does not jump the queue
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def _admit_static_batch(self) -> None:
+        """Static batching (benchmark baseline): a new batch starts only when the previous one is done."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Remove a sequence wherever it is and give its blocks back."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.bm.free(seq.seq_id)

@@ -1,0 +1,69 @@
+"""A request as the engine sees it: its tokens, how many have KV in the cache, and its output so far."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    generator: torch.Generator | None = None  # per-request RNG, so a seed does not depend on batch mates
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    text: str = ""
+    num_emitted_tokens: int = 0  # output tokens already handed out in deltas
+    num_emitted_chars: int = 0
+    first_token_time: float | None = None
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    spec_steps: int = 0
+    acceptance_ewma: float = 0.7  # optimistic prior: speculation gets tried before it is judged
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def in_decode(self) -> bool:
+        """Every token but the last is in the cache: the next step is a decode (or a speculative verify)."""
+        return self.num_computed_tokens == len(self.token_ids) - 1
