@@ -1,0 +1,154 @@
+"""The engine behind an asyncio service: steps run in a dedicated thread (torch releases the GIL), so the
+event loop's Redis and HTTP I/O never waits on a forward pass.
+
+Requests and aborts reach the step thread through a lock-guarded inbox; deltas come back to each request's
+asyncio.Queue through loop.call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.llm_engine import EngineStats, LLMEngine
+from specserve.engine.outputs import StepDelta
+from specserve.engine.sampling_params import SamplingParams
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple[str, str | list[int], SamplingParams]] = []
+        self._aborts: list[str] = []
+        self._queues: dict[str, asyncio.Queue[StepDelta]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_args(cls, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine(EngineConfig.from_kwargs(**kwargs)))
+
+    # ---- what the service sees ------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.engine.encode_chat(messages)
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[StepDelta]:
+        """Queue a request; iterate the result for its deltas. Bad prompts raise here, in the caller."""
+        if self.error is not None:
+            raise RuntimeError("the engine thread has failed") from self.error
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already running")
+        params.validate()
+        prompt_ids = self.engine.encode_prompt(prompt)  # tokenising here keeps it off the step thread
+        queue: asyncio.Queue[StepDelta] = asyncio.Queue()
+        self._queues[request_id] = queue
+        with self._lock:
+            self._inbox.append((request_id, prompt_ids, params))
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue[StepDelta]) -> AsyncIterator[StepDelta]:
+        finished = False
+        try:
+            while not finished:
+                delta = await queue.get()
+                finished = delta.finished
+                yield delta
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)  # the consumer walked away: stop spending steps on it
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def free_capacity(self) -> int:
+        """Requests to pull now: free sequence slots, and none while admissions are stuck on KV blocks."""
+        sched = self.engine.scheduler
+        with self._lock:
+            pending = len(self._inbox)
+        slots = sched.max_num_seqs - len(sched.running) - len(sched.waiting) - pending
+        if (
+            sched.waiting
+            and self.engine.block_manager.num_free_blocks < self.engine.block_manager.num_blocks // 20
+        ):
+            return 0
+        return max(0, slots)
+
+    def num_unfinished(self) -> int:
+        with self._lock:
+            pending = len(self._inbox)
+        return self.engine.num_unfinished() + pending
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    # ---- the step thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                with self._lock:
+                    inbox, self._inbox = self._inbox, []
+                    aborts, self._aborts = self._aborts, []
+                for request_id, prompt_ids, params in inbox:
+                    engine.add_request(request_id, prompt_ids, params)
+                for request_id in aborts:
+                    engine.abort(request_id)
+                if not engine.has_unfinished():
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                deltas = engine.step()
+                if deltas:
+                    self._loop.call_soon_threadsafe(self._deliver, deltas)
+        except BaseException as exc:  # surface a dying engine to every waiter instead of hanging them
+            self.error = exc
+            self._loop.call_soon_threadsafe(self._fail_all)
+            raise
+
+    def _deliver(self, deltas: list[StepDelta]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    def _fail_all(self) -> None:
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(StepDelta(request_id, 0, [], "", finished=True, finish_reason="error"))

@@ -1,0 +1,202 @@
+"""Greedy outputs equal HF transformers `generate` token for token (fp32), however the engine batches."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specserve import LLM, SamplingParams
+from specserve.engine.async_engine import AsyncLLMEngine
+from specserve.engine.config import EngineConfig
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.llm_engine import LLMEngine
+from specserve.engine.sampling_params import InvalidParameter
+from specserve.models.loader import load_tokenizer
+
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Hello",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+]
+MAX_TOKENS = 24
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SHAPES = ["llama_gqa_tied", "llama3_untied", "qwen2_bias", "mistral"]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_model_factory):
+    """HF greedy continuations, one prompt at a time (no padding), per model shape."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(shape: str) -> list[list[int]]:
+        if shape not in cache:
+            path = tiny_model_factory(shape)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            hf.generation_config.eos_token_id = None
+            tokenizer = load_tokenizer(path)  # the engine's own: the same token ids go into both models
+            refs = []
+            for prompt in PROMPTS:
+                ids = torch.tensor([tokenizer.encode(prompt)])
+                out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+                refs.append(out[0, ids.shape[1] :].tolist())
+            cache[shape] = refs
+        return cache[shape]
+
+    return get
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_single_requests_match_hf(shape, tiny_model_factory, hf_reference):
+    llm = LLM(str(tiny_model_factory(shape)), dtype="float32")
+    for prompt, ref in zip(PROMPTS, hf_reference(shape)):
+        assert llm.generate(prompt, GREEDY)[0].token_ids == ref
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("chunked", [True, False])
+def test_batch_with_staggered_arrivals_matches_hf(shape, chunked, tiny_model_factory, hf_reference):
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tiny_model_factory(shape)),
+            dtype="float32",
+            block_size=4,
+            max_num_batched_tokens=16 if chunked else 64,
+            enable_chunked_prefill=chunked,
+        )
+    )
+    got: dict[str, list[int]] = {}
+    arrivals = {0: [0], 2: [1], 3: [2], 7: [3]}  # step index -> prompts arriving before it
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i in arrivals.get(step, []):
+            engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
+            got[f"r{i}"] = []
+        for delta in engine.step():
+            assert delta.offset == len(got[delta.request_id])  # deltas are contiguous, nothing repeated
+            got[delta.request_id].extend(delta.token_ids)
+        step += 1
+    assert [got[f"r{i}"] for i in range(len(PROMPTS))] == hf_reference(shape)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_preemption_by_a_tiny_block_pool_keeps_outputs_exact(tiny_model_factory, hf_reference):
+    llm = LLM(str(tiny_model_factory("llama_gqa_tied")), dtype="float32", block_size=4, num_kv_blocks=20)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == hf_reference("llama_gqa_tied")
+    assert llm.engine.block_manager.num_free_blocks == 20
+
+
+def test_static_batching_gives_the_same_tokens(tiny_model_factory, hf_reference):
+    llm = LLM(str(tiny_model_factory("qwen2_bias")), dtype="float32", static_batching=True, max_num_seqs=2)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_reference("qwen2_bias")
+
+
+def test_seeded_sampling_does_not_depend_on_batch_mates(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], params)[0].token_ids
+    others = [SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True) for _ in PROMPTS[1:]]
+    crowded = llm.generate(PROMPTS, [params, *others])[0].token_ids
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    assert alone == crowded
+    assert alone != greedy.token_ids  # it really sampled
+    other_seed = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=99, ignore_eos=True)
+    assert llm.generate(PROMPTS[0], other_seed)[0].token_ids != alone
+
+
+def test_stop_conditions(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    free = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == MAX_TOKENS
+    # stop token id: generation ends at (and includes) the 5th token's id
+    stop_id = free.token_ids[4]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate(
+        PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop_token_ids=[stop_id])
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+    # stop string: text is cut before it and never contains it
+    stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert stop not in out.text and free.text.startswith(out.text) and len(out.text) < len(free.text)
+
+
+def test_streamed_text_is_the_full_decode(tiny_model_dir):
+    """Incremental detokenisation: the concatenated deltas equal one decode of all output tokens."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32"))
+    params = SamplingParams(max_tokens=60, temperature=1.0, seed=7, ignore_eos=True)
+    engine.add_request("a", "Ünïcödé: 日本語のテキスト", params)
+    text, tokens = "", []
+    while engine.has_unfinished():
+        for d in engine.step():
+            text += d.text
+            tokens += d.token_ids
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_detokenizer_never_emits_half_a_character(demo_tokenizer):
+    text = "naïve café — 日本語のテキスト, emoji 🎉🚀 end"
+    ids = demo_tokenizer.encode(text)
+    prompt = demo_tokenizer.encode("Say:")
+    assert len(ids) > len(text.split())  # multibyte characters really are split across byte tokens
+    detok = IncrementalDetokenizer(demo_tokenizer, prompt)
+    out = ""
+    for i in range(len(ids)):
+        delta = detok.step(prompt + ids[: i + 1])
+        assert "\ufffd" not in delta
+        out += delta
+    assert out == demo_tokenizer.decode(ids)
+
+
+def test_bad_input_names_the_field(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", max_model_len=64)
+    with pytest.raises(InvalidParameter) as err:
+        llm.generate("x " * 100, GREEDY)
+    assert err.value.field == "prompt"
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams(max_tokens=-1)
+    assert err.value.field == "max_tokens"
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams.from_dict({"max_tokens": 4, "temprature": 0.5})
+    assert err.value.field == "temprature"
+    with pytest.raises(InvalidParameter):
+        llm.generate([[]], GREEDY)
+    with pytest.raises(TypeError):
+        LLM(str(tiny_model_dir), not_a_knob=1)
+
+
+def test_async_engine_streams_and_aborts(tiny_model_dir, hf_reference):
+    async def main():
+        engine = AsyncLLMEngine.from_args(model=str(tiny_model_dir), dtype="float32")
+        await engine.start()
+        try:
+
+            async def collect(i):
+                tokens = []
+                async for d in engine.add_request(f"r{i}", PROMPTS[i], GREEDY):
+                    tokens += d.token_ids
+                    last = d
+                assert last.finish_reason == "length" and last.usage.completion_tokens == MAX_TOKENS
+                return tokens
+
+            results = await asyncio.gather(*(collect(i) for i in range(len(PROMPTS))))
+            assert results == hf_reference("llama_gqa_tied")
+
+            long = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+            stream = engine.add_request("long", PROMPTS[1], long)
+            first = await stream.__anext__()
+            engine.abort("long")
+            reasons = [d.finish_reason async for d in stream]
+            assert reasons[-1] == "abort" and first.token_ids
+            assert engine.stats().kv_blocks_used == 0 and engine.num_unfinished() == 0
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
