@@ -28,5 +28,10 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
     if use_triton:
         from specserve.kernels import triton_attention
 
+        # Compiled Triton kernels launched on CPU tensors fail deep inside Triton; say what is wrong here.
+        if device.type != "cuda" and not triton_attention.interpreted():
+            raise ValueError(
+                f"the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1), not {device}"
+            )
         return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention, None)
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

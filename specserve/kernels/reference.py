@@ -46,7 +46,7 @@ class ShortGroup:
 
     q_index: torch.Tensor  # [n, max_q] rows of q to gather (padding repeats a valid row)
     q_valid: torch.Tensor  # [n, max_q] bool
-    kv_slots: torch.Tensor  # [n, max_kv] flat cache slots (padding points at slot 0, masked out)
+    kv_slots: torch.Tensor  # [n, max_kv] flat cache slots (padding repeats a slot of the row, masked out)
     mask: torch.Tensor  # [n, 1, max_q, max_kv] bool, True = may attend
     out_index: torch.Tensor  # [num_valid] rows of the output the valid queries land in
 
@@ -112,6 +112,9 @@ def build_plan(
             q_index[row, ql:] = starts[s]
             q_valid[row, :ql] = True
             kv_slots[row, :sl] = _slots(block_tables[s], sl, block_size)
+            # Pad with one of the sequence's own slots: masked scores still multiply V, and a block this
+            # sequence does not own may hold uninitialised NaN/inf (0 * NaN = NaN).
+            kv_slots[row, sl:] = kv_slots[row, 0] if sl > 0 else 0
             q_pos[row, :ql] = torch.arange(sl - ql, sl)
             q_pos[row, ql:] = sl - 1
             kv_len[row] = sl

@@ -1,0 +1,152 @@
+"""The torch reference paged attention and KV write against a float64 dense oracle, plus backend selection."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from kernel_cases import assert_close, dense_attention, make_batch, tolerance
+
+from specserve.kernels import reference, select_backend
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# (query_lens, context_lens): contexts end mid-block and on block edges; 16 and 17 straddle the
+# reference's short/long split; a context of 0 is a fresh prompt (the pure-causal path).
+LAYOUTS = [
+    ([1, 1, 1], [15, 16, 50]),
+    ([2, 5, 1], [0, 33, 7]),
+    ([17], [31]),
+    ([17, 5], [0, 0]),
+    ([1, 2, 5, 17], [45, 9, 26, 3]),
+    ([16, 17, 1], [4, 0, 64]),
+]
+
+GRID = list(itertools.product(range(len(LAYOUTS)), [1, 3, 4, 8], [64, 128], [16, 32], DTYPES))
+
+
+@pytest.mark.parametrize(("layout", "group", "head_dim", "block_size", "dtype"), GRID)
+def test_reference_matches_dense(layout: int, group: int, head_dim: int, block_size: int, dtype) -> None:
+    query_lens, context_lens = LAYOUTS[layout]
+    batch = make_batch(
+        query_lens,
+        context_lens,
+        num_kv_heads=2,
+        group=group,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=GRID.index((layout, group, head_dim, block_size, dtype)),
+    )
+    out = torch.full_like(batch.q, float("nan"))
+    result = reference.paged_attention(
+        batch.q,
+        batch.k_cache,
+        batch.v_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.scale,
+        out=out,
+    )
+    assert result is out
+    assert_close(out, dense_attention(batch), tolerance(dtype))
+
+
+def test_reference_plan_is_reusable_across_layers() -> None:
+    """The engine builds one plan per step and runs every layer's queries and cache through it."""
+    query_lens = [1, 2, 17]
+    layer0 = make_batch(
+        query_lens,
+        [20, 5, 9],
+        num_kv_heads=1,
+        group=4,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        seed=5,
+    )
+    gen = torch.Generator().manual_seed(6)
+    # Another layer: same layout, different queries and cache contents (the NaN poison stays NaN).
+    layer1 = dataclasses.replace(
+        layer0,
+        q=torch.randn(layer0.q.shape, generator=gen),
+        k_cache=layer0.k_cache * -0.5,
+        v_cache=layer0.v_cache * 3.0,
+        keys=[k * -0.5 for k in layer0.keys],
+        values=[v * 3.0 for v in layer0.values],
+    )
+    plan = reference.build_plan(
+        layer0.block_tables.tolist(), layer0.seq_lens.tolist(), query_lens, layer0.k_cache.shape[1]
+    )
+    for batch in (layer0, layer1):
+        out = reference.paged_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            plan=plan,
+        )
+        assert_close(out, dense_attention(batch), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_write_kv_scatters_and_skips_negative_slots(dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, block_size, heads, dim = 6, 16, 2, 64
+    k_cache = torch.full((num_blocks, block_size, heads, dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:11].to(torch.int32)
+    slots[[2, 7]] = -1  # padding tokens
+    key = torch.randn(11, heads, dim, generator=gen)  # float32 into a possibly narrower cache
+    value = torch.randn(11, heads, dim, generator=gen)
+    reference.write_kv(key, value, k_cache, v_cache, slots)
+
+    flat_k = k_cache.view(-1, heads, dim)
+    flat_v = v_cache.view(-1, heads, dim)
+    kept = slots >= 0
+    assert torch.equal(flat_k[slots[kept].long()], key[kept].to(dtype))
+    assert torch.equal(flat_v[slots[kept].long()], value[kept].to(dtype))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[kept].long()] = False
+    assert torch.isnan(flat_k[untouched]).all() and torch.isnan(flat_v[untouched]).all()
+
+
+def test_select_backend() -> None:
+    cpu = select_backend("cpu")
+    assert cpu.name == "torch" and cpu.paged_attention is reference.paged_attention
+    assert cpu.build_plan is reference.build_plan
+    assert select_backend("cpu", "torch").name == "torch"
+    assert select_backend("cuda", "torch").name == "torch"
+    for device, prefer in (("cuda", "auto"), ("cuda", "triton")):
+        backend = select_backend(device, prefer)
+        assert backend.name == "triton" and backend.build_plan is None
+    with pytest.raises(ValueError, match="auto, torch or triton"):
+        select_backend("cpu", "cuda")
+
+
+def test_select_backend_refuses_compiled_triton_on_cpu() -> None:
+    from specserve.kernels import triton_attention
+
+    if triton_attention.interpreted():
+        pytest.skip("another test imported the kernels under TRITON_INTERPRET=1")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("cpu", "triton")
+
+
+def test_split_k_only_when_the_grid_is_too_small_for_the_gpu() -> None:
+    from specserve.kernels.triton_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT, choose_splits
+
+    sms = 108
+    assert choose_splits(64 * 8, sms, 2048) == 1  # batch 64 x 8 KV heads already fills the GPU
+    assert choose_splits(4, sms, 2048) == 2048 // MIN_TOKENS_PER_SPLIT  # capped by work per split
+    assert choose_splits(1, sms, 1 << 20) == MAX_SPLITS
+    assert choose_splits(1, sms, 100) == 1  # too short to be worth a merge
+    for programs in range(1, 2 * sms):
+        splits = choose_splits(programs, sms, 32768)
+        assert splits & (splits - 1) == 0 and programs * splits >= min(2 * sms, programs * MAX_SPLITS)
