@@ -12,6 +12,14 @@ import torch
 
 from specserve.models.loader import demo_model_path, load_tokenizer
 
+PROMPTS = [
+    "def fibonacci(n):\n    if n < 2:",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "Hello",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+]
+MAX_TOKENS = 24
+
 TINY_SHAPES = {
     # GQA, tied embeddings (SmolLM2's own shape, shrunk)
     "llama_gqa_tied": dict(
@@ -69,7 +77,9 @@ def demo_tokenizer():
     return load_tokenizer(demo_model_path())
 
 
-def build_tiny_model(shape: str, tokenizer, out_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(
+    shape: str, tokenizer, out_dir: Path, seed: int = 0, vocab_size: int | None = None
+) -> Path:
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
@@ -87,7 +97,7 @@ def build_tiny_model(shape: str, tokenizer, out_dir: Path, seed: int = 0) -> Pat
     spec = dict(TINY_SHAPES[shape])
     config_cls, model_cls = kinds[spec.pop("arch")]
     config = config_cls(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -126,3 +136,27 @@ def tiny_model_factory(tmp_path_factory, demo_tokenizer):
 def tiny_model_dir(tiny_model_factory) -> Path:
     """An HF dir of a tiny random Llama (GQA, tied) with the SmolLM2 tokenizer; loads in about a second."""
     return tiny_model_factory("llama_gqa_tied")
+
+
+@pytest.fixture(scope="session")
+def hf_reference(tiny_model_factory):
+    """HF greedy continuations, one prompt at a time (no padding), per model shape."""
+    cache: dict[str, list[list[int]]] = {}
+
+    def get(shape: str) -> list[list[int]]:
+        if shape not in cache:
+            path = tiny_model_factory(shape)
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            hf.generation_config.eos_token_id = None
+            tokenizer = load_tokenizer(path)  # the engine's own: the same token ids go into both models
+            refs = []
+            for prompt in PROMPTS:
+                ids = torch.tensor([tokenizer.encode(prompt)])
+                out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+                refs.append(out[0, ids.shape[1] :].tolist())
+            cache[shape] = refs
+        return cache[shape]
+
+    return get

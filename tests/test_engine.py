@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
+from conftest import MAX_TOKENS, PROMPTS
 
 from specserve import LLM, SamplingParams
 from specserve.engine.async_engine import AsyncLLMEngine
@@ -14,39 +13,9 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.sampling_params import InvalidParameter
-from specserve.models.loader import load_tokenizer
 
-PROMPTS = [
-    "def fibonacci(n):\n    if n < 2:",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-    "Hello",
-    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
-]
-MAX_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SHAPES = ["llama_gqa_tied", "llama3_untied", "qwen2_bias", "mistral"]
-
-
-@pytest.fixture(scope="module")
-def hf_reference(tiny_model_factory):
-    """HF greedy continuations, one prompt at a time (no padding), per model shape."""
-    cache: dict[str, list[list[int]]] = {}
-
-    def get(shape: str) -> list[list[int]]:
-        if shape not in cache:
-            path = tiny_model_factory(shape)
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-            hf.generation_config.eos_token_id = None
-            tokenizer = load_tokenizer(path)  # the engine's own: the same token ids go into both models
-            refs = []
-            for prompt in PROMPTS:
-                ids = torch.tensor([tokenizer.encode(prompt)])
-                out = hf.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-                refs.append(out[0, ids.shape[1] :].tolist())
-            cache[shape] = refs
-        return cache[shape]
-
-    return get
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -220,7 +220,7 @@ class LLMEngine:
         if not plan.scheduled:
             times.schedule += t1 - t0
             return deltas
-        drafts = self.spec.propose(plan.scheduled) if self.spec is not None else {}
+        drafts = self.spec.propose(plan.scheduled, self._generator) if self.spec is not None else {}
         t2 = time.perf_counter()
         entries = []
         for s in plan.scheduled:
@@ -236,6 +236,8 @@ class LLMEngine:
             )
         logits = self.runner.run(entries)
         t3 = time.perf_counter()
+        if self.spec is not None:
+            self.spec.record_forward(sum(len(e.token_ids) for e in entries), t3 - t2)
         accepted = self._sample(plan.scheduled, drafts, logits)
         t4 = time.perf_counter()
         for s, (tokens, num_drafts_accepted) in zip(plan.scheduled, accepted):
@@ -278,12 +280,13 @@ class LLMEngine:
             seq.spec_steps += 1
             self._totals.draft_proposed += len(draft.token_ids)
             self._totals.draft_accepted += num_accepted
-            self.spec.observe(seq, len(draft.token_ids), num_accepted)
         reason = None
         for token in tokens:
             reason = self._append(seq, token)
             if reason is not None:
                 break
+        if draft is not None and reason is None:
+            self.spec.observe(seq, len(draft.token_ids), num_accepted)
         if not seq.params.stop:
             seq.text += seq.detokenizer.step(seq.token_ids)
         if reason is not None:

@@ -38,8 +38,8 @@ class SchedulerOutput:
         return sum(s.num_tokens + s.num_lookahead for s in self.scheduled)
 
 
-# Chooses k for a decoding sequence given the number of sequences running; None means no speculation.
-LookaheadPolicy = Callable[[Sequence, int], int]
+# Given the running sequences, how many draft tokens each decoding one may propose this step (seq_id -> k).
+LookaheadPolicy = Callable[[list[Sequence]], dict[int, int]]
 
 
 class Scheduler:
@@ -74,14 +74,15 @@ class Scheduler:
         if self.static and not self.running:
             self._admit_static_batch()
 
+        ks = self.lookahead(self.running) if self.lookahead is not None and self.running else {}
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             k = 0
-            if self.lookahead is not None and seq.in_decode:
-                k = min(self.lookahead(seq, len(self.running)), budget - n)
+            if seq.in_decode and ks:
+                k = min(ks.get(seq.seq_id, 0), budget - n)
             while not self.bm.ensure(seq.seq_id, seq.num_computed_tokens + n + k):
                 if k:
                     k = 0  # speculation yields to memory before anyone is preempted
