@@ -40,9 +40,12 @@ class StepTimes:
     sample: float = 0.0
     update: float = 0.0
     steps: int = 0
+    seqs: int = 0  # sequences scheduled, summed over steps (mean batch = seqs / steps)
+    tokens: int = 0  # query tokens through the target, summed over steps
 
     def as_dict(self) -> dict[str, float]:
-        return {k: getattr(self, k) for k in ("schedule", "propose", "forward", "sample", "update", "steps")}
+        keys = ("schedule", "propose", "forward", "sample", "update", "steps", "seqs", "tokens")
+        return {k: getattr(self, k) for k in keys}
 
 
 @dataclass
@@ -251,6 +254,8 @@ class LLMEngine:
         times.sample += t4 - t3
         times.update += t5 - t4
         times.steps += 1
+        times.seqs += len(plan.scheduled)
+        times.tokens += sum(len(e.token_ids) for e in entries)
         self._totals.last_batch_size = len(plan.scheduled)
         return deltas
 
