@@ -126,7 +126,7 @@ def test_select_backend() -> None:
     for device, prefer in (("cuda", "auto"), ("cuda", "triton")):
         backend = select_backend(device, prefer)
         assert backend.name == "triton" and backend.build_plan is None
-    with pytest.raises(ValueError, match="auto, torch or triton"):
+    with pytest.raises(ValueError, match="auto, cpu, torch or triton"):
         select_backend("cpu", "cuda")
 
 
@@ -150,3 +150,40 @@ def test_split_k_only_when_the_grid_is_too_small_for_the_gpu() -> None:
     for programs in range(1, 2 * sms):
         splits = choose_splits(programs, sms, 32768)
         assert splits & (splits - 1) == 0 and programs * splits >= min(2 * sms, programs * MAX_SPLITS)
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_dense(layout: int, dtype) -> None:
+    """The C++ short-query kernel (backend "cpu"), with the reference's SDPA path for long queries."""
+    from specserve.kernels import select_backend
+
+    backend = select_backend("cpu", "cpu")
+    query_lens, context_lens = LAYOUTS[layout]
+    for group, head_dim, block_size in [(1, 64, 16), (3, 128, 32), (8, 64, 32)]:
+        batch = make_batch(
+            query_lens,
+            context_lens,
+            num_kv_heads=2,
+            group=group,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            seed=layout * 10 + group,
+        )
+        plan = backend.build_plan(
+            batch.block_tables.tolist(), batch.seq_lens.tolist(), query_lens, block_size
+        )
+        out = torch.full_like(batch.q, float("nan"))
+        backend.paged_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            plan=plan,
+            out=out,
+        )
+        assert_close(out, dense_attention(batch), tolerance(dtype))

@@ -18,6 +18,7 @@ import torch
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from specserve.engine.cpu_tuning import keep_freed_memory_in_heap
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.outputs import StepDelta, Usage
@@ -76,6 +77,8 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_heap()
         ckpt = load_checkpoint(path, dtype=torch.float32)
         self.model_config = ModelConfig.from_hf(ckpt.config)
         self.tokenizer = load_tokenizer(path)

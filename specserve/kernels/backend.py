@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,10 +21,11 @@ class AttentionBackend:
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
-    """prefer: "auto" (Triton on CUDA, torch elsewhere), "torch" or "triton"."""
+    """prefer: "auto" (Triton on CUDA, the torch reference elsewhere), "torch", "triton", or "cpu" (a C++
+    kernel for decode/verify queries, built on first use; not yet the default on CPU: see its module)."""
     device = torch.device(device)
-    if prefer not in ("auto", "torch", "triton"):
-        raise ValueError(f"attention backend must be auto, torch or triton, not {prefer!r}")
+    if prefer not in ("auto", "cpu", "torch", "triton"):
+        raise ValueError(f"attention backend must be auto, cpu, torch or triton, not {prefer!r}")
     use_triton = prefer == "triton" or (prefer == "auto" and device.type == "cuda")
     if use_triton:
         from specserve.kernels import triton_attention
@@ -34,4 +36,11 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
                 f"the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1), not {device}"
             )
         return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention, None)
+    if prefer == "cpu":
+        from specserve.kernels import cpu_paged_attention
+
+        if device.type != "cpu" or cpu_paged_attention.load() is None:
+            raise ValueError("the cpu attention backend needs a CPU device and a C++ compiler for its kernel")
+        plan = functools.partial(reference.build_plan, native_short=True)
+        return AttentionBackend("cpu", reference.write_kv, reference.paged_attention, plan)
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

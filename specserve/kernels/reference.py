@@ -21,6 +21,10 @@ import torch.nn.functional as F
 # Sequences with at most this many new tokens (decode, speculative verify) are batched together, padded;
 # longer ones (prefill chunks) run one at a time so a long chunk does not pad every decode to its length.
 SHORT_QUERY_MAX = 16
+# A batched group is split where padding every member to the longest context would waste more than this
+# share of the gathered K/V (decodes of very different lengths), at most MAX_GROUPS ways.
+MAX_PADDING_WASTE = 0.3
+MAX_GROUPS = 4
 
 
 def write_kv(
@@ -42,12 +46,16 @@ def write_kv(
 
 @dataclass
 class ShortGroup:
-    """Sequences with short queries, batched: queries padded to max_q, keys padded to max_kv."""
+    """Sequences with short queries, batched: queries padded to max_q, contexts padded to whole blocks."""
 
     q_index: torch.Tensor  # [n, max_q] rows of q to gather (padding repeats a valid row)
     q_valid: torch.Tensor  # [n, max_q] bool
-    kv_slots: torch.Tensor  # [n, max_kv] flat cache slots (padding repeats a slot of the row, masked out)
-    mask: torch.Tensor  # [n, 1, max_q, max_kv] bool, True = may attend
+    blocks: torch.Tensor  # [n * max_blocks] block ids to gather (padding repeats one of the row's blocks)
+    num_blocks: int  # max_blocks
+    mask: torch.Tensor  # [n, 1, max_q, max_blocks * block_size] bool, True = may attend
+    # Gathered rows past each sequence's length, zeroed before use: masked scores still multiply V, and
+    # a block tail nobody wrote may hold anything (0 * NaN = NaN).
+    pad_index: torch.Tensor
     out_index: torch.Tensor  # [num_valid] rows of the output the valid queries land in
 
 
@@ -55,22 +63,76 @@ class ShortGroup:
 class LongSeq:
     q_start: int
     q_len: int
-    kv_slots: torch.Tensor  # [seq_len]
+    seq_len: int
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)]
     mask: torch.Tensor | None  # None: pure causal over a fresh prompt (q_len == seq_len)
+
+
+@dataclass
+class NativeShort:
+    """Short-query sequences for the C++ kernel, which reads the block tables itself."""
+
+    seq_ids: torch.Tensor  # int64 [n]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
 
 
 @dataclass
 class AttentionPlan:
     """Index tensors derived from the batch layout; built once per step, reused by every layer."""
 
-    short: ShortGroup | None
+    groups: list[ShortGroup]
     long: list[LongSeq]
+    native: NativeShort | None = None
 
 
-def _slots(table: list[int], length: int, block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(table[: (length + block_size - 1) // block_size], dtype=torch.long)
-    offsets = torch.arange(block_size, dtype=torch.long)
-    return (blocks[:, None] * block_size + offsets[None, :]).flatten()[:length]
+def _split_by_length(ids: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Sort by context length and cut where padding to the group's longest would waste too much."""
+    ids = sorted(ids, key=lambda s: seq_lens[s])
+    groups: list[list[int]] = []
+    while ids:
+        if len(groups) == MAX_GROUPS - 1:
+            groups.append(ids)
+            break
+        size = len(ids)
+        # the longest prefix whose padding to its own maximum stays within budget
+        while size > 1:
+            longest = seq_lens[ids[size - 1]]
+            used = sum(seq_lens[s] for s in ids[:size])
+            if used >= (1 - MAX_PADDING_WASTE) * longest * size:
+                break
+            size -= 1
+        groups.append(ids[:size])
+        ids = ids[size:]
+    return groups
+
+
+def _short_group(ids: list[int], block_tables, seq_lens, query_lens, starts, block_size: int) -> ShortGroup:
+    n = len(ids)
+    max_q = max(query_lens[s] for s in ids)
+    max_blocks = max(-(-seq_lens[s] // block_size) for s in ids)
+    q_index = torch.zeros(n, max_q, dtype=torch.long)
+    q_valid = torch.zeros(n, max_q, dtype=torch.bool)
+    q_pos = torch.zeros(n, max_q, dtype=torch.long)
+    blocks = []
+    lens = []
+    for row, s in enumerate(ids):
+        ql, sl = query_lens[s], seq_lens[s]
+        q_index[row, :ql] = torch.arange(starts[s], starts[s] + ql)
+        q_index[row, ql:] = starts[s]
+        q_valid[row, :ql] = True
+        q_pos[row, :ql] = torch.arange(sl - ql, sl)
+        q_pos[row, ql:] = sl - 1
+        own = block_tables[s][: -(-sl // block_size)]
+        blocks.extend(own + [own[0]] * (max_blocks - len(own)))
+        lens.append(sl)
+    kv_pos = torch.arange(max_blocks * block_size)[None, None, :]
+    kv_len = torch.tensor(lens)[:, None, None]
+    mask = (kv_pos <= q_pos[:, :, None]) & (kv_pos < kv_len)
+    pad_index = torch.nonzero((kv_pos >= kv_len).flatten()).flatten()
+    blocks_t = torch.tensor(blocks, dtype=torch.long)
+    return ShortGroup(q_index, q_valid, blocks_t, max_blocks, mask[:, None], pad_index, q_index[q_valid])
 
 
 def build_plan(
@@ -78,62 +140,49 @@ def build_plan(
     seq_lens: list[int],
     query_lens: list[int],
     block_size: int,
+    native_short: bool = False,
 ) -> AttentionPlan:
-    short_ids = [s for s, ql in enumerate(query_lens) if ql <= SHORT_QUERY_MAX]
+    """native_short: short queries go to the C++ kernel (cpu_paged_attention) instead of gather + SDPA."""
     starts = [0]
     for ql in query_lens:
         starts.append(starts[-1] + ql)
-
     long: list[LongSeq] = []
+    short_ids = []
     for s, ql in enumerate(query_lens):
         if ql <= SHORT_QUERY_MAX:
+            short_ids.append(s)
             continue
         sl = seq_lens[s]
-        slots = _slots(block_tables[s], sl, block_size)
+        blocks = torch.tensor(block_tables[s][: -(-sl // block_size)], dtype=torch.long)
         mask = None
         if sl != ql:
             q_pos = torch.arange(sl - ql, sl)[:, None]
             mask = torch.arange(sl)[None, :] <= q_pos
-        long.append(LongSeq(starts[s], ql, slots, mask))
-
-    short = None
-    if short_ids:
-        n = len(short_ids)
-        max_q = max(query_lens[s] for s in short_ids)
-        max_kv = max(seq_lens[s] for s in short_ids)
-        q_index = torch.zeros(n, max_q, dtype=torch.long)
-        q_valid = torch.zeros(n, max_q, dtype=torch.bool)
-        kv_slots = torch.zeros(n, max_kv, dtype=torch.long)
-        q_pos = torch.zeros(n, max_q, dtype=torch.long)
-        kv_len = torch.zeros(n, 1, dtype=torch.long)
-        for row, s in enumerate(short_ids):
-            ql, sl = query_lens[s], seq_lens[s]
-            q_index[row, :ql] = torch.arange(starts[s], starts[s] + ql)
-            q_index[row, ql:] = starts[s]
-            q_valid[row, :ql] = True
-            kv_slots[row, :sl] = _slots(block_tables[s], sl, block_size)
-            # Pad with one of the sequence's own slots: masked scores still multiply V, and a block this
-            # sequence does not own may hold uninitialised NaN/inf (0 * NaN = NaN).
-            kv_slots[row, sl:] = kv_slots[row, 0] if sl > 0 else 0
-            q_pos[row, :ql] = torch.arange(sl - ql, sl)
-            q_pos[row, ql:] = sl - 1
-            kv_len[row] = sl
-        kv_pos = torch.arange(max_kv)[None, None, :]
-        mask = (kv_pos <= q_pos[:, :, None]) & (kv_pos < kv_len[:, :, None])
-        short = ShortGroup(q_index, q_valid, kv_slots, mask[:, None], q_index[q_valid])
-    return AttentionPlan(short, long)
+        long.append(LongSeq(starts[s], ql, sl, blocks, mask))
+    if native_short and short_ids:
+        width = max(len(t) for t in block_tables)
+        native = NativeShort(
+            torch.tensor(short_ids, dtype=torch.long),
+            torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
+            torch.tensor(seq_lens, dtype=torch.int32),
+            torch.tensor(starts, dtype=torch.int32),
+        )
+        return AttentionPlan([], long, native)
+    groups = [
+        _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size)
+        for ids in _split_by_length(short_ids, seq_lens)
+    ]
+    return AttentionPlan(groups, long)
 
 
 def _sdpa(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool
 ) -> torch.Tensor:
-    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D]; GQA by repeating KV heads."""
-    groups = q.shape[2] // k.shape[2]
+    """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D]; SDPA shares each KV head across its group."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return out.transpose(1, 2)
 
 
@@ -160,20 +209,31 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
 
-    if plan.short is not None:
-        g = plan.short
-        qs = q[g.q_index]  # [n, max_q, Hq, D]
-        ks = k_flat[g.kv_slots].to(q.dtype)
-        vs = v_flat[g.kv_slots].to(q.dtype)
-        res = _sdpa(qs, ks, vs, g.mask, scale, causal=False)
+    def gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, pad=None) -> torch.Tensor:
+        # whole blocks are contiguous in the cache: one index_select copies block_size tokens at a time
+        # as [blocks, block_size * heads * dim]: a row copy per block (far faster than a 4-D index_select)
+        kv = cache.view(cache.shape[0], -1).index_select(0, blocks).to(q.dtype)
+        if pad is not None and pad.numel():
+            kv.view(-1, num_kv_heads, head_dim).index_fill_(0, pad, 0)
+        return kv.view(rows, -1, num_kv_heads, head_dim)
+
+    if plan.native is not None:
+        from specserve.kernels import cpu_paged_attention
+
+        nat = plan.native
+        cpu_paged_attention.paged_attention_short(
+            q, k_cache, v_cache, nat.block_tables, nat.seq_lens, nat.query_start_loc, nat.seq_ids, scale, out
+        )
+    for g in plan.groups:
+        n = g.q_index.shape[0]
+        ks, vs = gather(k_cache, g.blocks, n, g.pad_index), gather(v_cache, g.blocks, n, g.pad_index)
+        res = _sdpa(q[g.q_index], ks, vs, g.mask, scale, False)
         out[g.out_index] = res[g.q_valid]
     for seq in plan.long:
         qs = q[seq.q_start : seq.q_start + seq.q_len][None]
-        ks = k_flat[seq.kv_slots][None].to(q.dtype)
-        vs = v_flat[seq.kv_slots][None].to(q.dtype)
+        ks = gather(k_cache, seq.blocks, 1)[:, : seq.seq_len]
+        vs = gather(v_cache, seq.blocks, 1)[:, : seq.seq_len]
         res = _sdpa(qs, ks, vs, seq.mask, scale, causal=seq.mask is None)
         out[seq.q_start : seq.q_start + seq.q_len] = res[0]
     return out
