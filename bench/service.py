@@ -1,0 +1,204 @@
+"""The same workload through the engine directly and through the whole service
+(HTTP API -> Redis -> worker -> Redis -> HTTP client): throughput ratio and the latency the service adds.
+
+    python bench/service.py [--model PATH] [--requests 32] [--max-tokens 32] [--rounds 3] [--sequential 10]
+
+The engine runs in this process; the service is a real `specserve serve` subprocess (embedded valkey-server)
+driven over HTTP (POST /v1/completions) from here. Both are loaded side by side and the runs alternate, so a
+busy machine slows both alike; medians are reported. Targets: throughput ratio >= 0.95 (bursts of
+concurrent requests) and added latency p50 < 5 ms (single requests one at a time, paired with a direct run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def prompts(n: int, salt: str = "") -> list[str]:
+    topics = [
+        "the sea",
+        "a city at night",
+        "mountains",
+        "an old library",
+        "the first snow",
+        "a train journey",
+    ]
+    return [f"Write a short paragraph about {topics[i % len(topics)]} ({salt}{i})." for i in range(n)]
+
+
+class Direct:
+    """The engine in this process, used the way the worker uses it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from specserve.engine.async_engine import AsyncLLMEngine
+
+        kw = {"model": args.model, "dtype": args.dtype, "kv_cache_bytes": args.kv_cache_bytes}
+        if args.max_num_seqs:
+            kw["max_num_seqs"] = args.max_num_seqs
+        self.engine = AsyncLLMEngine.from_args(**kw)
+        self.max_tokens = args.max_tokens
+        self.n = 0
+
+    async def one(self, prompt: str) -> tuple[float, int]:
+        from specserve import SamplingParams
+
+        self.n += 1
+        params = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        tokens = 0
+        async for d in self.engine.add_request(f"direct-{self.n}", prompt, params):
+            tokens += len(d.token_ids)
+        return time.perf_counter() - t0, tokens
+
+
+class Service:
+    """`specserve serve` in a subprocess, over HTTP."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.data = tempfile.mkdtemp(prefix="specserve-bench-")
+        self.base = f"http://127.0.0.1:{args.port}"
+        self.max_tokens = args.max_tokens
+        env = {
+            **os.environ,
+            "REDIS_URL": "",
+            "SPECSERVE_PORT": str(args.port),
+            "SPECSERVE_DATA_DIR": self.data,
+            "SPECSERVE_DTYPE": args.dtype,
+            "SPECSERVE_KV_CACHE_BYTES": str(args.kv_cache_bytes),
+        }
+        if args.model:
+            env["SPECSERVE_MODEL"] = args.model
+        if args.max_num_seqs:
+            env["SPECSERVE_MAX_NUM_SEQS"] = str(args.max_num_seqs)
+        cmd = [sys.executable, "-m", "specserve.service.cli", "--log-level", "WARNING", "serve"]
+        self.proc = subprocess.Popen(cmd, env=env, cwd=REPO)
+
+    async def start(self) -> None:
+        self.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600))
+        while True:
+            try:
+                async with self.http.get(f"{self.base}/readyz") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if self.proc.poll() is not None:
+                raise SystemExit("specserve serve exited")
+            await asyncio.sleep(0.2)
+        async with self.http.get(f"{self.base}/v1/models") as r:
+            self.model = (await r.json())["data"][0]["id"]
+        from specserve.queue.connection import connect
+
+        self.redis = connect(Path(self.data, "url").read_text().strip())
+
+    async def one(self, prompt: str) -> tuple[float, int]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0}
+        body["ignore_eos"] = True
+        t0 = time.perf_counter()
+        async with self.http.post(f"{self.base}/v1/completions", json=body) as r:
+            data = await r.json()
+        elapsed = time.perf_counter() - t0
+        assert r.status == 200, data
+        self.last_id = data["id"]
+        return elapsed, data["usage"]["completion_tokens"]
+
+    async def timestamps(self, request_id: str) -> dict[str, int]:
+        info = await self.redis.hgetall(f"specserve:req:{request_id}")
+        return {k: int(info[k]) for k in ("created", "started", "finished")}
+
+    async def stop(self) -> None:
+        await self.http.close()
+        await self.redis.aclose()
+        self.proc.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(self.proc.wait, 60)
+
+
+async def burst(runner, ps: list[str]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    res = await asyncio.gather(*(runner.one(p) for p in ps))
+    wall = time.perf_counter() - t0
+    return {"tok_s": sum(r[1] for r in res) / wall, "p50_ms": 1000 * statistics.median(r[0] for r in res)}
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    service = Service(args)  # loads while the engine below loads
+    direct = Direct(args)
+    await direct.engine.start()
+    await service.start()
+    await direct.one("warm up")
+    await service.one("warm up")
+
+    rounds: dict[str, list[dict[str, float]]] = {"engine": [], "service": []}
+    for r in range(args.rounds):
+        order = [("engine", direct), ("service", service)]
+        for name, runner in order if r % 2 == 0 else order[::-1]:
+            rounds[name].append(await burst(runner, prompts(args.requests, f"{name}{r}-")))
+
+    added, outside_worker, queue_wait = [], [], []
+    for p in prompts(args.sequential, "seq-"):
+        d, _ = await direct.one(p)
+        s, _ = await service.one(p)
+        ts = await service.timestamps(service.last_id)
+        added.append(1000 * (s - d))
+        outside_worker.append(1000 * s - (ts["finished"] - ts["started"]))
+        queue_wait.append(ts["started"] - ts["created"])
+
+    await service.stop()
+    await direct.engine.shutdown()
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(x[key] for x in rounds[name])
+
+    return {
+        "args": vars(args),
+        "rounds": rounds,
+        "engine_tok_s": med("engine", "tok_s"),
+        "service_tok_s": med("service", "tok_s"),
+        "throughput_ratio": med("service", "tok_s") / med("engine", "tok_s"),
+        "burst_p50_ms": {"engine": med("engine", "p50_ms"), "service": med("service", "p50_ms")},
+        "added_latency_ms": {
+            "p50": statistics.median(added),
+            "all": [round(x, 2) for x in added],
+        },
+        # Client-measured latency minus the worker's own start-to-final-write time (server clock, 1 ms grain):
+        # HTTP, validation, enqueue, queue wait, result delivery.
+        "outside_worker_ms_p50": statistics.median(outside_worker),
+        "queue_wait_ms_p50": statistics.median(queue_wait),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF dir or GGUF (default: the demo SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--requests", type=int, default=32, help="concurrent requests per burst")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="bursts per mode, alternating")
+    p.add_argument("--sequential", type=int, default=10, help="single requests one at a time, per mode")
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20)
+    p.add_argument("--port", type=int, default=8799)
+    p.add_argument("--out", default=str(REPO / "bench" / "out" / "service.json"))
+    args = p.parse_args()
+    result = asyncio.run(bench(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

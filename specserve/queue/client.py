@@ -1,0 +1,153 @@
+"""The producer's and reader's side: enqueue, status, results, streaming, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis
+
+from specserve.queue import scripts
+from specserve.queue.connection import connect
+from specserve.queue.keys import DEFAULT_PREFIX, Keys, valid_request_id
+from specserve.queue.outputs import OutputReader
+from specserve.queue.wire import (
+    Delta,
+    OutputCursor,
+    OutputEntry,
+    RequestBody,
+    Result,
+    WireError,
+    assemble,
+    parse_body,
+)
+
+DEFAULT_TTL_MS = 24 * 3600 * 1000
+
+
+@dataclass
+class Enqueued:
+    id: str
+    created: bool  # False: the id was already known and nothing was added
+    status: str
+    entry_id: str | None = None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class QueueClient:
+    def __init__(self, redis: Redis, keys: Keys | None = None, ttl_ms: int = DEFAULT_TTL_MS) -> None:
+        self.r = redis
+        self.keys = keys or Keys()
+        self.ttl_ms = ttl_ms
+        self.reader = OutputReader(redis, self.keys)
+        self._reader_task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kw: Any) -> QueueClient:
+        return cls(connect(url), Keys(prefix), **kw)
+
+    async def __aenter__(self) -> QueueClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _ensure_reader(self) -> None:
+        if self._reader_task is None or self._reader_task.done():
+            self._reader_task = asyncio.create_task(self.reader.run(), name="specserve-output-reader")
+
+    async def aclose(self, close_redis: bool = True) -> None:
+        if self._reader_task is not None:
+            await self.reader.close(self._reader_task)
+            self._reader_task = None
+        if close_redis:
+            await self.r.aclose()
+
+    async def enqueue(
+        self,
+        body: dict[str, Any] | RequestBody,
+        request_id: str | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> Enqueued:
+        """Add a request; adding an id that is already known changes nothing (idempotent)."""
+        if request_id is None:
+            request_id = new_request_id()
+        elif not valid_request_id(request_id):
+            raise WireError("id", "must be 1-200 characters of letters, digits, '_', '.', ':' or '-'")
+        parsed = body if isinstance(body, RequestBody) else parse_body(body)
+        created, detail = await self.r.eval(
+            scripts.ENQUEUE,
+            2,
+            self.keys.requests,
+            self.keys.req(request_id),
+            request_id,
+            parsed.to_json(),
+            self.ttl_ms,
+            traceparent or "",
+            tracestate or "",
+        )
+        if created:
+            return Enqueued(request_id, True, "queued", detail)
+        return Enqueued(request_id, False, detail)
+
+    async def info(self, request_id: str) -> dict[str, str]:
+        """The raw status hash ({} when unknown or expired)."""
+        return await self.r.hgetall(self.keys.req(request_id))
+
+    async def result(self, request_id: str) -> Result | None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.req(request_id))
+        pipe.xrange(self.keys.out(request_id))
+        info, items = await pipe.execute()
+        if not info and not items:
+            return None
+        return assemble(request_id, info, [OutputEntry.from_fields(f) for _, f in items])
+
+    async def cancel(self, request_id: str) -> tuple[str, str]:
+        """Returns (outcome, status): missing | terminal | cancelled (was queued) | cancelling (running)."""
+        outcome, status = await self.r.eval(
+            scripts.CANCEL, 2, self.keys.req(request_id), self.keys.out(request_id), self.ttl_ms
+        )
+        return str(outcome), str(status)
+
+    async def stream(self, request_id: str, tokens: int = 0, chars: int = 0) -> AsyncIterator[Delta]:
+        """New tokens as they are produced, each once, reruns included; resumes after `tokens`/`chars`."""
+        self._ensure_reader()
+        cursor = OutputCursor(tokens=tokens, chars=chars)
+        async with aclosing(self.reader.follow(request_id)) as entries:
+            async for _, entry in entries:
+                d = cursor.feed(entry)
+                if d is not None:
+                    yield d
+                if cursor.done:
+                    return
+
+    async def wait(self, request_id: str) -> Result:
+        """Wait for the final entry and return the whole result."""
+        ids: list[int] = []
+        parts: list[str] = []
+        final: OutputEntry | None = None
+        async with aclosing(self.stream(request_id)) as deltas:
+            async for d in deltas:
+                ids.extend(d.token_ids)
+                parts.append(d.text)
+                final = d.final or final
+        assert final is not None
+        return Result(
+            id=request_id,
+            status=final.status or "finished",
+            text="".join(parts),
+            token_ids=ids,
+            finish_reason=final.finish_reason,
+            usage=final.usage,
+            error=final.error,
+            error_field=final.error_field,
+        )

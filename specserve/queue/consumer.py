@@ -1,0 +1,210 @@
+"""The worker's side of the request stream: read with the group, claim, heartbeat, reclaim, hand back, trim.
+
+Knows Redis and the wire format only; the service decides what to run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import ResponseError
+
+from specserve.queue import scripts
+from specserve.queue.connection import BLOCK_MS
+from specserve.queue.keys import Keys
+from specserve.queue.wire import RequestEntry
+
+log = logging.getLogger(__name__)
+
+
+def entry_ms(entry_id: str) -> int:
+    """Stream ids start with the server's ms clock at XADD time: the enqueue time."""
+    return int(entry_id.split("-", 1)[0])
+
+
+@dataclass
+class Claim:
+    """What to do with an entry just read (the CLAIM script's verdict)."""
+
+    action: str  # run | duplicate | done | cancel | expire | dead | notmine
+    detail: str  # run: the run number; dead: the delivery count; duplicate/done: the current status
+    now_ms: int
+
+    @property
+    def run(self) -> int:
+        return int(self.detail) if self.action == "run" else 0
+
+
+@dataclass
+class QueueStats:
+    depth: int  # entries not yet delivered to any worker
+    pending: int  # delivered, not yet acknowledged
+    lag_seconds: float  # age of the oldest undelivered entry
+    consumers: int
+
+
+@dataclass
+class ConsumerConfig:
+    ttl_ms: int = 24 * 3600 * 1000  # lifetime of everything per request
+    max_deliveries: int = 3  # beyond this, the dead-letter stream
+    claim_timeout_ms: int = 30_000  # an in-flight entry idle this long belongs to a dead worker
+    block_ms: int = BLOCK_MS
+    dead_maxlen: int = 100_000
+
+
+class StreamConsumer:
+    def __init__(self, redis: Redis, keys: Keys, name: str, config: ConsumerConfig | None = None) -> None:
+        self.r = redis
+        self.keys = keys
+        self.name = name
+        self.cfg = config or ConsumerConfig()
+        self._autoclaim_cursor = "0-0"
+
+    async def ensure_group(self) -> None:
+        # From id 0: requests added before any worker existed are served too.
+        try:
+            await self.r.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read_new(self, count: int, block_ms: int | None = None) -> list[RequestEntry]:
+        """Up to `count` entries never delivered before; blocks up to block_ms when there are none."""
+        try:
+            resp = await self.r.xreadgroup(
+                self.keys.group,
+                self.name,
+                {self.keys.requests: ">"},
+                count=count,
+                block=self.cfg.block_ms if block_ms is None else block_ms,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            # The server lost the group (restart without persistence, flushed): recreate and read again.
+            log.warning("consumer group missing; recreating it")
+            await self.ensure_group()
+            return []
+        return [
+            RequestEntry.from_fields(eid, fields or {}) for _, items in resp or [] for eid, fields in items
+        ]
+
+    async def reclaim(self, count: int) -> list[RequestEntry]:
+        """Take over up to `count` entries idle past the claim timeout (dead worker, or handed back)."""
+        try:
+            nxt, items, _deleted = await self.r.xautoclaim(
+                self.keys.requests,
+                self.keys.group,
+                self.name,
+                min_idle_time=self.cfg.claim_timeout_ms,
+                start_id=self._autoclaim_cursor,
+                count=count,
+            )
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self.ensure_group()
+            return []
+        self._autoclaim_cursor = nxt
+        # Entries deleted from the stream come back without fields; XAUTOCLAIM already dropped them.
+        return [RequestEntry.from_fields(eid, fields) for eid, fields in items if fields is not None]
+
+    async def claim(self, entries: list[tuple[RequestEntry, float | None]]) -> list[Claim]:
+        """Run CLAIM for each (entry, deadline) in one round trip. Entries must carry a request id."""
+        pipe = self.r.pipeline(transaction=False)
+        for e, deadline in entries:
+            assert e.request_id is not None
+            pipe.eval(
+                scripts.CLAIM,
+                2,
+                self.keys.req(e.request_id),
+                self.keys.requests,
+                e.entry_id,
+                self.keys.group,
+                self.name,
+                self.cfg.ttl_ms,
+                self.cfg.max_deliveries,
+                "" if deadline is None else str(int(deadline * 1000)),
+                entry_ms(e.entry_id),
+            )
+        return [Claim(str(a), str(d), int(n)) for a, d, n in await pipe.execute()]
+
+    async def heartbeat(self, entry_ids: list[str]) -> list[str]:
+        """Reset the idle time of our in-flight entries; returns those another worker has taken."""
+        if not entry_ids:
+            return []
+        lost = await self.r.eval(
+            scripts.HEARTBEAT, 1, self.keys.requests, self.keys.group, self.name, *entry_ids
+        )
+        return list(lost)
+
+    async def handback(self, request_id: str, entry_id: str) -> bool:
+        idle = self.cfg.claim_timeout_ms * 2
+        ok = await self.r.eval(
+            scripts.HANDBACK,
+            2,
+            self.keys.requests,
+            self.keys.req(request_id),
+            self.keys.group,
+            self.name,
+            entry_id,
+            idle,
+        )
+        return bool(ok)
+
+    async def cancel_flags(self, request_ids: list[str]) -> list[bool]:
+        pipe = self.r.pipeline(transaction=False)
+        for rid in request_ids:
+            pipe.hget(self.keys.req(rid), "cancel")
+        return [v == "1" for v in await pipe.execute()]
+
+    async def ack(self, entry_id: str) -> None:
+        await self.r.xack(self.keys.requests, self.keys.group, entry_id)
+
+    async def dead_letter(self, entry: RequestEntry, reason: str, deliveries: int = 0) -> None:
+        """Record an entry in the dead-letter stream and acknowledge it (its status is the caller's job)."""
+        fields = {
+            "entry": entry.entry_id,
+            "id": entry.request_id or "",
+            "body": entry.raw_body,
+            "reason": reason,
+            "deliveries": str(deliveries),
+            "worker": self.name,
+        }
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, fields, maxlen=self.cfg.dead_maxlen, approximate=True)
+        if entry.request_id is None:
+            pipe.xack(self.keys.requests, self.keys.group, entry.entry_id)
+        await pipe.execute()
+
+    async def trim(self) -> int:
+        """Drop request entries no group still needs (never pending ones)."""
+        return int(await self.r.eval(scripts.TRIM, 1, self.keys.requests))
+
+    async def stats(self) -> QueueStats:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xinfo_groups(self.keys.requests)
+        pipe.time()
+        try:
+            groups, (sec, usec) = await pipe.execute()
+        except ResponseError:  # no stream yet
+            return QueueStats(0, 0, 0.0, 0)
+        g = next((g for g in groups if g["name"] == self.keys.group), None)
+        if g is None:
+            return QueueStats(0, 0, 0.0, 0)
+        depth = int(g.get("lag") or 0)
+        lag = 0.0
+        if depth:
+            first = await self.r.xrange(self.keys.requests, min=f"({g['last-delivered-id']}", count=1)
+            if first:
+                lag = max(0.0, sec + usec / 1e6 - entry_ms(first[0][0]) / 1000)
+        return QueueStats(depth, int(g["pending"]), lag, int(g["consumers"]))
+
+    async def register_model(self, model: str, info: dict) -> None:
+        """Advertise the served model so APIs can list and check it (GET /v1/models)."""
+        info = {**info, "worker": self.name, "seen": time.time()}
+        await self.r.hset(self.keys.models, model, orjson.dumps(info).decode())

@@ -1,0 +1,52 @@
+"""Every Redis key name the service uses, in one place, so the wire format has a single source of truth."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "specserve"
+
+# Ids end up inside key names and log lines: keep them short and free of spaces and glob characters.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")
+
+
+def valid_request_id(request_id: object) -> bool:
+    return isinstance(request_id, str) and bool(_REQUEST_ID.match(request_id))
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        """The request stream producers XADD to."""
+        return f"{self.prefix}:requests"
+
+    @property
+    def group(self) -> str:
+        """The consumer group every worker reads the request stream with."""
+        return f"{self.prefix}:workers"
+
+    @property
+    def dead(self) -> str:
+        """Dead letters: requests delivered too many times."""
+        return f"{self.prefix}:dead"
+
+    @property
+    def models(self) -> str:
+        """Hash: served model name -> JSON info refreshed by live workers."""
+        return f"{self.prefix}:models"
+
+    def req(self, request_id: str) -> str:
+        """Status hash of one request."""
+        return f"{self.prefix}:req:{request_id}"
+
+    def out(self, request_id: str) -> str:
+        """Output stream of one request."""
+        return f"{self.prefix}:out:{request_id}"
+
+    def wake(self, reader_id: str) -> str:
+        """Private stream an output reader blocks on alongside its output streams, to be woken up."""
+        return f"{self.prefix}:wake:{reader_id}"

@@ -1,0 +1,110 @@
+"""Follow many output streams with one blocking XREAD instead of one connection per waiting client.
+
+A subscriber registers its stream, then XADDs to the reader's private wake stream, which every XREAD also
+reads from its last seen id: a subscription made while the XREAD is in flight wakes it at once, and one
+made just before it is seen by it, so no token waits for the block timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+
+from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS
+from specserve.queue.keys import Keys
+from specserve.queue.wire import OutputEntry
+
+log = logging.getLogger(__name__)
+
+
+def _id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+@dataclass(eq=False)
+class Subscription:
+    key: str
+    last_id: str
+    queue: asyncio.Queue[tuple[str, OutputEntry]] = field(default_factory=asyncio.Queue)
+
+
+class OutputReader:
+    def __init__(self, redis: Redis, keys: Keys, block_ms: int = BLOCK_MS) -> None:
+        self.r = redis
+        self.keys = keys
+        self.block_ms = block_ms
+        self._wake_key = keys.wake(uuid.uuid4().hex[:12])
+        self._wake_last = "0-0"
+        self._subs: dict[str, list[Subscription]] = {}
+        self._closed = False
+
+    async def _wake(self) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xadd(self._wake_key, {"w": "1"}, maxlen=16, approximate=True)
+        pipe.pexpire(self._wake_key, 3_600_000)
+        await pipe.execute()
+
+    async def follow(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, OutputEntry]]:
+        """Yield (entry id, entry) of a request's output stream after `after`, through the final entry."""
+        sub = Subscription(self.keys.out(request_id), after)
+        self._subs.setdefault(sub.key, []).append(sub)
+        try:
+            await self._wake()
+            while True:
+                eid, entry = await sub.queue.get()
+                yield eid, entry
+                if entry.final:
+                    return
+        finally:
+            subs = self._subs.get(sub.key, [])
+            if sub in subs:
+                subs.remove(sub)
+            if not subs:
+                self._subs.pop(sub.key, None)
+
+    async def close(self, task: asyncio.Task[None]) -> None:
+        """Stop `task` (running run()). A cancel alone is not enough: on Python 3.11 asyncio.wait_for (inside
+        redis-py) swallows a cancellation that races with a reply, so the loop also checks a flag, and a wake
+        entry ends its blocking read."""
+        self._closed = True
+        task.cancel()
+        with contextlib.suppress(*TRANSIENT_ERRORS):
+            await asyncio.wait_for(self._wake(), timeout=1.0)
+        await asyncio.wait({task}, timeout=self.block_ms / 1000 + 1)
+
+    async def run(self) -> None:
+        """Read until closed."""
+        delay = 0.02
+        while not self._closed:
+            streams = {self._wake_key: self._wake_last}
+            for key, subs in self._subs.items():
+                streams[key] = min((s.last_id for s in subs), key=_id_tuple)
+            try:
+                resp = await self.r.xread(streams, count=1000, block=self.block_ms)
+            except TRANSIENT_ERRORS as e:
+                log.warning("output reader: redis unavailable (%s); retrying", e)
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+                continue
+            except Exception:  # e.g. a key of the wrong type: keep serving the others
+                log.exception("output reader: XREAD failed")
+                await asyncio.sleep(0.5)
+                continue
+            delay = 0.02
+            for key, items in resp or []:
+                if key == self._wake_key:
+                    self._wake_last = items[-1][0]
+                    continue
+                for sub in self._subs.get(key, []):
+                    last = _id_tuple(sub.last_id)
+                    for eid, fields in items:
+                        if _id_tuple(eid) > last:
+                            sub.queue.put_nowait((eid, OutputEntry.from_fields(fields)))
+                    sub.last_id = max(sub.last_id, items[-1][0], key=_id_tuple)

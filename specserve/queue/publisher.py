@@ -1,0 +1,165 @@
+"""Batched, pipelined writes of output entries and final results.
+
+Deltas pushed while a flush is in flight are merged per request and go out together in the next one, so the
+number of round trips follows the engine's step rate, not the number of requests. A failed flush (server
+restart) is kept and retried: consumers skip duplicated offsets, and the final step is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from redis.asyncio import Redis
+
+from specserve.queue import scripts
+from specserve.queue.connection import TRANSIENT_ERRORS
+from specserve.queue.keys import Keys
+from specserve.queue.wire import OutputEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Final:
+    request_id: str
+    entry_id: str
+    entry: OutputEntry
+    hash_fields: dict[str, str]
+    done: asyncio.Future[bool] = field(repr=False, default=None)  # type: ignore[assignment]
+
+
+def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
+    last = buf[-1] if buf else None
+    if (
+        last is not None
+        and last.run == e.run
+        and last.offset + len(last.token_ids) == e.offset
+        and last.text_offset + len(last.text) == e.text_offset
+    ):
+        last.token_ids = last.token_ids + e.token_ids
+        last.text += e.text
+    else:
+        buf.append(OutputEntry(e.run, e.offset, e.text_offset, list(e.token_ids), e.text))
+
+
+class Publisher:
+    def __init__(self, redis: Redis, keys: Keys, consumer: str, ttl_ms: int) -> None:
+        self.r = redis
+        self.keys = keys
+        self.consumer = consumer
+        self.ttl_ms = ttl_ms
+        self._deltas: dict[str, list[OutputEntry]] = {}
+        self._finals: list[_Final] = []
+        self._expiring: set[str] = set()  # output streams whose TTL is already set
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.flushes = 0
+        self._closed = False
+
+    def stop(self) -> None:
+        """End run() after its current flush (a cancel alone can be lost on Python 3.11, see OutputReader)."""
+        self._closed = True
+        self._wake.set()
+
+    def push(self, request_id: str, entry: OutputEntry) -> None:
+        _merge(self._deltas.setdefault(request_id, []), entry)
+        self._idle.clear()
+        self._wake.set()
+
+    def finish(
+        self, request_id: str, entry_id: str, final: OutputEntry, hash_fields: dict[str, str]
+    ) -> asyncio.Future[bool]:
+        """Queue the final entry + status + XACK; the future says whether it was written (False: not ours)."""
+        f = _Final(request_id, entry_id, final, hash_fields, asyncio.get_running_loop().create_future())
+        self._finals.append(f)
+        self._idle.clear()
+        self._wake.set()
+        return f.done
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+    async def run(self) -> None:
+        """Flush until stopped."""
+        delay = 0.02
+        while not self._closed:
+            await self._wake.wait()
+            self._wake.clear()
+            deltas, finals = self._deltas, self._finals
+            self._deltas, self._finals = {}, []
+            if not deltas and not finals:
+                self._idle.set()
+                continue
+            try:
+                results = await self._flush(deltas, finals)
+            except TRANSIENT_ERRORS as e:
+                log.warning("output flush failed (%s); retrying", e)
+                self._restore(deltas, finals)
+                await asyncio.sleep(delay)
+                delay = min(1.0, delay * 2)
+                self._wake.set()
+                continue
+            except Exception:
+                # Not the server being away: retrying would fail the same way. The finals report failure, so
+                # their entries stay pending and another delivery runs them again.
+                log.exception("output flush failed; dropping %d outputs", len(deltas) + len(finals))
+                results = [0] * len(finals)
+            delay = 0.02
+            self.flushes += 1
+            for f, ok in zip(finals, results):
+                self._expiring.discard(f.request_id)
+                if not f.done.done():
+                    f.done.set_result(bool(ok))
+            if not self._deltas and not self._finals:
+                self._idle.set()
+
+    def _restore(self, deltas: dict[str, list[OutputEntry]], finals: list[_Final]) -> None:
+        for rid, newer in self._deltas.items():
+            buf = deltas.setdefault(rid, [])
+            for e in newer:
+                _merge(buf, e)
+        self._deltas = deltas
+        self._finals = finals + self._finals
+
+    async def _flush(self, deltas: dict[str, list[OutputEntry]], finals: list[_Final]) -> list[int]:
+        pipe = self.r.pipeline(transaction=False)
+        for rid, entries in deltas.items():
+            out = self.keys.out(rid)
+            for e in entries:
+                pipe.xadd(out, e.to_fields())
+            if rid not in self._expiring:
+                pipe.pexpire(out, self.ttl_ms)
+        for f in finals:
+            out_fields = f.entry.to_fields()
+            args: list[str | int] = [
+                self.keys.group,
+                self.consumer,
+                f.entry_id,
+                self.ttl_ms,
+                f.entry.status or "finished",
+                len(out_fields),
+            ]
+            for k, v in out_fields.items():
+                args += [k, v]
+            for k, v in f.hash_fields.items():
+                args += [k, v]
+            pipe.eval(
+                scripts.FINISH,
+                3,
+                self.keys.out(f.request_id),
+                self.keys.req(f.request_id),
+                self.keys.requests,
+                *args,
+            )
+        results = await pipe.execute(raise_on_error=False)
+        for rid in deltas:
+            self._expiring.add(rid)
+        for r in results:
+            if isinstance(r, Exception):
+                log.error("output write failed: %s", r)
+        return (
+            [r if isinstance(r, int) else 0 for r in results[len(results) - len(finals) :]] if finals else []
+        )

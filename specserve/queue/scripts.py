@@ -1,0 +1,167 @@
+"""Lua scripts for the state changes that must be atomic.
+
+They are sent with EVAL (not EVALSHA): a restarted or failed-over server has an empty script cache, and EVAL
+needs no NOSCRIPT dance in pipelines. Timestamps come from the server clock (ms) so that every process
+agrees on them.
+"""
+
+from __future__ import annotations
+
+_NOW = """
+local _t = redis.call('TIME')
+local now_ms = string.format('%d', tonumber(_t[1]) * 1000 + math.floor(tonumber(_t[2]) / 1000))
+"""
+
+_TERMINAL = """
+local function terminal(s)
+  return s == 'finished' or s == 'failed' or s == 'cancelled' or s == 'expired'
+end
+"""
+
+# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate.
+# Returns {1, entry id} when added, {0, current status} when the id is already known (idempotent enqueue).
+ENQUEUE = (
+    _NOW
+    + """
+local existing = redis.call('HGET', KEYS[2], 'status')
+if existing then return {0, existing} end
+local f = {'id', ARGV[1], 'body', ARGV[2]}
+if ARGV[4] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[4] end
+if ARGV[5] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[5] end
+local eid = redis.call('XADD', KEYS[1], '*', unpack(f))
+redis.call('HSET', KEYS[2], 'status', 'queued', 'entry', eid, 'created', now_ms)
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+return {1, eid}
+"""
+)
+
+# A worker takes an entry it has read. KEYS: status hash, requests stream.
+# ARGV: entry id, group, consumer, ttl_ms, max_deliveries, deadline_ms or '', created_ms (from the entry id).
+# Returns {action, detail, now_ms}; action is run | duplicate | done | cancel | expire | dead | notmine.
+CLAIM = (
+    _NOW
+    + _TERMINAL
+    + """
+local p = redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[1], ARGV[1], 1)
+if #p == 0 or p[1][2] ~= ARGV[3] then return {'notmine', '', now_ms} end
+local deliveries = tonumber(p[1][4])
+local h = redis.call('HMGET', KEYS[1], 'entry', 'status', 'cancel', 'handoffs')
+if h[1] and h[1] ~= ARGV[1] then return {'duplicate', h[2] or '', now_ms} end
+if h[2] and terminal(h[2]) then return {'done', h[2], now_ms} end
+if not h[1] then redis.call('HSET', KEYS[1], 'entry', ARGV[1], 'created', ARGV[7]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+if h[3] == '1' then return {'cancel', '', now_ms} end
+if ARGV[6] ~= '' and tonumber(now_ms) > tonumber(ARGV[6]) then return {'expire', '', now_ms} end
+if deliveries - tonumber(h[4] or '0') > tonumber(ARGV[5]) then
+  return {'dead', tostring(deliveries), now_ms}
+end
+local run = redis.call('HINCRBY', KEYS[1], 'run', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started', now_ms)
+return {'run', tostring(run), now_ms}
+"""
+)
+
+# Final output entry, terminal status and XACK in one step, only while this consumer still owns the entry
+# (a worker that lost it to XAUTOCLAIM must not finish it). KEYS: output stream, status hash, requests stream.
+# ARGV: group, consumer, entry id, ttl_ms, status, n, then n output field/value pairs, then hash pairs.
+FINISH = (
+    _NOW
+    + """
+local p = redis.call('XPENDING', KEYS[3], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+local n = tonumber(ARGV[6])
+local out = {}
+for i = 7, 6 + 2 * n do out[#out + 1] = ARGV[i] end
+redis.call('XADD', KEYS[1], '*', unpack(out))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+local h = {'status', ARGV[5], 'finished', now_ms}
+for i = 7 + 2 * n, #ARGV do h[#h + 1] = ARGV[i] end
+redis.call('HSET', KEYS[2], unpack(h))
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('XACK', KEYS[3], ARGV[1], ARGV[3])
+return 1
+"""
+)
+
+# Keep in-flight entries fresh so no other worker's XAUTOCLAIM takes them; report those we no longer own.
+# KEYS: requests stream. ARGV: group, consumer, entry ids...
+HEARTBEAT = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 0 or p[1][2] ~= ARGV[2] then
+    lost[#lost + 1] = ARGV[i]
+  else
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  end
+end
+return lost
+"""
+
+# A draining worker hands an entry back: it looks idle at once so a live worker's XAUTOCLAIM takes it, and
+# the hand-off does not count as a failed delivery. KEYS: requests stream, status hash.
+# ARGV: group, consumer, entry id, idle_ms.
+HANDBACK = (
+    _TERMINAL
+    + """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+local h = redis.call('HMGET', KEYS[2], 'entry', 'status')
+if h[1] == ARGV[3] and not terminal(h[2]) then
+  redis.call('HINCRBY', KEYS[2], 'handoffs', 1)
+  redis.call('HSET', KEYS[2], 'status', 'queued')
+end
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'JUSTID')
+return 1
+"""
+)
+
+# API / client cancellation. KEYS: status hash, output stream. ARGV: ttl_ms.
+# A queued request is cancelled here and now (with its final entry); a running one is flagged for its worker.
+CANCEL = (
+    _NOW
+    + _TERMINAL
+    + """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {'missing', ''} end
+if terminal(st) then return {'terminal', st} end
+redis.call('HSET', KEYS[1], 'cancel', '1')
+if st == 'queued' then
+  redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'abort', 'finished', now_ms)
+  redis.call('XADD', KEYS[2], '*', 'run', '0', 'offset', '0', 'text_offset', '0', 'ids', '[]', 'text', '',
+    'finish_reason', 'abort', 'status', 'cancelled')
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+  return {'cancelled', 'cancelled'}
+end
+return {'cancelling', st}
+"""
+)
+
+# Trim the request stream without dropping anything a group still needs: keep every entry at or after the
+# oldest pending entry and after the last delivered one, over all groups. KEYS: requests stream.
+TRIM = """
+local function parse(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function less(a, b)
+  local am, as = parse(a)
+  local bm, bs = parse(b)
+  return am < bm or (am == bm and as < bs)
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return 0 end
+local keep = nil
+for _, g in ipairs(groups) do
+  local t = {}
+  for i = 1, #g, 2 do t[g[i]] = g[i + 1] end
+  local cand = t['last-delivered-id']
+  if tonumber(t['pending']) > 0 then
+    local s = redis.call('XPENDING', KEYS[1], t['name'])
+    if less(s[2], cand) then cand = s[2] end
+  end
+  if keep == nil or less(cand, keep) then keep = cand end
+end
+return redis.call('XTRIM', KEYS[1], 'MINID', keep)
+"""

@@ -1,0 +1,319 @@
+"""The wire format (docs/wire-format.md): request entries, status hashes and output entries.
+
+Only structure is checked here; the sampling fields are validated by the engine's SamplingParams in the
+service, so queue/ stays free of the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from specserve.queue.keys import valid_request_id
+
+QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED = (
+    "queued",
+    "running",
+    "finished",
+    "failed",
+    "cancelled",
+    "expired",
+)
+STATUSES = (QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED)
+TERMINAL = frozenset({FINISHED, FAILED, CANCELLED, EXPIRED})
+
+# Body keys that are not sampling parameters; every other key is handed to SamplingParams.from_dict.
+REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline"})
+SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "speculation",
+)
+MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+class WireError(ValueError):
+    """A malformed request; `field` names the culprit (same shape as the engine's InvalidParameter)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass
+class RequestBody:
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    model: str | None = None
+    deadline: float | None = None  # unix time, seconds
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        body: dict[str, Any] = (
+            {"prompt": self.prompt} if self.messages is None else {"messages": self.messages}
+        )
+        if self.model is not None:
+            body["model"] = self.model
+        if self.deadline is not None:
+            body["deadline"] = self.deadline
+        body.update(self.sampling)
+        return orjson.dumps(body)
+
+
+@dataclass
+class RequestEntry:
+    """One entry of the request stream as a worker reads it."""
+
+    entry_id: str
+    request_id: str | None  # None when the entry has no usable id (it goes to the dead letters)
+    raw_body: str
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+    @classmethod
+    def from_fields(cls, entry_id: str, fields: dict[str, str]) -> RequestEntry:
+        rid = fields.get("id")
+        return cls(
+            entry_id=entry_id,
+            request_id=rid if valid_request_id(rid) else None,
+            raw_body=fields.get("body", ""),
+            traceparent=fields.get("traceparent"),
+            tracestate=fields.get("tracestate"),
+        )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _message_text(content: Any, index: int) -> str:
+    """OpenAI allows content as a string or a list of parts; only text parts make sense for a text model."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise WireError(f"messages[{index}].content", "only text parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise WireError(f"messages[{index}].content", "must be a string or a list of text parts")
+
+
+def parse_messages(messages: Any) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise WireError("messages", "must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise WireError(f"messages[{i}]", "must be an object with role and content")
+        role = m.get("role")
+        if role not in MESSAGE_ROLES:
+            raise WireError(f"messages[{i}].role", f"must be one of {sorted(MESSAGE_ROLES)}")
+        out.append({"role": role, "content": _message_text(m.get("content"), i)})
+    return out
+
+
+def parse_prompt(prompt: Any, max_chars: int | None = None) -> str | list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise WireError("prompt", "must not be empty")
+        if max_chars is not None and len(prompt) > max_chars:
+            raise WireError("prompt", f"too long: {len(prompt)} characters, the limit is {max_chars}")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        if max_chars is not None and len(prompt) > max_chars:
+            raise WireError("prompt", f"too long: {len(prompt)} tokens, the limit is {max_chars}")
+        return prompt
+    raise WireError("prompt", "must be a non-empty string or a non-empty list of token ids")
+
+
+def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
+    """Check a decoded body's structure. Raises WireError naming the field."""
+    if not isinstance(data, dict):
+        raise WireError("body", "must be a JSON object")
+    has_prompt, has_messages = "prompt" in data, "messages" in data
+    if has_prompt == has_messages:
+        raise WireError("prompt", "give exactly one of prompt or messages")
+    prompt = parse_prompt(data["prompt"], max_prompt_chars) if has_prompt else None
+    messages = parse_messages(data["messages"]) if has_messages else None
+    if messages is not None and max_prompt_chars is not None:
+        total = sum(len(m["content"]) for m in messages)
+        if total > max_prompt_chars:
+            raise WireError("messages", f"too long: {total} characters, the limit is {max_prompt_chars}")
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise WireError("model", "must be a string")
+    deadline = data.get("deadline")
+    if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
+        raise WireError("deadline", "must be a unix time in seconds")
+    sampling = {k: v for k, v in data.items() if k not in REQUEST_KEYS}
+    return RequestBody(prompt, messages, model, float(deadline) if deadline is not None else None, sampling)
+
+
+def decode_body(raw: str | bytes, max_prompt_chars: int | None = None) -> RequestBody:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise WireError("body", f"not valid JSON: {e}") from None
+    return parse_body(data, max_prompt_chars)
+
+
+@dataclass
+class OutputEntry:
+    """One entry of a request's output stream.
+
+    `offset` counts completion tokens and `text_offset` counts Unicode code points of the completion text,
+    both from the start of the run; a rerun after a crash starts again at 0 with a higher `run`. A reader
+    that remembers how many tokens and characters it has shown skips what it has already seen.
+    """
+
+    run: int
+    offset: int
+    text_offset: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # set on the final entry: stop | length | abort | error
+    status: str | None = None  # final entry: the terminal status
+    usage: dict[str, int] | None = None
+    error: str | None = None
+    error_field: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_fields(self) -> dict[str, str]:
+        f = {
+            "run": str(self.run),
+            "offset": str(self.offset),
+            "text_offset": str(self.text_offset),
+            "ids": orjson.dumps(self.token_ids).decode(),
+            "text": self.text,
+        }
+        if self.finish_reason is not None:
+            f["finish_reason"] = self.finish_reason
+            f["status"] = self.status or FINISHED
+            if self.usage is not None:
+                f["usage"] = orjson.dumps(self.usage).decode()
+            if self.error is not None:
+                f["error"] = self.error
+            if self.error_field is not None:
+                f["error_field"] = self.error_field
+        return f
+
+    @classmethod
+    def from_fields(cls, f: dict[str, str]) -> OutputEntry:
+        usage = f.get("usage")
+        return cls(
+            run=int(f.get("run", 0)),
+            offset=int(f.get("offset", 0)),
+            text_offset=int(f.get("text_offset", 0)),
+            token_ids=orjson.loads(f.get("ids") or "[]"),
+            text=f.get("text", ""),
+            finish_reason=f.get("finish_reason"),
+            status=f.get("status"),
+            usage=orjson.loads(usage) if usage else None,
+            error=f.get("error"),
+            error_field=f.get("error_field"),
+        )
+
+
+@dataclass
+class Delta:
+    """What a reader shows next: only tokens and text it has not shown before."""
+
+    token_ids: list[int]
+    text: str
+    offset: int  # token offset of token_ids[0]
+    final: OutputEntry | None = None
+
+
+@dataclass
+class OutputCursor:
+    """Turns a request's output entries, reruns included, into a stream that shows each token once."""
+
+    tokens: int = 0
+    chars: int = 0
+    done: bool = False
+
+    def feed(self, e: OutputEntry) -> Delta | None:
+        if self.done:
+            return None
+        # Within a run offsets are contiguous; after a restart they go back to 0 and we skip what we showed.
+        ids = e.token_ids[max(0, self.tokens - e.offset) :] if e.offset <= self.tokens else e.token_ids
+        text = e.text[max(0, self.chars - e.text_offset) :] if e.text_offset <= self.chars else e.text
+        start = self.tokens
+        self.tokens = max(self.tokens, e.offset + len(e.token_ids))
+        self.chars = max(self.chars, e.text_offset + len(e.text))
+        if e.final:
+            self.done = True
+            return Delta(ids, text, start, e)
+        return Delta(ids, text, start) if ids or text else None
+
+
+@dataclass
+class Result:
+    """A request's status hash and assembled output, as GET /v1/requests/{id} shows it."""
+
+    id: str
+    status: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    error: str | None = None
+    error_field: str | None = None
+    info: dict[str, str] = field(default_factory=dict)  # the raw status hash
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "status": self.status,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "usage": self.usage,
+            "error": self.error,
+        }
+
+
+def assemble(request_id: str, info: dict[str, str], entries: list[OutputEntry]) -> Result:
+    """Build a Result from the status hash and every entry of the output stream."""
+    cursor = OutputCursor()
+    ids: list[int] = []
+    parts: list[str] = []
+    final: OutputEntry | None = None
+    for e in entries:
+        d = cursor.feed(e)
+        if d is None:
+            continue
+        ids.extend(d.token_ids)
+        parts.append(d.text)
+        if d.final is not None:
+            final = d.final
+    status = info.get("status", QUEUED)
+    if final is not None and final.status in TERMINAL and status not in TERMINAL:
+        status = final.status  # the final entry is written in the same transaction; trust either
+    return Result(
+        id=request_id,
+        status=status,
+        text="".join(parts),
+        token_ids=ids,
+        finish_reason=final.finish_reason if final else info.get("finish_reason"),
+        usage=final.usage if final else None,
+        error=(final.error if final else None) or info.get("error"),
+        error_field=(final.error_field if final else None) or info.get("error_field"),
+        info=info,
+    )

@@ -1,0 +1,154 @@
+"""`specserve serve | worker | api | enqueue | status`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+
+from specserve.service import config as config_mod
+
+CONNECTION = {"redis_url", "prefix", "data_dir", "result_ttl"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specserve", description="Queue-native LLM serving over Redis Streams")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="embedded Redis (unless REDIS_URL) + worker + API, one process")
+    config_mod.add_arguments(serve)
+    worker = sub.add_parser("worker", help="pull requests from Redis and run them on the engine")
+    config_mod.add_arguments(worker)
+    api = sub.add_parser("api", help="the HTTP API alone (no engine)")
+    config_mod.add_arguments(api)
+
+    enq = sub.add_parser("enqueue", help="add a request; print its id (or its result with --wait)")
+    config_mod.add_arguments(enq, only=CONNECTION)
+    enq.add_argument("prompt", nargs="?", help="prompt text")
+    enq.add_argument("--messages", help="chat messages as JSON instead of a prompt")
+    enq.add_argument("--body", help="the whole request body as JSON")
+    enq.add_argument("--id", help="request id (enqueue is idempotent by id)")
+    enq.add_argument("--model")
+    enq.add_argument("--max-tokens", type=int)
+    enq.add_argument("--temperature", type=float)
+    enq.add_argument("--top-p", type=float)
+    enq.add_argument("--top-k", type=int)
+    enq.add_argument("--seed", type=int)
+    enq.add_argument("--stop", action="append")
+    enq.add_argument("--ignore-eos", action="store_true", default=None)
+    enq.add_argument("--speculation", help='"auto", "off" or a number of draft tokens')
+    enq.add_argument("--timeout", type=float, help="seconds before the request expires unstarted")
+    how = enq.add_mutually_exclusive_group()
+    how.add_argument("--wait", action="store_true", help="wait and print the result as JSON")
+    how.add_argument("--stream", action="store_true", help="print the text as it is generated")
+
+    st = sub.add_parser("status", help="print a request's status and result as JSON")
+    config_mod.add_arguments(st, only=CONNECTION)
+    st.add_argument("id")
+    st.add_argument("--wait", action="store_true", help="wait until it ends")
+    return p
+
+
+def _body(ns: argparse.Namespace) -> dict[str, Any]:
+    import time
+
+    body: dict[str, Any] = orjson.loads(ns.body) if ns.body else {}
+    if ns.prompt is not None:
+        body["prompt"] = ns.prompt
+    if ns.messages:
+        body["messages"] = orjson.loads(ns.messages)
+    spec = ns.speculation
+    fields = {
+        "model": ns.model,
+        "max_tokens": ns.max_tokens,
+        "temperature": ns.temperature,
+        "top_p": ns.top_p,
+        "top_k": ns.top_k,
+        "seed": ns.seed,
+        "stop": ns.stop,
+        "ignore_eos": ns.ignore_eos,
+        "speculation": int(spec) if spec is not None and spec.isdigit() else spec,
+        "deadline": time.time() + ns.timeout if ns.timeout else None,
+    }
+    body.update({k: v for k, v in fields.items() if v is not None})
+    return body
+
+
+async def _client(cfg: config_mod.ServiceConfig):
+    from specserve.queue.client import QueueClient
+    from specserve.queue.connection import connect
+    from specserve.queue.keys import Keys
+    from specserve.service.launch import resolve_redis
+
+    url, _ = await resolve_redis(cfg, start_embedded=False)
+    return QueueClient(connect(url), Keys(cfg.prefix), ttl_ms=int(cfg.result_ttl * 1000))
+
+
+def _print(data: Any) -> None:
+    sys.stdout.write(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode() + "\n")
+
+
+async def _enqueue(ns: argparse.Namespace, cfg: config_mod.ServiceConfig) -> int:
+    from specserve.queue.wire import WireError
+
+    async with await _client(cfg) as client:
+        try:
+            added = await client.enqueue(_body(ns), ns.id)
+        except WireError as e:
+            sys.stderr.write(f"error: {e}\n")
+            return 2
+        if ns.stream:
+            async with aclosing(client.stream(added.id)) as deltas:
+                async for d in deltas:
+                    sys.stdout.write(d.text)
+                    sys.stdout.flush()
+                    if d.final is not None and d.final.error:
+                        sys.stderr.write(f"\n{d.final.status}: {d.final.error}\n")
+                        return 1
+            sys.stdout.write("\n")
+        elif ns.wait:
+            _print((await client.wait(added.id)).to_dict())
+        else:
+            _print({"id": added.id, "status": added.status, "created": added.created})
+    return 0
+
+
+async def _status(ns: argparse.Namespace, cfg: config_mod.ServiceConfig) -> int:
+    async with await _client(cfg) as client:
+        result = await client.wait(ns.id) if ns.wait else await client.result(ns.id)
+        if result is None:
+            sys.stderr.write(f"no request {ns.id!r}\n")
+            return 1
+        _print(result.to_dict())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, ns.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_mod.from_args(ns)
+    except ValueError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 2
+    if ns.command in ("serve", "worker", "api"):
+        from specserve.service.launch import run
+
+        asyncio.run(run(cfg, with_api=ns.command != "worker", with_worker=ns.command != "api"))
+        return 0
+    if ns.command == "enqueue":
+        return asyncio.run(_enqueue(ns, cfg))
+    return asyncio.run(_status(ns, cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

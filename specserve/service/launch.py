@@ -1,0 +1,170 @@
+"""Putting the parts together: Redis (given or embedded), engine, worker, API, health server, signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from specserve.queue.client import QueueClient
+from specserve.queue.connection import TRANSIENT_ERRORS, connect
+from specserve.queue.embedded import EmbeddedValkey
+from specserve.queue.keys import Keys
+from specserve.service.api import Api, ApiSettings, add_health_routes
+from specserve.service.config import ServiceConfig
+from specserve.service.telemetry import Telemetry
+
+log = logging.getLogger("specserve")
+URL_FILE = "url"  # in the embedded server's data dir: how `enqueue`, `status` and `api` find it
+
+
+def _embedded_url(cfg: ServiceConfig) -> str | None:
+    path = Path(cfg.data_dir) / URL_FILE
+    return path.read_text().strip() if path.exists() else None
+
+
+async def _reachable(url: str) -> bool:
+    r = connect(url, max_connections=2)
+    try:
+        return bool(await asyncio.wait_for(r.ping(), timeout=2))
+    except (asyncio.TimeoutError, *TRANSIENT_ERRORS):
+        return False
+    finally:
+        await r.aclose()
+
+
+async def resolve_redis(cfg: ServiceConfig, start_embedded: bool) -> tuple[str, EmbeddedValkey | None]:
+    """REDIS_URL if given; else a running embedded server of this data dir; else (if allowed) start one."""
+    if cfg.redis_url:
+        return cfg.redis_url, None
+    url = _embedded_url(cfg)
+    if url and await _reachable(url):
+        return url, None
+    if not start_embedded:
+        raise SystemExit(
+            "no REDIS_URL, and no embedded server running here (start one with `specserve serve`)"
+        )
+    server = EmbeddedValkey(cfg.data_dir)
+    await asyncio.to_thread(server.start)
+    path = Path(cfg.data_dir) / URL_FILE
+    path.touch(mode=0o600)
+    path.write_text(server.url + "\n")
+    log.info("started the embedded valkey-server (append-only file in %s)", server.data_dir)
+    return server.url, server
+
+
+async def load_engine(cfg: ServiceConfig):
+    """Load the model in a thread, showing progress, so signals and HTTP probes are served meanwhile."""
+    from specserve.engine.async_engine import AsyncLLMEngine
+
+    name = cfg.model or "the demo SmolLM2-135M-Instruct"
+    task = asyncio.create_task(asyncio.to_thread(AsyncLLMEngine.from_args, **cfg.engine_kwargs()))
+    start = time.monotonic()
+    tty = sys.stderr.isatty()
+    spinner = "|/-\\"
+    i = 0
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.25 if tty else 5.0)
+        elapsed = time.monotonic() - start
+        if tty:
+            sys.stderr.write(f"\r{spinner[i % 4]} loading {name} ... {elapsed:.1f}s")
+            sys.stderr.flush()
+            i += 1
+        elif not task.done():
+            log.info("loading %s ... %.0fs", name, elapsed)
+    if tty:
+        sys.stderr.write("\r" + " " * 70 + "\r")
+    engine = task.result()
+    log.info(
+        "loaded %s in %.1fs (context %d tokens)",
+        engine.model_name,
+        time.monotonic() - start,
+        engine.max_model_len,
+    )
+    return engine
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _serve_http(app: web.Application, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+def _api_settings(cfg: ServiceConfig, served: list[str]) -> ApiSettings:
+    return ApiSettings(
+        max_body_bytes=cfg.max_body_bytes,
+        max_prompt_chars=cfg.max_prompt_chars,
+        api_keys=cfg.keys_list(),
+        served_models=served,
+    )
+
+
+def _worker_config(cfg: ServiceConfig):
+    from specserve.service.worker import WorkerConfig
+
+    return WorkerConfig(
+        ttl_s=cfg.result_ttl, claim_timeout_s=cfg.claim_timeout, max_deliveries=cfg.max_deliveries
+    )
+
+
+async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
+    """serve = both; `api` and `worker` one each. Returns after a drained shutdown on SIGTERM/SIGINT."""
+    stop = _stop_event()
+    url, server = await resolve_redis(cfg, start_embedded=with_worker)
+    redis = connect(url)
+    keys = Keys(cfg.prefix)
+    telemetry = Telemetry("specserve", cfg.otlp_endpoint)
+    worker = None
+    runners: list[web.AppRunner] = []
+    client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000))
+    try:
+        if with_api:
+            served = [cfg.model] if cfg.model else []
+            ready = (lambda: worker is not None and worker.ready) if with_worker else None
+            api = Api(client, telemetry, _api_settings(cfg, served), model_ready=ready)
+            runners.append(
+                await _serve_http(api.app(refresh_queue_stats=not with_worker), cfg.host, cfg.port)
+            )
+            log.info("API on http://%s:%d", cfg.host, cfg.port)
+        elif with_worker and cfg.health_port:
+            health = web.Application()
+            probe = Api(client, telemetry, model_ready=lambda: worker is not None and worker.ready)
+            add_health_routes(health, telemetry, probe.readiness)
+            runners.append(await _serve_http(health, cfg.host, cfg.health_port))
+            log.info("worker health on http://%s:%d", cfg.host, cfg.health_port)
+        if with_worker:
+            from specserve.service.worker import Worker  # imports the engine: only where a worker runs
+
+            engine = await load_engine(cfg)
+            await engine.start()
+            worker = Worker(engine, redis, keys, cfg.consumer_name, _worker_config(cfg), telemetry)
+            await worker.start()
+        await stop.wait()
+        log.info("stopping")
+        if worker is not None:
+            await worker.drain(cfg.drain_timeout)
+            await worker.close()
+            await worker.engine.shutdown()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        await client.aclose()
+        telemetry.shutdown()
+        if server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(server.stop)

@@ -1,0 +1,252 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (streaming and not), /v1/models.
+
+They translate to the wire format and ride the same queue as everything else.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBody
+from specserve.service.http import ApiError, json_response, read_json, sse_send, sse_start
+
+if TYPE_CHECKING:
+    from specserve.service.api import Api
+
+# Our extensions beyond OpenAI's fields.
+EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout"}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "user",
+}
+# Accepted only at their neutral value: we do not implement them, and silently ignoring them would lie.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, False, True),
+}
+_NEUTRAL_IN_BOTH = {"presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+COMPLETION_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS |= {"tools", "tool_choice", "response_format", "parallel_tool_calls"}
+
+
+def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
+    for key, value in data.items():
+        if key not in allowed:
+            raise ApiError(400, f"{key}: unknown field", key)
+        if key in NEUTRAL and value not in NEUTRAL[key]:
+            raise ApiError(400, f"{key}: not supported (only {NEUTRAL[key][-1]!r})", key)
+
+
+def _single_prompt(prompt: Any) -> Any:
+    """OpenAI allows a batch of prompts; we take exactly one (string or token ids)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "prompt: batches are not supported; send one prompt per request", "prompt")
+        return prompt[0]
+    return prompt
+
+
+def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody, dict[str, Any]]:
+    _check_fields(data, CHAT_FIELDS if chat else COMPLETION_FIELDS)
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model: required, a string", "model")
+    stream = data.get("stream") or False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream: must be a boolean", "stream")
+    options = data.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(400, "stream_options: only include_usage is supported", "stream_options")
+    body: dict[str, Any] = {"model": model}
+    if chat:
+        if "messages" not in data:
+            raise ApiError(400, "messages: required", "messages")
+        body["messages"] = data["messages"]
+        max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
+        body["max_tokens"] = max_tokens  # None: up to the context length, as OpenAI's chat does
+    else:
+        if "prompt" not in data:
+            raise ApiError(400, "prompt: required", "prompt")
+        body["prompt"] = _single_prompt(data["prompt"])
+        if data.get("max_tokens") is not None:
+            body["max_tokens"] = data["max_tokens"]
+    for key in ("temperature", "top_p", "seed", "stop", *sorted(EXTENSIONS - {"timeout"})):
+        if data.get(key) is not None:
+            body[key] = data[key]
+    timeout = data.get("timeout")
+    if timeout is not None:
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ApiError(400, "timeout: must be a positive number of seconds", "timeout")
+        body["deadline"] = time.time() + timeout
+    meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
+    return api.validate(body), meta
+
+
+def _raise_for(final: OutputEntry) -> None:
+    if final.status == FAILED:
+        if final.error_field:
+            raise ApiError(400, final.error or "invalid request", final.error_field)
+        raise ApiError(500, final.error or "generation failed")
+    if final.status == EXPIRED:
+        raise ApiError(
+            504, final.error or "the deadline passed", "deadline", type="timeout", code="deadline_expired"
+        )
+
+
+class OpenAIRoutes:
+    def __init__(self, api: Api) -> None:
+        self.api = api
+
+    async def models(self, _request: web.Request) -> web.Response:
+        models = await self.api.known_models()
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": int(info.get("seen", 0)),
+                "owned_by": "specserve",
+                **info,
+            }
+            for name, info in sorted(models.items())
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        data = await read_json(request)
+        body, meta = _translate(self.api, data, chat)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        await self.api.enqueue(request, body, rid)
+        created = int(time.time())
+        deltas = self.api.deltas(rid)
+        try:
+            first = await self._first(deltas)
+            if meta["stream"]:
+                return await self._stream(request, rid, created, meta, chat, first, deltas)
+            return await self._whole(rid, created, meta, chat, first, deltas)
+        finally:
+            await deltas.aclose()
+
+    @staticmethod
+    async def _first(deltas) -> Delta:
+        """The first real output: errors found by the worker still become a 4xx before any byte is sent."""
+        async for d in deltas:
+            if d is not None:
+                if d.final is not None:
+                    _raise_for(d.final)
+                return d
+        raise ApiError(500, "the output stream ended without a result")
+
+    async def _whole(self, rid, created, meta, chat, first: Delta, deltas) -> web.Response:
+        parts, final = [first.text], first.final
+        async for d in deltas:
+            if d is not None:
+                parts.append(d.text)
+                final = d.final or final
+        assert final is not None
+        _raise_for(final)
+        text = "".join(parts)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = final.finish_reason
+        obj = "chat.completion" if chat else "text_completion"
+        body = {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
+        body["usage"] = final.usage
+        return json_response(body)
+
+    async def _stream(self, request, rid, created, meta, chat, first: Delta, deltas) -> web.StreamResponse:
+        resp = await sse_start(request)
+        try:
+            await self._send_chunks(resp, rid, created, meta, chat, first, deltas)
+        except ConnectionResetError:
+            await self.api.client.cancel(rid)  # the client went away: stop spending steps on it
+        return resp
+
+    async def _send_chunks(self, resp, rid, created, meta, chat, first: Delta, deltas) -> None:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if text:
+                    delta["content"] = text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
+
+        if chat:
+            await sse_send(resp, chunk(None, None, role=True))
+        final = first.final
+        if first.text:
+            await sse_send(resp, chunk(first.text, None))
+        if final is None:
+            async for d in deltas:
+                if d is None:
+                    await resp.write(b": keep-alive\n\n")
+                    continue
+                if d.text:
+                    await sse_send(resp, chunk(d.text, None))
+                if d.final is not None:
+                    final = d.final
+                    break
+        if final is not None:
+            if final.status in (FAILED, EXPIRED):
+                err = {
+                    "message": final.error or final.status,
+                    "type": "server_error",
+                    "param": final.error_field,
+                }
+                await sse_send(resp, {"error": err})
+            else:
+                await sse_send(resp, chunk(None, final.finish_reason))
+                if meta["include_usage"]:
+                    usage = {
+                        "id": rid,
+                        "object": obj,
+                        "created": created,
+                        "model": meta["model"],
+                        "choices": [],
+                    }
+                    usage["usage"] = final.usage
+                    await sse_send(resp, usage)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+
+
+def add_routes(app: web.Application, api: Api) -> None:
+    routes = OpenAIRoutes(api)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/completions", routes.chat)
+    app.router.add_get("/v1/models", routes.models)

@@ -1,0 +1,320 @@
+"""The queue layer against a real valkey-server: idempotent enqueue, claims, heartbeats, reclaim, dead
+letters, safe trimming, cancellation, batched output, the multiplexed output reader, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+
+import orjson
+import pytest
+from redis.exceptions import NoPermissionError
+from valkey_helpers import run
+
+from specserve.queue.client import QueueClient
+from specserve.queue.connection import connect
+from specserve.queue.consumer import ConsumerConfig, StreamConsumer
+from specserve.queue.embedded import EmbeddedValkey
+from specserve.queue.keys import Keys
+from specserve.queue.outputs import OutputReader
+from specserve.queue.publisher import Publisher
+from specserve.queue.wire import OutputEntry
+
+pytest_plugins = ("valkey_fixtures",)  # the valkey fixture
+KEYS = Keys("t")
+
+
+def _consumer(r, name: str, **cfg) -> StreamConsumer:
+    return StreamConsumer(r, KEYS, name, ConsumerConfig(**cfg))
+
+
+def test_enqueue_is_idempotent_by_id(valkey):
+    async def main():
+        async with QueueClient(connect(valkey.url), KEYS, ttl_ms=60_000) as c:
+            first = await c.enqueue({"prompt": "hi", "max_tokens": 3}, "req-1")
+            again = await c.enqueue({"prompt": "something else"}, "req-1")
+            assert first.created and first.entry_id and not again.created and again.status == "queued"
+            assert await c.r.xlen(KEYS.requests) == 1
+            info = await c.info("req-1")
+            assert info["status"] == "queued" and info["entry"] == first.entry_id
+            assert 0 < await c.r.pttl(KEYS.req("req-1")) <= 60_000
+            ((eid, fields),) = await c.r.xrange(KEYS.requests)
+            assert fields["id"] == "req-1" and orjson.loads(fields["body"]) == {
+                "prompt": "hi",
+                "max_tokens": 3,
+            }
+
+    run(main())
+
+
+def test_raw_xadd_duplicates_are_recognised_by_the_worker(valkey):
+    async def main():
+        r = connect(valkey.url)
+        w = _consumer(r, "w1")
+        await w.ensure_group()
+        for _ in range(2):  # a producer in another language retrying its XADD
+            await r.xadd(KEYS.requests, {"id": "dup", "body": '{"prompt": "x"}'})
+        entries = await w.read_new(10, block_ms=100)
+        claims = await w.claim([(e, None) for e in entries])
+        assert [c.action for c in claims] == ["run", "duplicate"]
+        info = await r.hgetall(KEYS.req("dup"))
+        assert info["status"] == "running" and info["entry"] == entries[0].entry_id and info["run"] == "1"
+        await r.aclose()
+
+    run(main())
+
+
+def test_claim_verdicts(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        w = _consumer(r, "w1")
+        await w.ensure_group()
+        await c.enqueue({"prompt": "a"}, "cancelled-before")
+        await r.hset(KEYS.req("cancelled-before"), "cancel", "1")  # the documented cancel field
+        await c.enqueue({"prompt": "b"}, "late")
+        await c.enqueue({"prompt": "c"}, "already-done")
+        await r.hset(KEYS.req("already-done"), "status", "finished")
+        await c.enqueue({"prompt": "d"}, "fine")
+        entries = await w.read_new(10, block_ms=100)
+        deadlines = {"late": 1.0}  # 1970: long gone
+        claims = await w.claim([(e, deadlines.get(e.request_id)) for e in entries])
+        assert {e.request_id: cl.action for e, cl in zip(entries, claims)} == {
+            "cancelled-before": "cancel",
+            "late": "expire",
+            "already-done": "done",
+            "fine": "run",
+        }
+        other = _consumer(r, "w2")
+        assert [cl.action for cl in await other.claim([(entries[-1], None)])] == ["notmine"]
+        await r.aclose()
+
+    run(main())
+
+
+def test_entries_redelivered_too_often_are_declared_dead(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        await c.enqueue({"prompt": "poison"}, "p1")
+        # Two workers took it and died without acknowledging (what a request that crashes workers does).
+        ghost1, ghost2 = (
+            _consumer(r, "ghost1", claim_timeout_ms=0),
+            _consumer(r, "ghost2", claim_timeout_ms=0),
+        )
+        await ghost1.ensure_group()
+        assert len(await ghost1.read_new(1, block_ms=100)) == 1
+        assert len(await ghost2.reclaim(1)) == 1
+        live = _consumer(r, "live", claim_timeout_ms=0, max_deliveries=2)
+        (entry,) = await live.reclaim(1)
+        (claim,) = await live.claim([(entry, None)])
+        assert claim.action == "dead" and claim.detail == "3"
+        await live.dead_letter(entry, "delivered 3 times", 3)
+        ((_, dead),) = await r.xrange(KEYS.dead)
+        assert dead["id"] == "p1" and dead["deliveries"] == "3" and dead["entry"] == entry.entry_id
+        await r.aclose()
+
+    run(main())
+
+
+def test_heartbeat_keeps_long_work_from_being_stolen(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        await c.enqueue({"prompt": "long"}, "long")
+        a = _consumer(r, "a", claim_timeout_ms=300)
+        b = _consumer(r, "b", claim_timeout_ms=300)
+        await a.ensure_group()
+        (entry,) = await a.read_new(1, block_ms=100)
+        for _ in range(4):  # 0.6 s in all, twice the claim timeout, but refreshed every 0.15 s
+            await asyncio.sleep(0.15)
+            assert await a.heartbeat([entry.entry_id]) == []
+            assert await b.reclaim(10) == []
+        await asyncio.sleep(0.4)  # a stops heartbeating (it died): b takes over
+        assert [e.entry_id for e in await b.reclaim(10)] == [entry.entry_id]
+        assert await a.heartbeat([entry.entry_id]) == [entry.entry_id]  # a learns it lost it
+        await r.aclose()
+
+    run(main())
+
+
+def test_trim_never_drops_pending_or_undelivered_entries(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        w = _consumer(r, "w")
+        await w.ensure_group()
+        for i in range(6):
+            await c.enqueue({"prompt": f"p{i}"}, f"r{i}")
+        read = await w.read_new(4, block_ms=100)
+        await w.ack(read[0].entry_id)
+        await w.ack(read[2].entry_id)
+        await w.trim()
+        left = [eid for eid, _ in await r.xrange(KEYS.requests)]
+        # r0 is gone (acknowledged, older than anything pending); r1 (pending) and everything after stay.
+        assert left == [e.entry_id for e in read[1:]] + [eid for eid in left[3:]] and len(left) == 5
+        for e in read[1:]:
+            await w.ack(e.entry_id)
+        await w.trim()
+        assert await r.xlen(KEYS.requests) == 3  # the last delivered one and the two never delivered
+        await r.aclose()
+
+    run(main())
+
+
+def test_cancel_queued_running_finished_and_unknown(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        await c.enqueue({"prompt": "q"}, "queued")
+        assert await c.cancel("queued") == ("cancelled", "cancelled")
+        res = await c.result("queued")
+        assert res.status == "cancelled" and res.finish_reason == "abort"
+        await c.enqueue({"prompt": "r"}, "running")
+        await r.hset(KEYS.req("running"), "status", "running")
+        assert await c.cancel("running") == ("cancelling", "running")
+        assert await r.hget(KEYS.req("running"), "cancel") == "1"
+        assert await c.cancel("queued") == ("terminal", "cancelled")
+        assert await c.cancel("nope") == ("missing", "")
+        await r.aclose()
+
+    run(main())
+
+
+def test_publisher_batches_deltas_and_finishes_only_what_it_owns(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        w = _consumer(r, "w")
+        await w.ensure_group()
+        await c.enqueue({"prompt": "x"}, "mine")
+        await c.enqueue({"prompt": "y"}, "theirs")
+        mine, theirs = await w.read_new(2, block_ms=100)
+        pub = Publisher(r, KEYS, "w", ttl_ms=60_000)
+        task = asyncio.create_task(pub.run())
+        for i in range(3):  # pushed within one loop turn: one entry
+            pub.push("mine", OutputEntry(1, i, i, [i], chr(65 + i)))
+        await pub.wait_idle()
+        assert [f["ids"] for _, f in await r.xrange(KEYS.out("mine"))] == ["[0,1,2]"]
+        final = OutputEntry(1, 3, 3, [3], "D", "length", "finished", {"completion_tokens": 4})
+        assert await pub.finish("mine", mine.entry_id, final, {"finish_reason": "length"})
+        other = Publisher(r, KEYS, "someone-else", ttl_ms=60_000)
+        other_task = asyncio.create_task(other.run())
+        assert not await other.finish("theirs", theirs.entry_id, final, {})
+        res = await c.result("mine")
+        assert res.status == "finished" and res.token_ids == [0, 1, 2, 3] and res.text == "ABCD"
+        pending = await r.xpending(KEYS.requests, KEYS.group)
+        assert pending["pending"] == 1  # "mine" acknowledged with its final entry; "theirs" untouched
+        assert await r.exists(KEYS.out("theirs")) == 0 and 0 < await r.pttl(KEYS.out("mine")) <= 60_000
+        for t in (task, other_task):
+            t.cancel()
+        await r.aclose()
+
+    run(main())
+
+
+def test_output_reader_follows_many_streams_on_one_connection(valkey):
+    async def main():
+        r = connect(valkey.url)
+        # A block far longer than this test's bound: a subscriber that failed to wake the reader would hang.
+        reader = OutputReader(r, KEYS, block_ms=600_000)
+        task = asyncio.create_task(reader.run())
+
+        async def follow(rid: str) -> list[int]:
+            got = []
+            async with aclosing(reader.follow(rid)) as entries:
+                async for _, e in entries:
+                    got += e.token_ids
+            return got
+
+        async def produce(rid: str, n: int) -> None:
+            for i in range(n):
+                await asyncio.sleep(0.01)
+                last = i == n - 1
+                e = OutputEntry(1, i, i, [i], "x", "stop" if last else None, "finished" if last else None)
+                await r.xadd(KEYS.out(rid), e.to_fields())
+
+        followers = [asyncio.create_task(follow(f"r{i}")) for i in range(20)]
+        await asyncio.gather(*(produce(f"r{i}", 5) for i in range(20)))
+        results = await asyncio.wait_for(asyncio.gather(*followers), timeout=30)
+        assert results == [[0, 1, 2, 3, 4]] * 20
+        late = await asyncio.wait_for(follow("r3"), timeout=30)  # a stream that already ended
+        assert late == [0, 1, 2, 3, 4]
+        await reader.close(task)
+        await r.aclose()
+
+    run(main())
+
+
+def test_queue_stats_report_depth_pending_and_lag(valkey):
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        w = _consumer(r, "w")
+        await w.ensure_group()
+        for i in range(5):
+            await c.enqueue({"prompt": "x"}, f"s{i}")
+        await asyncio.sleep(0.05)
+        await w.read_new(2, block_ms=100)
+        s = await w.stats()
+        assert (s.depth, s.pending, s.consumers) == (3, 2, 1) and s.lag_seconds > 0
+        await r.aclose()
+
+    run(main())
+
+
+def test_append_only_file_keeps_the_queue_across_a_restart(tmp_path):
+    server = EmbeddedValkey(tmp_path / "data").start()
+    try:
+
+        async def before():
+            async with QueueClient(connect(server.url), KEYS) as c:
+                w = _consumer(c.r, "w")
+                await w.ensure_group()
+                await c.enqueue({"prompt": "in flight"}, "inflight")
+                await c.enqueue({"prompt": "survive"}, "waiting")
+                assert [e.request_id for e in await w.read_new(1, block_ms=100)] == ["inflight"]
+
+        run(before())
+        server.restart()  # SIGTERM: the server fsyncs its append-only file on the way out
+
+        async def after():
+            async with QueueClient(connect(server.url), KEYS) as c:
+                assert (await c.info("waiting"))["status"] == "queued"
+                pending = await c.r.xpending(KEYS.requests, KEYS.group)
+                assert pending["pending"] == 1 and pending["consumers"][0]["name"] == "w"
+                w = _consumer(c.r, "w")
+                assert [e.request_id for e in await w.read_new(5, block_ms=100)] == ["waiting"]
+
+        run(after())
+    finally:
+        server.stop()
+
+
+def test_clients_reconnect_after_the_server_restarts(valkey):
+    async def main():
+        async with QueueClient(connect(valkey.url), KEYS) as c:
+            await c.enqueue({"prompt": "one"}, "one")
+            await asyncio.to_thread(valkey.restart)
+            await c.enqueue({"prompt": "two"}, "two")  # the stale pooled connection is replaced
+            assert await c.r.xlen(KEYS.requests) == 2
+
+    run(main())
+
+
+def test_acl_user_limited_to_the_prefix_can_run_the_queue(valkey):
+    async def main():
+        admin = connect(valkey.url)
+        await admin.acl_setuser("svc", enabled=True, passwords=["+s3cret"], keys=["t:*"], commands=["+@all"])
+        url = f"redis://svc:s3cret@{valkey.host}:{valkey.port}/0"
+        async with QueueClient(connect(url), KEYS) as c:
+            w = _consumer(c.r, "w")
+            await w.ensure_group()
+            await c.enqueue({"prompt": "x"}, "acl")
+            (entry,) = await w.read_new(1, block_ms=100)
+            assert [cl.action for cl in await w.claim([(entry, None)])] == ["run"]
+            with pytest.raises(NoPermissionError):
+                await c.r.set("other:key", "1")
+        await admin.aclose()
+
+    run(main())

@@ -1,0 +1,80 @@
+"""Configuration: flags over environment over defaults, the Helm chart's variable names, API keys."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from specserve.service import config as cfg_mod
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cfg_mod.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_defaults():
+    c = cfg_mod.from_args(_parse([]), environ={})
+    assert (c.redis_url, c.prefix, c.model, c.port, c.health_port, c.drain_timeout) == (
+        None,
+        "specserve",
+        None,
+        8000,
+        8001,
+        30.0,
+    )
+    assert c.speculative_config() is None and c.keys_list() == []
+
+
+def test_environment_names_and_flag_precedence(tmp_path):
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# comment\nfile-key\n\n")
+    env = {
+        "REDIS_URL": "rediss://user:pw@redis:6380/0",
+        "SPECSERVE_PREFIX": "acme",
+        "SPECSERVE_MODEL": "/models/a",
+        "SPECSERVE_DTYPE": "bfloat16",
+        "SPECSERVE_DEVICE": "cpu",
+        "SPECSERVE_SPEC_METHOD": "draft_model",
+        "SPECSERVE_SPEC_MODEL": "/models/draft",
+        "SPECSERVE_NUM_SPEC_TOKENS": "5",
+        "SPECSERVE_MAX_NUM_SEQS": "8",
+        "SPECSERVE_KV_CACHE_BYTES": "1048576",
+        "SPECSERVE_HOST": "0.0.0.0",
+        "SPECSERVE_PORT": "9000",
+        "SPECSERVE_HEALTH_PORT": "9001",
+        "SPECSERVE_API_KEYS": "a, b",
+        "SPECSERVE_API_KEYS_FILE": str(keys_file),
+        "SPECSERVE_DRAIN_TIMEOUT": "12.5",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+    }
+    c = cfg_mod.from_args(_parse(["--port", "7000", "--model", "/models/b"]), environ=env)
+    assert c.port == 7000 and c.model == "/models/b"  # flags win
+    assert c.redis_url == env["REDIS_URL"] and c.prefix == "acme" and c.health_port == 9001
+    assert c.drain_timeout == 12.5 and c.otlp_endpoint == "http://collector:4318" and c.host == "0.0.0.0"
+    assert c.keys_list() == ["a", "b", "file-key"]
+    assert c.speculative_config() == {
+        "method": "draft_model",
+        "num_speculative_tokens": 5,
+        "model": "/models/draft",
+    }
+    assert c.engine_kwargs() == {
+        "model": "/models/b",
+        "dtype": "bfloat16",
+        "device": "cpu",
+        "speculative_config": c.speculative_config(),
+        "max_num_seqs": 8,
+        "kv_cache_bytes": 1048576,
+    }
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"SPECSERVE_DTYPE": "int3"}, {"SPECSERVE_PORT": "eighty"}, {"SPECSERVE_SPEC_METHOD": "draft_model"}],
+)
+def test_bad_settings_are_refused_with_the_variable_named(env):
+    with pytest.raises(ValueError) as e:
+        cfg_mod.from_args(_parse([]), environ=env)
+    assert next(iter(env)) in str(e.value) or "speculative" in str(e.value)
