@@ -78,13 +78,18 @@ def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def exponential_noise(rows: RowParams, vocab_size: int, fallback: torch.Generator) -> torch.Tensor:
-    """Exp(1) noise per row from the row's own generator; greedy rows draw nothing (and consume no RNG)."""
-    noise = torch.ones(len(rows.generators), vocab_size)
+def per_row_draws(rows: RowParams, width: int, fallback: torch.Generator, kind: str) -> torch.Tensor:
+    """Exp(1) ("exponential") or U(0, 1) ("uniform") draws per row from the row's own generator (the
+    engine's where it has none); greedy rows draw nothing and consume no RNG, and hold 1 (or 0)."""
+    draws = (
+        torch.ones(len(rows.generators), width)
+        if kind == "exponential"
+        else torch.zeros(len(rows.generators), width)
+    )
     for i, (gen, greedy) in enumerate(zip(rows.generators, rows.greedy.tolist())):
         if not greedy:
-            noise[i].exponential_(generator=gen if gen is not None else fallback)
-    return noise
+            getattr(draws[i], kind + "_")(generator=gen if gen is not None else fallback)
+    return draws
 
 
 def sample(logits: torch.Tensor, rows: RowParams, fallback: torch.Generator) -> torch.Tensor:
@@ -93,6 +98,6 @@ def sample(logits: torch.Tensor, rows: RowParams, fallback: torch.Generator) -> 
     if rows.all_greedy:
         return greedy_tokens
     probs = probabilities(logits, rows)
-    noise = exponential_noise(rows, probs.shape[-1], fallback)
+    noise = per_row_draws(rows, probs.shape[-1], fallback, "exponential")
     drawn = (probs / noise).argmax(dim=-1)
     return torch.where(rows.greedy, greedy_tokens, drawn)

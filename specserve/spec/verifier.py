@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.sampler import RowParams, exponential_noise, probabilities
+from specserve.engine.sampler import RowParams, per_row_draws, probabilities
 
 
 @dataclass
@@ -30,14 +30,6 @@ class VerifyBatch:
 class VerifyResult:
     num_accepted: torch.Tensor  # [S] accepted drafts
     next_token: torch.Tensor  # [S] the token after them: recovered on rejection, bonus otherwise
-
-
-def _uniforms(rows: RowParams, k: int, fallback: torch.Generator) -> torch.Tensor:
-    u = torch.zeros(len(rows.generators), k)
-    for i, (gen, greedy) in enumerate(zip(rows.generators, rows.greedy.tolist())):
-        if not greedy:
-            u[i].uniform_(generator=gen if gen is not None else fallback)
-    return u
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -74,7 +66,7 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
         else:
             q = batch.draft_probs
             q_draft = q.gather(2, batch.draft_tokens[:, :, None]).squeeze(2)
-        u = _uniforms(rows, k, fallback)
+        u = per_row_draws(rows, k, fallback, "uniform")
         stochastic_accept = u * q_draft < p_draft  # u < p/q without dividing by a zero q
         accept = torch.where(rows.greedy[:, None], accept, stochastic_accept)
 
@@ -97,7 +89,7 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
                 q_at = q.gather(1, num_accepted.clamp(max=max(k - 1, 0))[:, None, None].expand(-1, 1, vocab))
                 q_at = q_at.squeeze(1)
             residual = torch.where(rejected[:, None], residual_distribution(p_at, q_at), p_at)
-        noise = exponential_noise(rows, vocab, fallback)
+        noise = per_row_draws(rows, vocab, fallback, "exponential")
         drawn = (residual / noise).argmax(dim=-1)
         next_token = torch.where(rows.greedy, next_token, drawn)
     return VerifyResult(num_accepted, next_token)
