@@ -1,0 +1,221 @@
+"""What the benchmarks share: the workload, the exported target, step-time deltas, and the vLLM peer.
+
+The workload is, in order of preference: a JSONL file given on the command line ({"prompt", "max_tokens"}
+rows), the public W1 workload from ../shared/bench/workload.py, or a built-in synthetic skewed workload built
+the same way (slices of the Python stdlib, outputs of 32 / 128 / 512 tokens) for clones without ../shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_W1 = REPO.parent / "shared" / "bench" / "workload.py"
+DEFAULT_OUT = REPO / "bench" / "out"
+DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+STEP_KEYS = ("schedule", "propose", "forward", "sample", "update")
+
+
+@dataclass
+class Request:
+    prompt: str
+    max_tokens: int
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Workload:
+    name: str  # where it came from, printed with every result
+    requests: list[Request]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(r.prompt_token_ids) for r in self.requests)
+
+
+def synthetic_rows(n: int, seed: int = 1) -> list[dict[str, Any]]:
+    """A skewed code-continuation workload from the local stdlib: half 32, 30% 128, 20% 512 output tokens."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.stat().st_size > 4000)
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        text = rng.choice(files).read_text(encoding="utf-8", errors="replace")
+        want = rng.randint(200, 2400)
+        start = rng.randint(0, max(0, len(text) - want - 1))
+        start = text.rfind("\n", 0, start) + 1
+        r = rng.random()
+        max_tokens = 32 if r < 0.5 else 128 if r < 0.8 else 512
+        rows.append({"prompt": text[start : start + want], "max_tokens": max_tokens})
+    return rows
+
+
+def load_workload(path: Path | None, num_requests: int | None, max_tokens_cap: int | None = None) -> Workload:
+    if path is not None:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        name = str(path)
+    elif SHARED_W1.is_file():
+        n = max(num_requests or 64, 64)  # W1 is the first 64 rows; more rows extend it, fewer take a prefix
+        out = subprocess.run(
+            [sys.executable, str(SHARED_W1), str(n)], capture_output=True, text=True, check=True
+        )
+        rows = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        name = "W1 (../shared/bench/workload.py)"
+    else:
+        rows = synthetic_rows(num_requests or 64)
+        name = "built-in synthetic skewed workload (../shared/bench/workload.py not found)"
+    if num_requests is not None:
+        rows = rows[:num_requests]
+    for i, r in enumerate(rows):
+        if not isinstance(r.get("prompt"), str) or not isinstance(r.get("max_tokens"), int):
+            raise ValueError(f"workload row {i}: needs a string prompt and an integer max_tokens")
+    requests = [Request(r["prompt"], min(r["max_tokens"], max_tokens_cap or r["max_tokens"])) for r in rows]
+    if max_tokens_cap:
+        name += f", outputs capped at {max_tokens_cap} tokens"
+    return Workload(name, requests)
+
+
+def tokenize(workload: Workload, tokenizer) -> None:
+    """Every system gets the same token ids (ours tokenizes once; HF and vLLM take ids)."""
+    for r in workload.requests:
+        r.prompt_token_ids = tokenizer.encode(r.prompt)
+
+
+def ensure_target_dir(path: Path) -> Path:
+    """The demo GGUF dequantized into an HF directory (once): what HF transformers and vLLM load."""
+    if not (path / "model.safetensors").is_file():
+        sys.path.insert(0, str(REPO / "tools"))
+        from export_hf import export
+
+        print(f"exporting the demo model to {path} (once) ...", flush=True)
+        export(path)
+    return path
+
+
+def ensure_draft_dir(path: Path, target_dir: Path) -> Path:
+    if not (path / "model.safetensors").is_file():
+        sys.path.insert(0, str(REPO / "tools"))
+        from make_draft import DEFAULT_NUM_LAYERS
+        from make_draft import main as make_draft
+
+        print(f"writing the {DEFAULT_NUM_LAYERS}-layer draft to {path} (once) ...", flush=True)
+        make_draft(
+            ["--out", str(path), "--target-dir", str(target_dir), "--num-layers", str(DEFAULT_NUM_LAYERS)]
+        )
+    return path
+
+
+# ---------------------------------------------------------------- step times
+
+
+def step_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def breakdown(delta: dict[str, float]) -> dict[str, float]:
+    """Per-step means: milliseconds per phase, sequences and query tokens per step."""
+    steps = max(delta["steps"], 1)
+    out = {f"{k}_ms": 1e3 * delta[k] / steps for k in STEP_KEYS}
+    out.update(steps=delta["steps"], batch=delta["seqs"] / steps, tokens_per_step=delta["tokens"] / steps)
+    return out
+
+
+def format_breakdown(label: str, b: dict[str, float]) -> str:
+    phases = " ".join(f"{k} {b[f'{k}_ms']:.2f}" for k in STEP_KEYS)
+    return (
+        f"  {label:<28} ms/step: {phases} | steps {int(b['steps'])}, "
+        f"mean batch {b['batch']:.1f} seqs, {b['tokens_per_step']:.1f} tokens/step"
+    )
+
+
+# ---------------------------------------------------------------- vLLM peer
+
+
+def vllm_python(flag: str | None) -> Path | None:
+    candidate = flag or os.environ.get("SPECSERVE_VLLM_PYTHON")
+    if candidate:
+        p = Path(candidate)
+        if not p.is_file():
+            raise FileNotFoundError(f"vLLM interpreter {p} does not exist")
+        return p
+    return DEFAULT_VLLM_PYTHON if DEFAULT_VLLM_PYTHON.is_file() else None
+
+
+@dataclass
+class PeerResult:
+    runs: list[dict[str, float]]
+    load_seconds: float
+    log: Path
+
+
+def run_vllm(
+    python: Path,
+    model_dir: Path,
+    workload: Workload,
+    out_dir: Path,
+    label: str,
+    *,
+    dtype: str = "bfloat16",
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    speculative_config: dict[str, Any] | None = None,
+    batches: list[list[int]] | None = None,
+    repeats: int = 1,
+    bind: str = "0-1",
+    timeout: float = 1800.0,
+) -> PeerResult:
+    """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir."""
+    spec = {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "speculative_config": speculative_config,
+        "repeats": repeats,
+        "batches": batches,
+        "requests": [
+            {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload.requests
+        ],
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / f"vllm-{label}.log"
+    env = dict(os.environ)
+    if bind:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+        json.dump(spec, fh)
+        spec_path = fh.name
+    try:
+        t0 = time.monotonic()
+        with open(log, "w") as log_fh:
+            proc = subprocess.run(
+                [str(python), str(Path(__file__).with_name("vllm_peer.py")), spec_path],
+                stdout=subprocess.PIPE,
+                stderr=log_fh,
+                text=True,
+                env=env,
+                cwd=tempfile.gettempdir(),  # keep vLLM from importing this repo's modules by accident
+                timeout=timeout,
+            )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"vLLM peer failed (exit {proc.returncode}) after {time.monotonic() - t0:.0f}s; see {log}"
+            )
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+    finally:
+        os.unlink(spec_path)
+    return PeerResult(result["runs"], result["load_seconds"], log)

@@ -1,0 +1,356 @@
+"""Throughput on a skewed-length workload: continuous vs static batching vs HF transformers (vs vLLM).
+
+Every system runs the same requests (same prompt token ids), greedy, EOS ignored, each request producing
+exactly its max_tokens; output tokens/s counts only those tokens, over the whole run (prefill included).
+- specserve continuous and specserve static (a new batch starts only when the previous one is done), at the
+  same number of sequences in flight (--max-num-seqs);
+- HF transformers `generate` on left-padded static batches (--hf-batch-sizes, the best is reported, and our
+  continuous engine is also run at that batch size so the ratio compares equal sequences in flight);
+- vLLM's CPU build as a peer when its venv exists (--vllm-python, $SPECSERVE_VLLM_PYTHON or
+  /work/vllm-venv/bin/python), at --vllm-max-num-seqs with our continuous engine at the same setting.
+Slot utilisation = live sequence-steps / (steps x slots): how full the batch is on average.
+
+    python bench/throughput.py                       # W1 from ../shared, or the built-in workload
+    python bench/throughput.py --workload my.jsonl   # replay {"prompt", "max_tokens"} rows
+    python bench/throughput.py --quick               # smoke run: 8 requests, short outputs, no peers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    Workload,
+    breakdown,
+    ensure_target_dir,
+    format_breakdown,
+    load_workload,
+    run_vllm,
+    step_delta,
+    tokenize,
+    vllm_python,
+)
+
+SYSTEMS = ("continuous", "static", "hf", "vllm")
+
+
+@dataclass
+class Result:
+    system: str
+    in_flight: int
+    seconds: float
+    output_tokens: int
+    utilisation: float | None = None
+    steps: dict[str, float] | None = None  # per-step breakdown (our engine only)
+    note: str = ""
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "tok_s": self.tok_s}
+
+
+# ---------------------------------------------------------------- our engine
+
+
+def run_ours(workload: Workload, static: bool, max_num_seqs: int, args: argparse.Namespace) -> Result:
+    from specserve import LLM, SamplingParams
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        static_batching=static,
+    )
+    ids = [r.prompt_token_ids for r in workload.requests]
+    params = [
+        SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, speculation="off")
+        for r in workload.requests
+    ]
+    llm.generate(ids[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    before = llm.engine.step_times.as_dict()
+    t0 = time.perf_counter()
+    outs = llm.generate(ids, params)
+    seconds = time.perf_counter() - t0
+    delta = step_delta(before, llm.engine.step_times.as_dict())
+    produced = sum(len(o.token_ids) for o in outs)
+    if produced != workload.output_tokens:
+        raise RuntimeError(f"specserve produced {produced} tokens, expected {workload.output_tokens}")
+    steps = breakdown(delta)
+    name = "specserve static" if static else "specserve continuous"
+    return Result(name, max_num_seqs, seconds, produced, steps["batch"] / max_num_seqs, steps)
+
+
+# ---------------------------------------------------------------- HF transformers
+
+
+def load_hf(model_dir: Path, dtype: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored: every row runs to max_new_tokens
+    return model
+
+
+def run_hf(model, workload: Workload, batch_size: int, pad_id: int) -> Result:
+    import torch
+
+    def generate(rows: list[list[int]], new_tokens: int) -> torch.Tensor:
+        width = max(len(r) for r in rows)
+        input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
+        if out.shape[1] - width != new_tokens:
+            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens per row, asked for {new_tokens}")
+        return out
+
+    reqs = workload.requests
+    generate([reqs[0].prompt_token_ids] * 2, 4)  # warm-up
+    slot_steps = 0
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        chunk = reqs[i : i + batch_size]
+        longest = max(r.max_tokens for r in chunk)
+        generate([r.prompt_token_ids for r in chunk], longest)
+        slot_steps += batch_size * longest
+    seconds = time.perf_counter() - t0
+    useful = workload.output_tokens
+    return Result("HF transformers generate", batch_size, seconds, useful, useful / slot_steps)
+
+
+# ---------------------------------------------------------------- report
+
+
+def print_table(results: list[Result], reference: dict[int, Result]) -> None:
+    print(
+        f"\n{'system':<30}{'in flight':>10}{'out tok/s':>11}{'seconds':>9}{'slot util':>10}{'ours/this':>10}"
+    )
+    for r in results:
+        ref = reference.get(r.in_flight)
+        ratio = f"{ref.tok_s / r.tok_s:>9.2f}x" if ref is not None else f"{'n/a':>10}"
+        util = f"{r.utilisation:>10.0%}" if r.utilisation is not None else f"{'n/a':>10}"
+        print(f"{r.system:<30}{r.in_flight:>10}{r.tok_s:>11.1f}{r.seconds:>9.1f}{util}{ratio}")
+        if r.note:
+            print(f"{'':<30}{r.note}")
+
+
+def verdicts(results: list[Result], reference: dict[int, Result], hf_best: Result | None) -> list[str]:
+    lines = []
+
+    def find(system: str, in_flight: int) -> Result | None:
+        return next((r for r in results if r.system == system and r.in_flight == in_flight), None)
+
+    for n, ours in sorted(reference.items()):
+        static = find("specserve static", n)
+        if static:
+            x = ours.tok_s / static.tok_s
+            lines.append(f"continuous / static at {n} in flight: {x:.2f}x (target >= 2x: {_ok(x >= 2)})")
+        vllm = find("vLLM CPU (peer)", n)
+        if vllm:
+            x = ours.tok_s / vllm.tok_s
+            lines.append(f"continuous / vLLM at {n} in flight: {x:.2f}x (target >= 1x: {_ok(x >= 1)})")
+    if hf_best and hf_best.in_flight in reference:
+        x = reference[hf_best.in_flight].tok_s / hf_best.tok_s
+        lines.append(
+            f"continuous / HF best static batch ({hf_best.in_flight}): {x:.2f}x (target >= 3x: {_ok(x >= 3)})"
+        )
+    return lines
+
+
+def _ok(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def save_chart(results: list[Result], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.system}\n({r.in_flight} in flight)" for r in results]
+    values = [r.tok_s for r in results]
+    colors = ["#1f77b4" if r.system.startswith("specserve continuous") else "#7f7f7f" for r in results]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(results)), 4.5))
+    bars = ax.bar(range(len(results)), values, color=colors)
+    ax.bar_label(bars, labels=[f"{v:.0f}" for v in values], padding=2)
+    ax.set_xticks(range(len(results)), labels, fontsize=8)
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", type=Path, help="JSONL of {prompt, max_tokens} rows (default: W1)")
+    p.add_argument("--num-requests", type=int, help="use the first N requests")
+    p.add_argument("--max-tokens-cap", type=int, help="cap every request's output length")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences in flight, ours and HF")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--hf-batch-sizes", default="8,16,32")
+    p.add_argument("--vllm-max-num-seqs", type=int, default=64, help="in flight for the vLLM comparison")
+    p.add_argument(
+        "--vllm-python", help="vLLM's interpreter (default $SPECSERVE_VLLM_PYTHON or /work/vllm-venv)"
+    )
+    p.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('' for vLLM's default)")
+    p.add_argument("--model", help="our engine's model (default: the demo GGUF)")
+    p.add_argument(
+        "--hf-dir", type=Path, help="HF dir of the same model for HF/vLLM (default: exported demo)"
+    )
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--quick", action="store_true", help="smoke run: 8 requests, <= 32 tokens, no vLLM")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_requests = args.num_requests or 8
+        args.max_tokens_cap = args.max_tokens_cap or 32
+        args.max_num_seqs = min(args.max_num_seqs, 4)
+        args.hf_batch_sizes = "4"
+        args.vllm_max_num_seqs = 8
+        if "--systems" not in " ".join(argv or sys.argv):
+            args.systems = "continuous,static,hf"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS}")
+    if args.model and ("hf" in systems or "vllm" in systems) and not args.hf_dir:
+        raise SystemExit("--model needs --hf-dir (the same weights as an HF dir) for the hf and vllm systems")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    hf_dir = args.hf_dir or DEFAULT_OUT / "models" / "smollm2-135m"
+
+    from specserve.models.loader import demo_model_path, load_tokenizer
+
+    workload = load_workload(args.workload, args.num_requests, args.max_tokens_cap)
+    tokenizer = load_tokenizer(args.model or demo_model_path())
+    tokenize(workload, tokenizer)
+    load_start = os.getloadavg()
+    print(
+        f"workload: {workload.name}: {len(workload.requests)} requests, "
+        f"{workload.prompt_tokens} prompt tokens, "
+        f"{workload.output_tokens} output tokens | {args.dtype} | load average {load_start[0]:.1f}",
+        flush=True,
+    )
+
+    results: list[Result] = []
+    reference: dict[int, Result] = {}  # our continuous engine, by sequences in flight
+
+    def ours(static: bool, n: int) -> None:
+        r = run_ours(workload, static, n, args)
+        results.append(r)
+        if not static:
+            reference[n] = r
+        print(f"  {r.system} @ {n}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
+
+    if "continuous" in systems:
+        ours(False, args.max_num_seqs)
+    if "static" in systems:
+        ours(True, args.max_num_seqs)
+
+    hf_best = None
+    if "hf" in systems:
+        ensure_target_dir(hf_dir)
+        model = load_hf(hf_dir, args.dtype)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        for b in [int(x) for x in args.hf_batch_sizes.split(",")]:
+            r = run_hf(model, workload, b, pad_id)
+            results.append(r)
+            print(f"  HF batch {b}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
+            if hf_best is None or r.tok_s > hf_best.tok_s:
+                hf_best = r
+        del model
+        if "continuous" in systems and hf_best.in_flight not in reference:
+            ours(False, hf_best.in_flight)
+
+    if "vllm" in systems:
+        python = vllm_python(args.vllm_python)
+        if python is None:
+            print("  vLLM: no venv found (--vllm-python / $SPECSERVE_VLLM_PYTHON); skipped", flush=True)
+        else:
+            ensure_target_dir(hf_dir)
+            n = args.vllm_max_num_seqs
+            if "continuous" in systems and n not in reference:
+                ours(False, n)
+            print(f"  vLLM ({python}) @ {n}: starting (start-up takes minutes) ...", flush=True)
+            peer = run_vllm(
+                python,
+                hf_dir,
+                workload,
+                args.out_dir,
+                "throughput",
+                dtype=args.dtype,
+                max_num_seqs=n,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                bind=args.vllm_bind,
+            )
+            run = peer.runs[-1]
+            if run["output_tokens"] != workload.output_tokens:
+                raise RuntimeError(
+                    f"vLLM produced {run['output_tokens']} tokens, expected {workload.output_tokens}"
+                )
+            bind = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}" if args.vllm_bind else "default binding"
+            results.append(Result("vLLM CPU (peer)", n, run["seconds"], run["output_tokens"], note=bind))
+            print(f"  vLLM @ {n}: {results[-1].tok_s:.1f} tok/s; log {peer.log}", flush=True)
+
+    print_table(results, reference)
+    ours_runs = [r for r in results if r.steps is not None]
+    if ours_runs:
+        print("\nper-step breakdown (specserve):")
+        for r in ours_runs:
+            print(format_breakdown(f"{r.system} @ {r.in_flight}", r.steps))
+    lines = verdicts(results, reference, hf_best)
+    if lines:
+        print("\n" + "\n".join(lines))
+    load_end = os.getloadavg()
+    print(f"\nload average {load_start[0]:.1f} -> {load_end[0]:.1f} (2 cores, shared: ratios matter)")
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    payload = {
+        "workload": workload.name,
+        "requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+        "dtype": args.dtype,
+        "load_average": [load_start[0], load_end[0]],
+        "results": [r.to_json() for r in results],
+        "verdicts": lines,
+    }
+    json_path = args.out_dir / f"throughput-{stamp}.json"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    png_path = args.out_dir / f"throughput-{stamp}.png"
+    save_chart(results, png_path, f"{workload.name}, {args.dtype}")
+    print(f"saved {json_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

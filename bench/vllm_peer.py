@@ -1,0 +1,87 @@
+"""Run one workload through vLLM (its CPU build) and print the timing as JSON: the benchmarks' peer.
+
+Runs in vLLM's own interpreter (a separate venv), so it imports nothing from specserve. Input: a JSON file
+with model, dtype, max_num_seqs, max_num_batched_tokens, speculative_config, kv_cache_bytes, repeats,
+requests ([{prompt_token_ids, max_tokens}]) and optionally batches (lists of request indices run one after
+another, e.g. one request at a time). Prompts arrive as token ids so every system sees the same tokens.
+Output, on the last stdout line: {"load_seconds", "runs": [{"seconds", "output_tokens", "proposed",
+"accepted"}]}.
+
+    /work/vllm-venv/bin/python bench/vllm_peer.py spec.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main(path: str) -> int:
+    from vllm import LLM, SamplingParams
+
+    spec = json.loads(open(path, encoding="utf-8").read())
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=spec["model"],
+        dtype=spec.get("dtype", "bfloat16"),
+        max_num_seqs=spec.get("max_num_seqs", 64),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+        speculative_config=spec.get("speculative_config"),
+        # A fixed KV budget (our engine's default) instead of a fraction of the machine's free memory,
+        # which on a shared machine is whatever the neighbours left.
+        kv_cache_memory_bytes=spec.get("kv_cache_bytes", 2 << 30),
+        seed=0,
+    )
+    load_seconds = time.perf_counter() - t0
+    requests = spec["requests"]
+    batches = spec.get("batches") or [list(range(len(requests)))]
+
+    def run_once() -> dict:
+        total_seconds, total_tokens = 0.0, 0
+        before = _spec_metrics(llm)
+        for batch in batches:
+            prompts = [{"prompt_token_ids": requests[i]["prompt_token_ids"]} for i in batch]
+            params = [
+                SamplingParams(max_tokens=requests[i]["max_tokens"], temperature=0.0, ignore_eos=True)
+                for i in batch
+            ]
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            total_seconds += time.perf_counter() - start
+            for o in outs:
+                total_tokens += len(o.outputs[0].token_ids)
+        after = _spec_metrics(llm)
+        proposed, accepted = (after[0] - before[0], after[1] - before[1]) if after and before else (0, 0)
+        return {
+            "seconds": total_seconds,
+            "output_tokens": total_tokens,
+            "proposed": proposed,
+            "accepted": accepted,
+        }
+
+    # Warm-up on a few short requests: lazy initialisation and compilation do not belong in the timing.
+    warm = [{"prompt_token_ids": requests[0]["prompt_token_ids"]}] * 2
+    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    runs = [run_once() for _ in range(spec.get("repeats", 1))]
+    print(json.dumps({"load_seconds": load_seconds, "runs": runs}))
+    return 0
+
+
+def _spec_metrics(llm) -> tuple[int, int] | None:
+    """Cumulative (draft tokens proposed, accepted) from vLLM's metrics, when speculation ran."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # older builds or metrics disabled: acceptance is then simply not reported
+        return None
+    proposed = accepted = 0
+    for m in metrics:
+        if m.name == "vllm:spec_decode_num_draft_tokens":
+            proposed = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            accepted = int(m.value)
+    return proposed, accepted
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
