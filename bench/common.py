@@ -199,14 +199,14 @@ def run_vllm(
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
         spec_path = fh.name
+    result_path = spec_path + ".result"
     try:
         t0 = time.monotonic()
         with open(log, "w") as log_fh:
             proc = subprocess.run(
-                [str(python), str(Path(__file__).with_name("vllm_peer.py")), spec_path],
-                stdout=subprocess.PIPE,
-                stderr=log_fh,
-                text=True,
+                [str(python), str(Path(__file__).with_name("vllm_peer.py")), spec_path, result_path],
+                stdout=log_fh,
+                stderr=subprocess.STDOUT,
                 env=env,
                 cwd=tempfile.gettempdir(),  # keep vLLM from importing this repo's modules by accident
                 timeout=timeout,
@@ -215,7 +215,9 @@ def run_vllm(
             raise RuntimeError(
                 f"vLLM peer failed (exit {proc.returncode}) after {time.monotonic() - t0:.0f}s; see {log}"
             )
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json.loads(Path(result_path).read_text())
     finally:
-        os.unlink(spec_path)
+        for f in (spec_path, result_path):
+            if os.path.exists(f):
+                os.unlink(f)
     return PeerResult(result["runs"], result["load_seconds"], log)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -263,13 +264,32 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[Result] = []
     reference: dict[int, Result] = {}  # our continuous engine, by sequences in flight
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    json_path = args.out_dir / f"throughput-{stamp}.json"
+    payload = {
+        "workload": workload.name,
+        "requests": len(workload.requests),
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": workload.output_tokens,
+        "dtype": args.dtype,
+        "load_average": [load_start[0]],
+        "results": [],
+        "failures": [],
+    }
+
+    def save() -> None:
+        # after every system: a run that dies late (a peer, say) still leaves what it measured
+        payload["results"] = [r.to_json() for r in results]
+        json_path.write_text(json.dumps(payload, indent=2) + "\n")
 
     def ours(static: bool, n: int) -> None:
         r = run_ours(workload, static, n, args)
         results.append(r)
         if not static:
             reference[n] = r
+        save()
         print(f"  {r.system} @ {n}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
+        print(format_breakdown("", r.steps), flush=True)
 
     if "continuous" in systems:
         ours(False, args.max_num_seqs)
@@ -284,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         for b in [int(x) for x in args.hf_batch_sizes.split(",")]:
             r = run_hf(model, workload, b, pad_id)
             results.append(r)
+            save()
             print(f"  HF batch {b}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
             if hf_best is None or r.tok_s > hf_best.tok_s:
                 hf_best = r
@@ -301,25 +322,32 @@ def main(argv: list[str] | None = None) -> int:
             if "continuous" in systems and n not in reference:
                 ours(False, n)
             print(f"  vLLM ({python}) @ {n}: starting (start-up takes minutes) ...", flush=True)
-            peer = run_vllm(
-                python,
-                hf_dir,
-                workload,
-                args.out_dir,
-                "throughput",
-                dtype=args.dtype,
-                max_num_seqs=n,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                bind=args.vllm_bind,
-            )
-            run = peer.runs[-1]
-            if run["output_tokens"] != workload.output_tokens:
-                raise RuntimeError(
-                    f"vLLM produced {run['output_tokens']} tokens, expected {workload.output_tokens}"
+            try:
+                peer = run_vllm(
+                    python,
+                    hf_dir,
+                    workload,
+                    args.out_dir,
+                    "throughput",
+                    dtype=args.dtype,
+                    max_num_seqs=n,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    bind=args.vllm_bind,
                 )
-            bind = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}" if args.vllm_bind else "default binding"
-            results.append(Result("vLLM CPU (peer)", n, run["seconds"], run["output_tokens"], note=bind))
-            print(f"  vLLM @ {n}: {results[-1].tok_s:.1f} tok/s; log {peer.log}", flush=True)
+                run = peer.runs[-1]
+                if run["output_tokens"] != workload.output_tokens:
+                    raise RuntimeError(
+                        f"vLLM produced {run['output_tokens']} tokens, expected {workload.output_tokens}"
+                    )
+            except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+                payload["failures"].append(f"vLLM: {e}")
+                save()
+                print(f"  vLLM failed: {e}", flush=True)
+            else:
+                bind = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}" if args.vllm_bind else "default binding"
+                results.append(Result("vLLM CPU (peer)", n, run["seconds"], run["output_tokens"], note=bind))
+                save()
+                print(f"  vLLM @ {n}: {results[-1].tok_s:.1f} tok/s; log {peer.log}", flush=True)
 
     print_table(results, reference)
     ours_runs = [r for r in results if r.steps is not None]
@@ -333,19 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     print(f"\nload average {load_start[0]:.1f} -> {load_end[0]:.1f} (2 cores, shared: ratios matter)")
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    payload = {
-        "workload": workload.name,
-        "requests": len(workload.requests),
-        "prompt_tokens": workload.prompt_tokens,
-        "output_tokens": workload.output_tokens,
-        "dtype": args.dtype,
-        "load_average": [load_start[0], load_end[0]],
-        "results": [r.to_json() for r in results],
-        "verdicts": lines,
-    }
-    json_path = args.out_dir / f"throughput-{stamp}.json"
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    payload["load_average"].append(load_end[0])
+    payload["verdicts"] = lines
+    save()
     png_path = args.out_dir / f"throughput-{stamp}.png"
     save_chart(results, png_path, f"{workload.name}, {args.dtype}")
     print(f"saved {json_path} and {png_path}")

@@ -4,10 +4,10 @@ Runs in vLLM's own interpreter (a separate venv), so it imports nothing from spe
 with model, dtype, max_num_seqs, max_num_batched_tokens, speculative_config, kv_cache_bytes, repeats,
 requests ([{prompt_token_ids, max_tokens}]) and optionally batches (lists of request indices run one after
 another, e.g. one request at a time). Prompts arrive as token ids so every system sees the same tokens.
-Output, on the last stdout line: {"load_seconds", "runs": [{"seconds", "output_tokens", "proposed",
+Output, written to the result file: {"load_seconds", "runs": [{"seconds", "output_tokens", "proposed",
 "accepted"}]}.
 
-    /work/vllm-venv/bin/python bench/vllm_peer.py spec.json
+    /work/vllm-venv/bin/python bench/vllm_peer.py spec.json result.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import time
 
 
-def main(path: str) -> int:
+def main(path: str, result_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(open(path, encoding="utf-8").read())
@@ -64,7 +64,9 @@ def main(path: str) -> int:
     warm = [{"prompt_token_ids": requests[0]["prompt_token_ids"]}] * 2
     llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     runs = [run_once() for _ in range(spec.get("repeats", 1))]
-    print(json.dumps({"load_seconds": load_seconds, "runs": runs}))
+    # vLLM logs to stdout too: the result goes to its own file.
+    with open(result_path, "w", encoding="utf-8") as fh:
+        json.dump({"load_seconds": load_seconds, "runs": runs}, fh)
     return 0
 
 
@@ -84,4 +86,4 @@ def _spec_metrics(llm) -> tuple[int, int] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], sys.argv[2]))
