@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--workload", type=Path)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu (the C++ kernel)")
     args = p.parse_args(argv)
 
     import torch
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from specserve import LLM, SamplingParams
 
     workload = load_workload(args.workload, args.batch)
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.batch)
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.batch, attention_backend=args.attention_backend)
     tokenize(workload, llm.tokenizer)
     engine = llm.engine
     # Long outputs, so nobody finishes while we look.
@@ -55,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - t0) / args.steps
-    print(f"batch {len(engine.scheduler.running)}, {args.dtype}, torch threads {torch.get_num_threads()}")
+    print(
+        f"batch {len(engine.scheduler.running)}, {args.dtype}, attention {engine.model.backend.name}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"decode step: {wall * 1e3:.1f} ms wall")
     print(format_breakdown("plain", breakdown(step_delta(before, engine.step_times.as_dict()))))
 

@@ -161,7 +161,12 @@ def load_engine(method: str, args: argparse.Namespace, draft_dir: Path):
         }
     else:
         cfg = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": args.k}
-    llm = LLM(dtype=args.dtype, max_num_seqs=max(args.batch_sizes), speculative_config=cfg)
+    llm = LLM(
+        dtype=args.dtype,
+        max_num_seqs=max(args.batch_sizes),
+        speculative_config=cfg,
+        attention_backend=args.attention_backend,
+    )
     return llm, VerifyCounter(llm.engine.spec)
 
 
@@ -218,6 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--b1-requests", type=int, default=8, help="requests run one at a time for batch 1")
     p.add_argument("--max-tokens-cap", type=int, help="cap every request's output length (shorter runs)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--attention-backend", default="auto", help="our engine's: auto, torch or cpu")
     p.add_argument("--draft-dir", type=Path, default=DEFAULT_OUT / "models" / "smollm2-135m-draft")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="smoke run: batch 1 and 4, 2 requests, 32 tokens")

@@ -33,8 +33,9 @@ from specserve.models.loader import Checkpoint, demo_model_path, load_checkpoint
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TARGET_DIR = REPO / "bench" / "out" / "models" / "smollm2-135m"
 DEFAULT_DRAFT_DIR = REPO / "bench" / "out" / "models" / "smollm2-135m-draft"
-# Picked by this script's own measurement on W1 (see the bench note): the best predicted speedup at k=4.
-DEFAULT_NUM_LAYERS = 8
+# Picked by this script's own measurement on W1: the best predicted speedup at k=4. Undistilled truncations
+# of this model agree with it on ~1-5% of tokens whatever N (2..12), so the cheapest draft is the least bad.
+DEFAULT_NUM_LAYERS = 2
 W1 = REPO.parent / "shared" / "bench" / "workload.py"
 
 

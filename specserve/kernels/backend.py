@@ -21,8 +21,8 @@ class AttentionBackend:
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
-    """prefer: "auto" (Triton on CUDA, the torch reference elsewhere), "torch", "triton", or "cpu" (a C++
-    kernel for decode/verify queries, built on first use; not yet the default on CPU: see its module)."""
+    """prefer: "auto" (Triton on CUDA; on CPU the C++ kernel when it builds here, else the torch reference),
+    "torch", "triton", or "cpu" (the C++ kernel for decode/verify queries, built on first use)."""
     device = torch.device(device)
     if prefer not in ("auto", "cpu", "torch", "triton"):
         raise ValueError(f"attention backend must be auto, cpu, torch or triton, not {prefer!r}")
@@ -36,6 +36,11 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
                 f"the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1), not {device}"
             )
         return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention, None)
+    if prefer == "auto" and device.type == "cpu":
+        from specserve.kernels import cpu_paged_attention
+
+        if cpu_paged_attention.load() is not None:
+            prefer = "cpu"
     if prefer == "cpu":
         from specserve.kernels import cpu_paged_attention
 

@@ -221,6 +221,20 @@ def paged_attention(
     if plan.native is not None:
         from specserve.kernels import cpu_paged_attention
 
+        if not cpu_paged_attention.supports(q.dtype, k_cache.shape[1]):
+            # float16 and huge blocks are not compiled in: the gather + SDPA plan for the same batch
+            nat = plan.native
+            qsl = nat.query_start_loc.tolist()
+            tables = [
+                row[: -(-n // k_cache.shape[1])]
+                for row, n in zip(nat.block_tables.tolist(), nat.seq_lens.tolist())
+            ]
+            plan = build_plan(
+                tables, nat.seq_lens.tolist(), [b - a for a, b in zip(qsl[:-1], qsl[1:])], k_cache.shape[1]
+            )
+            return paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, out
+            )
         nat = plan.native
         cpu_paged_attention.paged_attention_short(
             q, k_cache, v_cache, nat.block_tables, nat.seq_lens, nat.query_start_loc, nat.seq_ids, scale, out
