@@ -22,6 +22,7 @@ LAYOUTS = [
     ([17, 5], [0, 0]),
     ([1, 2, 5, 17], [45, 9, 26, 3]),
     ([16, 17, 1], [4, 0, 64]),
+    ([70, 1, 100], [40, 200, 0]),  # prefill-sized chunks: several query tiles in the C++ kernel
 ]
 
 GRID = list(itertools.product(range(len(LAYOUTS)), [1, 3, 4, 8], [64, 128], [16, 32], DTYPES))

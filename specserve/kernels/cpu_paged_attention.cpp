@@ -16,6 +16,13 @@
 #include <type_traits>
 #include <vector>
 
+#ifndef SPECSERVE_PREFETCH_LOCALITY
+#define SPECSERVE_PREFETCH_LOCALITY 3
+#endif
+#ifndef SPECSERVE_PREFETCH_AHEAD
+#define SPECSERVE_PREFETCH_AHEAD 4
+#endif
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -54,7 +61,7 @@ inline float exp_nonpositive(float x) {
 }
 
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, SPECSERVE_PREFETCH_LOCALITY);
 }
 
 // Scores of one block's tokens for every row: scores[r * len + pos] = q_r . k_pos (q already scaled).
@@ -92,51 +99,6 @@ inline void pv_block(int64_t R, const int64_t* limit, const T* vblock, int64_t r
   }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// bfloat16 caches on CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later): dot products straight
-// from the cached bf16 pairs into float32 (products of two bf16 are exact in float32), and V converted by
-// one instruction. Accumulators live in registers for a whole block.
-template <int HD>
-inline void qk_block_bf16(const uint16_t* qb, int64_t R, const int64_t* limit, const uint16_t* kblock,
-                          int64_t row, int64_t base, int64_t nt, float scale, float* scores, int64_t len) {
-  for (int64_t t = 0; t < nt; ++t) {
-    const uint16_t* kr = kblock + t * row;
-    __m512bh kv[HD / 32];
-    for (int j = 0; j < HD / 32; ++j) kv[j] = (__m512bh)_mm512_loadu_si512(kr + 32 * j);
-    const int64_t pos = base + t;
-    for (int64_t r = 0; r < R; ++r) {
-      if (pos >= limit[r]) continue;
-      __m512 dot = _mm512_setzero_ps();
-      for (int j = 0; j < HD / 32; ++j)
-        dot = _mm512_dpbf16_ps(dot, (__m512bh)_mm512_loadu_si512(qb + r * HD + 32 * j), kv[j]);
-      scores[r * len + pos] = _mm512_reduce_add_ps(dot) * scale;
-    }
-  }
-}
-
-template <int HD>
-inline void pv_block_bf16(int64_t R, const int64_t* limit, const uint16_t* vblock, int64_t row, int64_t base,
-                          int64_t nt, const float* scores, int64_t len, float* acc) {
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t n = limit[r] - base < nt ? limit[r] - base : nt;
-    if (n <= 0) continue;
-    const float* pr = scores + r * len + base;
-    __m512 a[HD / 16];
-    for (int j = 0; j < HD / 16; ++j) a[j] = _mm512_loadu_ps(acc + r * HD + 16 * j);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 w = _mm512_set1_ps(pr[t]);
-      const uint16_t* vr = vblock + t * row;
-      for (int j = 0; j < HD / 16; ++j) {
-        const __m512 v = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr + 16 * j)));
-        a[j] = _mm512_fmadd_ps(w, v, a[j]);
-      }
-    }
-    for (int j = 0; j < HD / 16; ++j) _mm512_storeu_ps(acc + r * HD + 16 * j, a[j]);
-  }
-}
-#define SPECSERVE_BF16_PATH 1
-#endif
-
 struct Args {
   const void* q;
   int64_t q_tok, q_head;
@@ -154,6 +116,227 @@ struct Args {
   int64_t o_tok, o_head;
 };
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// bfloat16 caches on CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later), for queries of
+// any length: decode, speculative verify and prefill chunks.
+//
+// Keys are taken 16 tokens at a time and transposed in registers, so that one vector holds the same pair
+// of dimensions for 16 tokens: a query row's 16 scores are then HD/2 dot-product instructions
+// (vdpbf16ps, exact bf16 products summed in float32) against broadcast query pairs, with no horizontal
+// sums, and the transpose is shared by every query row of the task. Values are widened to float32 once
+// per token for a tile of rows held in registers. A long query is cut into tiles of kQueryTile tokens, each
+// a task of its own that reads keys only up to its last token, so prefill chunks spread over the threads.
+constexpr int64_t kQueryTile = 16;
+constexpr int64_t kPrefetchAhead = SPECSERVE_PREFETCH_AHEAD;
+
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Softmax of one row of scores over [0, n), in place, then zeros over [n, n_pad): the row tile's PV loop
+// runs to its longest row, and a shorter row must add nothing there.
+inline void softmax_row(float* sr, int64_t n, int64_t n_pad) {
+  __m512 m = _mm512_set1_ps(-3.0e38f);
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + p));
+  float mx = _mm512_reduce_max_ps(m);
+  for (; p < n; ++p) mx = sr[p] > mx ? sr[p] : mx;
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    sr[i] = exp_nonpositive(sr[i] - mx);
+    sum += sr[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
+  for (int64_t i = n; i < n_pad; ++i) sr[i] = 0.f;
+}
+
+struct Task {
+  int64_t seq;       // index into seq_ids
+  int64_t h0, h1;    // KV heads [h0, h1)
+  int64_t i0, i1;    // query tokens [i0, i1) of the sequence
+};
+
+template <int HD>
+void run_bf16(const Args& a, int num_threads) {
+  static_assert(HD % 32 == 0, "whole 16-lane vectors of pairs");
+  const uint16_t* qp = static_cast<const uint16_t*>(a.q);
+  const uint16_t* kp = static_cast<const uint16_t*>(a.k_cache);
+  const uint16_t* vp = static_cast<const uint16_t*>(a.v_cache);
+  uint16_t* op = static_cast<uint16_t*>(a.out);
+  const int64_t BS = a.block_size, group = a.num_heads / a.num_kv_heads, KVH = a.num_kv_heads;
+  const int64_t row = KVH * HD;  // one token's K (or V) in the cache
+  const int64_t block_bytes = BS * row * 2;
+  constexpr int kRowTile = HD == 64 ? 6 : 3;  // PV accumulators in registers: kRowTile * HD / 16
+
+  // Short queries: one task per sequence, taking all KV heads when there are enough sequences to keep the
+  // threads busy (the first head prefetches whole blocks, which the others then find in cache). Long
+  // queries: a task per head and query tile. Tiles ending later read more keys: they go first.
+  std::vector<Task> tasks;
+  const bool all_heads = a.num_seqs >= 4 * num_threads;
+  for (int64_t n = 0; n < a.num_seqs; ++n) {
+    const int64_t s = a.seq_ids[n];
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    if (q_len <= kQueryTile) {
+      if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
+      else
+        for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
+      continue;
+    }
+    for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTile)
+      for (int64_t h = 0; h < KVH; ++h)
+        tasks.push_back({n, h, h + 1, i1 > kQueryTile ? i1 - kQueryTile : 0, i1});
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores;
+    std::vector<uint32_t> qpairs;
+    std::vector<int64_t> limit;
+    alignas(64) __m512i kt[HD / 2];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ti = 0; ti < num_tasks; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t s = a.seq_ids[task.seq];
+      const int64_t q0 = a.query_start_loc[s], q_len = a.query_start_loc[s + 1] - q0;
+      const int64_t len = a.seq_lens[s];
+      const int32_t* table = a.block_tables + s * a.table_stride;
+      const int64_t R = (task.i1 - task.i0) * group;  // row (i - i0) * group + g: query token i, head g
+      const int64_t end = len - q_len + task.i1;      // the last row sees positions before this
+      const int64_t num_tiles = (end + 15) / 16;
+      const int64_t stride = num_tiles * 16;
+      scores.resize(R * stride);
+      qpairs.resize(R * HD / 2);
+      limit.resize(R);
+      for (int64_t h = task.h0; h < task.h1; ++h) {
+        const bool prefetcher = h == task.h0;
+        const int64_t fetch = task.h1 - task.h0 > 1 ? block_bytes : HD * 2;
+        auto prefetch_block = [&](const uint16_t* cache, int64_t b) {
+          const uint16_t* start = cache + static_cast<int64_t>(table[b]) * BS * row;
+          if (fetch == block_bytes) return prefetch(start, block_bytes);
+          for (int64_t t = 0; t < BS; ++t) prefetch(start + t * row + h * HD, fetch);
+        };
+        for (int64_t i = task.i0; i < task.i1; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (i - task.i0) * group + g;
+            std::memcpy(qpairs.data() + r * HD / 2, qp + (q0 + i) * a.q_tok + (h * group + g) * a.q_head,
+                        HD * 2);
+            limit[r] = len - q_len + i + 1;
+          }
+
+        // scores[r, p] = scale * q_r . k_p for every 16-token tile some row reaches. Blocks lie anywhere
+        // in the cache, so the hardware prefetcher cannot run ahead: K is asked for kPrefetchAhead blocks
+        // early and V, needed after the softmax, a block behind it.
+        const int64_t num_blocks = (end + BS - 1) / BS;
+        if (prefetcher)
+          for (int64_t b = 0; b < kPrefetchAhead && b < num_blocks; ++b) prefetch_block(kp, b);
+        for (int64_t u = 0; u < num_tiles; ++u) {
+          const int64_t p0 = u * 16, b = p0 / BS;
+          if (prefetcher && p0 % BS == 0) {
+            if (b + kPrefetchAhead < num_blocks) prefetch_block(kp, b + kPrefetchAhead);
+            prefetch_block(vp, b);
+          }
+          // 16 tokens' head slices; the tile's tail past `end` is read (inside the block) but never used
+          const uint16_t* kt0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + h * HD;
+          for (int c = 0; c < HD / 32; ++c) {
+            __m512i r16[16];
+            for (int t = 0; t < 16; ++t) r16[t] = _mm512_loadu_si512(kt0 + t * row + 32 * c);
+            transpose16(r16);
+            for (int j = 0; j < 16; ++j) kt[16 * c + j] = r16[j];
+          }
+          const __m512 scale = _mm512_set1_ps(a.scale);
+          int64_t r = 0;
+          while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
+          for (; r + 2 <= R; r += 2) {
+            const uint32_t* qa = qpairs.data() + r * HD / 2;
+            const uint32_t* qb = qa + HD / 2;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+            for (int j = 0; j < HD / 2; j += 2) {
+              a0 = _mm512_dpbf16_ps(a0, (__m512bh)kt[j], (__m512bh)_mm512_set1_epi32(qa[j]));
+              b0 = _mm512_dpbf16_ps(b0, (__m512bh)kt[j], (__m512bh)_mm512_set1_epi32(qb[j]));
+              a1 = _mm512_dpbf16_ps(a1, (__m512bh)kt[j + 1], (__m512bh)_mm512_set1_epi32(qa[j + 1]));
+              b1 = _mm512_dpbf16_ps(b1, (__m512bh)kt[j + 1], (__m512bh)_mm512_set1_epi32(qb[j + 1]));
+            }
+            _mm512_storeu_ps(scores.data() + r * stride + p0, _mm512_mul_ps(_mm512_add_ps(a0, a1), scale));
+            _mm512_storeu_ps(scores.data() + (r + 1) * stride + p0,
+                             _mm512_mul_ps(_mm512_add_ps(b0, b1), scale));
+          }
+          if (r < R) {
+            const uint32_t* qa = qpairs.data() + r * HD / 2;
+            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+            for (int j = 0; j < HD / 2; j += 2) {
+              a0 = _mm512_dpbf16_ps(a0, (__m512bh)kt[j], (__m512bh)_mm512_set1_epi32(qa[j]));
+              a1 = _mm512_dpbf16_ps(a1, (__m512bh)kt[j + 1], (__m512bh)_mm512_set1_epi32(qa[j + 1]));
+            }
+            _mm512_storeu_ps(scores.data() + r * stride + p0, _mm512_mul_ps(_mm512_add_ps(a0, a1), scale));
+          }
+        }
+
+        // softmax and PV, a tile of rows at a time (their accumulators stay in registers)
+        for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
+          const int64_t nr = R - r0 < kRowTile ? R - r0 : kRowTile;
+          const int64_t n_pad = limit[r0 + nr - 1];
+          for (int64_t r = r0; r < r0 + nr; ++r) softmax_row(scores.data() + r * stride, limit[r], n_pad);
+          __m512 acc[kRowTile][HD / 16];
+          for (int rr = 0; rr < kRowTile; ++rr)
+            for (int c = 0; c < HD / 16; ++c) acc[rr][c] = _mm512_setzero_ps();
+          const int64_t nb = (n_pad + BS - 1) / BS;
+          for (int64_t b = 0; b < nb; ++b) {
+            const uint16_t* vb = vp + static_cast<int64_t>(table[b]) * BS * row + h * HD;
+            const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
+            for (int64_t t = 0; t < nt; ++t) {
+              __m512 v[HD / 16];
+              for (int c = 0; c < HD / 16; ++c)
+                v[c] = _mm512_cvtpbh_ps(
+                    (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vb + t * row + 16 * c)));
+              const float* pt = scores.data() + r0 * stride + base + t;
+              for (int rr = 0; rr < kRowTile; ++rr) {
+                if (rr >= nr) break;
+                const __m512 w = _mm512_set1_ps(pt[rr * stride]);
+                for (int c = 0; c < HD / 16; ++c) acc[rr][c] = _mm512_fmadd_ps(w, v[c], acc[rr][c]);
+              }
+            }
+          }
+          for (int64_t rr = 0; rr < nr; ++rr) {
+            const int64_t r = r0 + rr, i = task.i0 + r / group, g = r % group;
+            uint16_t* dst = op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head;
+            alignas(64) float tmp[HD];
+            for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(tmp + 16 * c, acc[rr][c]);
+            for (int d = 0; d < HD; ++d) store(dst, d, tmp[d]);
+          }
+        }
+      }
+    }
+  }
+}
+#define SPECSERVE_BF16_PATH 1
+#endif
+
+
 template <typename T, int HD>
 void run(const Args& a, int num_threads) {
   const T* qp = static_cast<const T*>(a.q);
@@ -170,25 +353,6 @@ void run(const Args& a, int num_threads) {
   const int64_t tasks_per_seq = a.num_kv_heads / heads_per_task;
   const int64_t num_tasks = a.num_seqs * tasks_per_seq;
   const int64_t block_bytes = BS * row * static_cast<int64_t>(sizeof(T));
-#ifdef SPECSERVE_BF16_PATH
-  constexpr bool kBf16Path = std::is_same<T, uint16_t>::value && HD > 0 && HD % 32 == 0;
-  auto qk_bf16 = [](const uint16_t* qb, int64_t R, const int64_t* limit, const void* kblock, int64_t row,
-                    int64_t base, int64_t nt, float scale, float* scores, int64_t len) {
-    if constexpr (kBf16Path)
-      qk_block_bf16<HD>(qb, R, limit, static_cast<const uint16_t*>(kblock), row, base, nt, scale, scores, len);
-  };
-  auto pv_bf16 = [](int64_t R, const int64_t* limit, const void* vblock, int64_t row, int64_t base, int64_t nt,
-                    const float* scores, int64_t len, float* acc) {
-    if constexpr (kBf16Path)
-      pv_block_bf16<HD>(R, limit, static_cast<const uint16_t*>(vblock), row, base, nt, scores, len, acc);
-  };
-#else
-  constexpr bool kBf16Path = false;
-  auto qk_bf16 = [](const uint16_t*, int64_t, const int64_t*, const void*, int64_t, int64_t, int64_t, float,
-                    float*, int64_t) {};
-  auto pv_bf16 = [](int64_t, const int64_t*, const void*, int64_t, int64_t, int64_t, const float*, int64_t,
-                    float*) {};
-#endif
 
   // The next block of a task's first head: whole block rows (all heads, contiguous) or one head's slices.
   auto prefetch_rows = [&](const T* cache, int32_t block, int64_t h, int64_t bytes) {
@@ -200,7 +364,6 @@ void run(const Args& a, int num_threads) {
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> qf, scores, acc, kt(BS * D), vb(BS * D);
-    std::vector<uint16_t> qb;
     std::vector<int64_t> limit;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task)
@@ -213,7 +376,6 @@ void run(const Args& a, int num_threads) {
       const int64_t R = q_len * group;  // rows: query token i, query head g -> i * group + g
       const int32_t* table = a.block_tables + s * a.table_stride;
       qf.resize(R * D);
-      qb.resize(kBf16Path ? R * D : 0);
       scores.resize(R * len);
       acc.assign(R * D, 0.f);
       limit.resize(R);
@@ -222,7 +384,6 @@ void run(const Args& a, int num_threads) {
           const T* src = qp + (q0 + i) * a.q_tok + (h * group + g) * a.q_head;
           float* dst = qf.data() + (i * group + g) * D;
           for (int64_t d = 0; d < D; ++d) dst[d] = load(src, d) * a.scale;
-          if (kBf16Path) std::memcpy(qb.data() + (i * group + g) * D, src, D * sizeof(T));
           limit[i * group + g] = len - q_len + i + 1;  // token i sees positions before this
         }
       const int64_t num_blocks = (len + BS - 1) / BS;
@@ -231,10 +392,7 @@ void run(const Args& a, int num_threads) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;
         const T* kblock = kp + static_cast<int64_t>(table[b]) * BS * row + h * D;
         if (first && b + 1 < num_blocks) prefetch_rows(kp, table[b + 1], h, fetch);
-        if (kBf16Path)
-          qk_bf16(qb.data(), R, limit.data(), kblock, row, base, nt, a.scale, scores.data(), len);
-        else
-          qk_block<T, HD>(qf.data(), qp, R, limit.data(), kblock, row, D, base, nt, a.scale, kt.data(),
+        qk_block<T, HD>(qf.data(), qp, R, limit.data(), kblock, row, D, base, nt, a.scale, kt.data(),
                           scores.data(), len);
       }
 
@@ -262,10 +420,7 @@ void run(const Args& a, int num_threads) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;
         const T* vblock = vp + static_cast<int64_t>(table[b]) * BS * row + h * D;
         if (first && b + 1 < num_blocks) prefetch_rows(vp, table[b + 1], h, fetch);
-        if (kBf16Path)
-          pv_bf16(R, limit.data(), vblock, row, base, nt, scores.data(), len, acc.data());
-        else
-          pv_block<T, HD>(R, limit.data(), vblock, row, D, base, nt, scores.data(), len, vb.data(), acc.data());
+        pv_block<T, HD>(R, limit.data(), vblock, row, D, base, nt, scores.data(), len, vb.data(), acc.data());
       }
 
       for (int64_t i = 0; i < q_len; ++i)
@@ -279,6 +434,15 @@ void run(const Args& a, int num_threads) {
 }
 
 }  // namespace
+
+// 1 when the bfloat16 kernel for queries of any length (prefill chunks too) is compiled in.
+extern "C" int specserve_has_bf16_path() {
+#ifdef SPECSERVE_BF16_PATH
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 extern "C" int specserve_paged_attention_short(
     const void* q, int64_t q_tok, int64_t q_head, const void* k_cache, const void* v_cache,
@@ -296,6 +460,10 @@ extern "C" int specserve_paged_attention_short(
     else if (head_dim == 128) run<float, 128>(a, num_threads);
     else run<float, 0>(a, num_threads);
   } else if (dtype == 1) {
+#ifdef SPECSERVE_BF16_PATH
+    if (block_size % 16 == 0 && head_dim == 64) return run_bf16<64>(a, num_threads), 0;
+    if (block_size % 16 == 0 && head_dim == 128) return run_bf16<128>(a, num_threads), 0;
+#endif
     if (head_dim == 64) run<uint16_t, 64>(a, num_threads);
     else if (head_dim == 128) run<uint16_t, 128>(a, num_threads);
     else run<uint16_t, 0>(a, num_threads);

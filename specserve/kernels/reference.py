@@ -70,9 +70,11 @@ class LongSeq:
 
 @dataclass
 class NativeShort:
-    """Short-query sequences for the C++ kernel, which reads the block tables itself."""
+    """Sequences for the C++ kernel, which reads the block tables itself: the short-query ones, and with
+    them the long ones where the kernel handles those too (cpu_paged_attention.supports_long)."""
 
-    seq_ids: torch.Tensor  # int64 [n]
+    seq_ids: torch.Tensor  # int64 [n], short queries
+    all_ids: torch.Tensor  # int64, long queries first (their tasks are the largest), then short
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
@@ -142,7 +144,8 @@ def build_plan(
     block_size: int,
     native_short: bool = False,
 ) -> AttentionPlan:
-    """native_short: short queries go to the C++ kernel (cpu_paged_attention) instead of gather + SDPA."""
+    """native_short: short queries (and long ones, where it handles them) go to the C++ kernel
+    (cpu_paged_attention) instead of gather + SDPA."""
     starts = [0]
     for ql in query_lens:
         starts.append(starts[-1] + ql)
@@ -159,10 +162,12 @@ def build_plan(
             q_pos = torch.arange(sl - ql, sl)[:, None]
             mask = torch.arange(sl)[None, :] <= q_pos
         long.append(LongSeq(starts[s], ql, sl, blocks, mask))
-    if native_short and short_ids:
+    if native_short:
         width = max(len(t) for t in block_tables)
+        long_ids = [s for s, ql in enumerate(query_lens) if ql > SHORT_QUERY_MAX]
         native = NativeShort(
             torch.tensor(short_ids, dtype=torch.long),
+            torch.tensor(long_ids + short_ids, dtype=torch.long),
             torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
             torch.tensor(seq_lens, dtype=torch.int32),
             torch.tensor(starts, dtype=torch.int32),
@@ -236,15 +241,22 @@ def paged_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, out
             )
         nat = plan.native
-        cpu_paged_attention.paged_attention_short(
-            q, k_cache, v_cache, nat.block_tables, nat.seq_lens, nat.query_start_loc, nat.seq_ids, scale, out
-        )
+        long_seqs = plan.long
+        ids = nat.seq_ids
+        if long_seqs and cpu_paged_attention.supports_long(q.dtype, head_dim, k_cache.shape[1]):
+            ids, long_seqs = nat.all_ids, []
+        if ids.numel():
+            cpu_paged_attention.paged_attention_short(
+                q, k_cache, v_cache, nat.block_tables, nat.seq_lens, nat.query_start_loc, ids, scale, out
+            )
+    else:
+        long_seqs = plan.long
     for g in plan.groups:
         n = g.q_index.shape[0]
         ks, vs = gather(k_cache, g.blocks, n, g.pad_index), gather(v_cache, g.blocks, n, g.pad_index)
         res = _sdpa(q[g.q_index], ks, vs, g.mask, scale, False)
         out[g.out_index] = res[g.q_valid]
-    for seq in plan.long:
+    for seq in long_seqs:
         qs = q[seq.q_start : seq.q_start + seq.q_len][None]
         ks = gather(k_cache, seq.blocks, 1)[:, : seq.seq_len]
         vs = gather(v_cache, seq.blocks, 1)[:, : seq.seq_len]
