@@ -16,12 +16,6 @@
 #include <type_traits>
 #include <vector>
 
-#ifndef SPECSERVE_PREFETCH_LOCALITY
-#define SPECSERVE_PREFETCH_LOCALITY 3
-#endif
-#ifndef SPECSERVE_PREFETCH_AHEAD
-#define SPECSERVE_PREFETCH_AHEAD 4
-#endif
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -61,7 +55,7 @@ inline float exp_nonpositive(float x) {
 }
 
 inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, SPECSERVE_PREFETCH_LOCALITY);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
 // Scores of one block's tokens for every row: scores[r * len + pos] = q_r . k_pos (q already scaled).
@@ -127,7 +121,7 @@ struct Args {
 // per token for a tile of rows held in registers. A long query is cut into tiles of kQueryTile tokens, each
 // a task of its own that reads keys only up to its last token, so prefill chunks spread over the threads.
 constexpr int64_t kQueryTile = 16;
-constexpr int64_t kPrefetchAhead = SPECSERVE_PREFETCH_AHEAD;
+constexpr int64_t kPrefetchAhead = 4;
 
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
