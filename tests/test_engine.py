@@ -169,3 +169,30 @@ def test_async_engine_streams_and_aborts(tiny_model_dir, hf_reference):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_bfloat16_forward_with_fused_rope_equals_the_torch_ops(tiny_model_factory) -> None:
+    """The cpu backend's fused rope + KV write changes no bit of a bfloat16 forward (qkv bias, GQA 3:1)."""
+    import torch
+
+    from specserve.engine.model_runner import ForwardEntry, ModelRunner
+    from specserve.models.config import ModelConfig
+    from specserve.models.llama import LlamaModel
+    from specserve.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_model_factory("qwen2_bias"))
+    model = LlamaModel(ModelConfig.from_hf(ckpt.config), ckpt.state_dict, torch.bfloat16, "cpu", "auto")
+    if model.backend.rope_write_kv is None:
+        pytest.skip("the C++ kernels are not built here")
+    assert model._fused_rope
+    steps = [
+        [ForwardEntry(list(range(5, 45)), 0, [3, 1, 4], 1), ForwardEntry(list(range(7, 19)), 0, [0], 12)],
+        [ForwardEntry([11], 40, [3, 1, 4], 1), ForwardEntry([12, 13, 14], 12, [0, 2], 3)],
+    ]
+    outs = {}
+    for fused in (True, False):
+        model._fused_rope = fused
+        runner = ModelRunner(model, num_blocks=6, block_size=16)
+        outs[fused] = [runner.run(entries) for entries in steps]
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)

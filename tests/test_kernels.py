@@ -192,3 +192,39 @@ def test_cpu_kernel_matches_dense(layout: int, dtype) -> None:
             out=out,
         )
         assert_close(out, dense_attention(batch), tolerance(dtype))
+
+
+def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit() -> None:
+    """The C++ rope + KV write (bfloat16) against LlamaModel's torch ops: rotation, then write_kv."""
+    from specserve.kernels import cpu_paged_attention
+
+    if cpu_paged_attention.load() is None:
+        pytest.skip("no C++ compiler")
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, tokens, block_size = 9, 3, 64, 37, 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    freqs = torch.arange(200, dtype=torch.float32)[:, None] * torch.rand(dim // 2, generator=gen)[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16)[:, None, :], emb.sin().to(torch.bfloat16)[:, None, :]
+    positions = torch.randint(0, 200, (tokens,), generator=gen)
+    slots = torch.randperm(8 * block_size, generator=gen)[:tokens]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        half = dim // 2
+        return x * cos[positions] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[positions]
+
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    want_q, want_k = rotate(q.view(tokens, heads, dim)), rotate(k.view(tokens, kv_heads, dim))
+    want_kc = torch.zeros(8, block_size, kv_heads, dim, dtype=torch.bfloat16)
+    want_vc = torch.zeros_like(want_kc)
+    reference.write_kv(want_k, v.view(tokens, kv_heads, dim), want_kc, want_vc, slots)
+
+    k_cache, v_cache = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
+    fused = qkv.clone()
+    cpu_paged_attention.rope_write_kv(fused, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+    assert torch.equal(fused[:, : heads * dim].view(tokens, heads, dim), want_q)
+    assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_paged_attention.rope_write_kv(
+            qkv.float(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots
+        )

@@ -18,6 +18,8 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
     # Builds per-step index tensors shared by all layers (None where the kernel needs none).
     build_plan: Callable[..., object] | None
+    # Rotary embedding + KV write fused for bfloat16 (cpu_paged_attention.rope_write_kv), where available.
+    rope_write_kv: Callable[..., None] | None = None
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
@@ -47,5 +49,7 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
         if device.type != "cpu" or cpu_paged_attention.load() is None:
             raise ValueError("the cpu attention backend needs a CPU device and a C++ compiler for its kernel")
         plan = functools.partial(reference.build_plan, native_short=True)
-        return AttentionBackend("cpu", reference.write_kv, reference.paged_attention, plan)
+        return AttentionBackend(
+            "cpu", reference.write_kv, reference.paged_attention, plan, cpu_paged_attention.rope_write_kv
+        )
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

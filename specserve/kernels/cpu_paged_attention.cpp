@@ -466,3 +466,46 @@ extern "C" int specserve_paged_attention_short(
   }
   return 0;
 }
+
+// Rotary embedding of the q and k parts of a fused qkv projection, in place, and the new tokens' K and V
+// written into the cache: what a layer does between its qkv matmul and attention, one call instead of
+// a score of small torch ops. bfloat16 only; each product and the sum are rounded to bfloat16 as torch's
+// own bfloat16 ops round them, so the results are those of x * cos + rotate_half(x) * sin in torch.
+//   qkv [tokens, tok_stride]: q heads, then k heads, then v heads, head_dim each
+//   cos, sin [max_position, head_dim]; positions, slots int64 [tokens]
+extern "C" int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t num_tokens,
+                                       const int64_t* positions, const void* cos, const void* sin,
+                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, void* k_cache,
+                                       void* v_cache, const int64_t* slots, int dtype, int num_threads) {
+  if (dtype != 1 || head_dim % 2 != 0 || head_dim > 512) return 2;
+  uint16_t* base = static_cast<uint16_t*>(qkv);
+  const uint16_t* cp = static_cast<const uint16_t*>(cos);
+  const uint16_t* sp = static_cast<const uint16_t*>(sin);
+  uint16_t* kc = static_cast<uint16_t*>(k_cache);
+  uint16_t* vc = static_cast<uint16_t*>(v_cache);
+  const int64_t half = head_dim / 2, kv = num_kv_heads * head_dim;
+  auto round_bf16 = [](float v) {
+    uint16_t b;
+    store(&b, 0, v);
+    return load(&b, 0);
+  };
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
+  for (int64_t i = 0; i < num_tokens; ++i) {
+    uint16_t* row = base + i * tok_stride;
+    const uint16_t* c = cp + positions[i] * head_dim;
+    const uint16_t* s = sp + positions[i] * head_dim;
+    for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+      uint16_t* x = row + h * head_dim;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = load(x, d), x2 = load(x, d + half);
+        const float lo = round_bf16(x1 * load(c, d)) - round_bf16(x2 * load(s, d));
+        const float hi = round_bf16(x2 * load(c, d + half)) + round_bf16(x1 * load(s, d + half));
+        store(x, d, lo);
+        store(x, d + half, hi);
+      }
+    }
+    std::memcpy(kc + slots[i] * kv, row + num_heads * head_dim, kv * sizeof(uint16_t));
+    std::memcpy(vc + slots[i] * kv, row + (num_heads + num_kv_heads) * head_dim, kv * sizeof(uint16_t));
+  }
+  return 0;
+}

@@ -111,6 +111,24 @@ def load() -> ctypes.CDLL | None:
                     ctypes.c_int,
                 ]
                 fn.restype = ctypes.c_int
+                rope = lib.specserve_rope_write_kv
+                rope.argtypes = [
+                    ptr,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    i64,
+                    i64,
+                    i64,
+                    ptr,
+                    ptr,
+                    ptr,
+                    ctypes.c_int,
+                    ctypes.c_int,
+                ]
+                rope.restype = ctypes.c_int
                 lib.specserve_has_bf16_path.argtypes = []
                 lib.specserve_has_bf16_path.restype = ctypes.c_int
                 _lib = lib
@@ -194,3 +212,49 @@ def paged_attention_short(
     )
     if rc != 0:
         raise ValueError(f"paged_attention_short refused its arguments (code {rc})")
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotary embedding of qkv's q and k heads in place, then the new K and V into the cache (bfloat16).
+
+    qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows (q, k, v heads); cos/sin [max_pos, ...,
+    head_dim] contiguous; positions and slot_mapping int64. Bit for bit what LlamaModel's torch path does.
+    """
+    head_dim = k_cache.shape[-1]
+    if qkv.dtype != torch.bfloat16 or qkv.stride(1) != 1 or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
+        raise ValueError("rope_write_kv takes bfloat16 qkv rows and rotary tables")
+    if not (
+        cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    ):
+        raise ValueError("rotary tables and KV caches must be contiguous")
+    if positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+        raise ValueError("positions and slot_mapping must be int64")
+    positions, slot_mapping = positions.contiguous(), slot_mapping.contiguous()
+    rc = _lib.specserve_rope_write_kv(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        qkv.shape[0],
+        positions.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slot_mapping.data_ptr(),
+        DTYPES[qkv.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"rope_write_kv refused its arguments (code {rc})")
