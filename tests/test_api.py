@@ -4,15 +4,22 @@ the official openai client, bad input, auth, health and metrics, and many concur
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 
 import aiohttp
 import openai
 import orjson
-from valkey_helpers import api_stack, run
+import pytest
+from aiohttp import web
+from valkey_helpers import api_stack, free_port, run
 
 from specserve import SamplingParams
+from specserve.queue.client import QueueClient
+from specserve.queue.connection import connect
 from specserve.queue.keys import Keys
+from specserve.service.api import Api
+from specserve.service.telemetry import Telemetry
 
 pytest_plugins = ("valkey_fixtures",)
 KEYS = Keys("specserve")
@@ -327,3 +334,43 @@ def test_readiness_follows_redis(valkey, tiny_model_dir):
                 assert r.status == 200
 
     run(main())
+
+
+async def _start_api_alone(url: str) -> tuple[web.AppRunner, QueueClient, Telemetry]:
+    """The API app with no worker anywhere; AppRunner.setup() runs its startup hooks."""
+    client = QueueClient(connect(url), KEYS)
+    telemetry = Telemetry()
+    runner = web.AppRunner(Api(client, telemetry).app(refresh_queue_stats=False))
+    await runner.setup()
+    return runner, client, telemetry
+
+
+def test_api_startup_creates_the_workers_group(valkey):
+    # Before any request and any worker: a KEDA redis-streams trigger needs the group to read its lag.
+    async def main():
+        runner, client, telemetry = await _start_api_alone(valkey.url)
+        try:
+            (group,) = await client.r.xinfo_groups(KEYS.requests)
+            assert group["name"] == KEYS.group
+            assert (group["lag"], group["pending"], group["consumers"]) == (0, 0, 0)
+            await client.enqueue({"prompt": "waits for a worker"}, "w1")
+            (group,) = await client.r.xinfo_groups(KEYS.requests)
+            assert group["lag"] == 1
+        finally:
+            await runner.cleanup()
+            await client.aclose()
+            telemetry.shutdown()
+
+    run(main())
+
+
+def test_api_starts_while_redis_is_down(caplog: pytest.LogCaptureFixture):
+    async def main():
+        runner, client, telemetry = await _start_api_alone(f"redis://127.0.0.1:{free_port()}/0")
+        await runner.cleanup()
+        await client.aclose()
+        telemetry.shutdown()
+
+    with caplog.at_level(logging.WARNING, logger="specserve.service.api"):
+        run(main(), timeout=30)
+    assert "consumer group not created at startup" in caplog.text

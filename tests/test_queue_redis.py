@@ -47,6 +47,59 @@ def test_enqueue_is_idempotent_by_id(valkey):
     run(main())
 
 
+async def _workers_group(r) -> dict:
+    (group,) = await r.xinfo_groups(KEYS.requests)
+    assert group["name"] == KEYS.group
+    return group
+
+
+async def _xgroup_create_calls(r) -> int:
+    stats = await r.info("commandstats")
+    return int(stats.get("cmdstat_xgroup|create", {}).get("calls", 0))
+
+
+def test_enqueue_creates_the_workers_group_before_any_worker_exists(valkey):
+    # A KEDA redis-streams trigger scales workers from zero on the group's lag: it must exist, and count
+    # what waits, while no worker has ever run.
+    async def main():
+        async with QueueClient(connect(valkey.url), KEYS) as c:
+            assert not await c.r.exists(KEYS.requests)
+            await c.enqueue({"prompt": "first"}, "g1")
+            group = await _workers_group(c.r)
+            assert (group["lag"], group["pending"], group["consumers"]) == (1, 0, 0)
+            assert group["last-delivered-id"] == "0-0"
+            for i in range(3):
+                await c.enqueue({"prompt": "more"}, f"g{i + 2}")
+            assert (await _workers_group(c.r))["lag"] == 4
+            assert await _xgroup_create_calls(c.r) == 1  # once per client, not once per enqueue
+            # From id 0, as the worker creates it: the first worker gets everything that waited.
+            w = _consumer(c.r, "w")
+            await w.ensure_group()
+            assert [e.request_id for e in await w.read_new(10, block_ms=100)] == ["g1", "g2", "g3", "g4"]
+
+    run(main())
+
+
+def test_enqueue_recreates_the_group_after_a_restart_that_lost_the_data(tmp_path):
+    server = EmbeddedValkey(tmp_path / "data", appendonly=False).start()  # no AOF, no RDB: nothing survives
+    try:
+
+        async def main():
+            async with QueueClient(connect(server.url), KEYS) as c:
+                await c.enqueue({"prompt": "lost"}, "before")
+                await asyncio.to_thread(server.restart)
+                assert not await c.r.exists(KEYS.requests)
+                await c.enqueue({"prompt": "after"}, "after")  # the same client: it has cached the group
+                group = await _workers_group(c.r)
+                assert (group["lag"], group["pending"], group["consumers"]) == (1, 0, 0)
+                w = _consumer(c.r, "w")
+                assert [e.request_id for e in await w.read_new(5, block_ms=100)] == ["after"]
+
+        run(main())
+    finally:
+        server.stop()
+
+
 def test_raw_xadd_duplicates_are_recognised_by_the_worker(valkey):
     async def main():
         r = connect(valkey.url)

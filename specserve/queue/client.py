@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 
 from specserve.queue import scripts
 from specserve.queue.connection import connect
+from specserve.queue.consumer import ensure_group
 from specserve.queue.keys import DEFAULT_PREFIX, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
 from specserve.queue.wire import (
@@ -48,6 +49,9 @@ class QueueClient:
         self.ttl_ms = ttl_ms
         self.reader = OutputReader(redis, self.keys)
         self._reader_task: asyncio.Task[None] | None = None
+        # The workers' group is created once per client, not on every enqueue; should the server lose it
+        # later (restart without persistence), the ENQUEUE script recreates it with the stream.
+        self._group_ready = False
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kw: Any) -> QueueClient:
@@ -62,6 +66,11 @@ class QueueClient:
     def _ensure_reader(self) -> None:
         if self._reader_task is None or self._reader_task.done():
             self._reader_task = asyncio.create_task(self.reader.run(), name="specserve-output-reader")
+
+    async def ensure_group(self) -> None:
+        """Create the workers' consumer group unless it exists, so its lag counts requests with no worker."""
+        await ensure_group(self.r, self.keys)
+        self._group_ready = True
 
     async def aclose(self, close_redis: bool = True) -> None:
         if self._reader_task is not None:
@@ -83,6 +92,8 @@ class QueueClient:
         elif not valid_request_id(request_id):
             raise WireError("id", "must be 1-200 characters of letters, digits, '_', '.', ':' or '-'")
         parsed = body if isinstance(body, RequestBody) else parse_body(body)
+        if not self._group_ready:
+            await self.ensure_group()
         created, detail = await self.r.eval(
             scripts.ENQUEUE,
             2,
@@ -93,6 +104,7 @@ class QueueClient:
             self.ttl_ms,
             traceparent or "",
             tracestate or "",
+            self.keys.group,
         )
         if created:
             return Enqueued(request_id, True, "queued", detail)

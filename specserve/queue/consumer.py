@@ -26,6 +26,20 @@ def entry_ms(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
 
+async def ensure_group(redis: Redis, keys: Keys) -> None:
+    """Create the workers' consumer group (and the request stream) unless it exists.
+
+    Workers call it before reading; producers (QueueClient, the API) too, so the group and its lag exist
+    while no worker runs: a KEDA redis-streams trigger reads that lag to scale workers up from zero.
+    """
+    # From id 0: requests added before any worker existed are served too.
+    try:
+        await redis.xgroup_create(keys.requests, keys.group, id="0", mkstream=True)
+    except ResponseError as e:
+        if "BUSYGROUP" not in str(e):
+            raise
+
+
 @dataclass
 class Claim:
     """What to do with an entry just read (the CLAIM script's verdict)."""
@@ -65,12 +79,7 @@ class StreamConsumer:
         self._autoclaim_cursor = "0-0"
 
     async def ensure_group(self) -> None:
-        # From id 0: requests added before any worker existed are served too.
-        try:
-            await self.r.xgroup_create(self.keys.requests, self.keys.group, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        await ensure_group(self.r, self.keys)
 
     async def read_new(self, count: int, block_ms: int | None = None) -> list[RequestEntry]:
         """Up to `count` entries never delivered before; blocks up to block_ms when there are none."""

@@ -18,13 +18,19 @@ local function terminal(s)
 end
 """
 
-# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate.
+# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group.
 # Returns {1, entry id} when added, {0, current status} when the id is already known (idempotent enqueue).
+# A missing stream means the server lost its data (restart without persistence, flush) and with it the
+# group: XADD alone would bring the stream back without one, so recreate it here (from id 0, as workers do).
+# Clients cache that the group exists, and XADD never reports NOGROUP, so only this check notices.
 ENQUEUE = (
     _NOW
     + """
 local existing = redis.call('HGET', KEYS[2], 'status')
 if existing then return {0, existing} end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[6], '0', 'MKSTREAM')
+end
 local f = {'id', ARGV[1], 'body', ARGV[2]}
 if ARGV[4] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[4] end
 if ARGV[5] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[5] end

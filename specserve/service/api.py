@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from specserve.service.http import (
     sse_start,
 )
 from specserve.service.telemetry import METRICS_CONTENT_TYPE, Telemetry
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
 MODEL_CACHE_S = 5.0
@@ -82,6 +85,7 @@ class Api:
         app.router.add_delete("/v1/requests/{id}", self.delete_request)
         openai_api.add_routes(app, self)
         add_health_routes(app, self.telemetry, self.readiness)
+        app.on_startup.append(self._ensure_group)
         if refresh_queue_stats:
             app.on_startup.append(self._start_stats)
             app.on_cleanup.append(self._stop_stats)
@@ -94,6 +98,15 @@ class Api:
         self.telemetry.http_requests.add(
             1, {"route": name, "method": request.method, "code": response.status}
         )
+
+    async def _ensure_group(self, _app: web.Application) -> None:
+        # The workers' group must exist before any worker does: a KEDA redis-streams trigger scales workers
+        # up from zero on its lag. Redis being down must not hold up the API's start (its probes would fail);
+        # the client then creates the group on its first enqueue.
+        try:
+            await asyncio.wait_for(self.client.ensure_group(), timeout=5.0)
+        except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as e:
+            log.warning("consumer group not created at startup (%r); the first enqueue will create it", e)
 
     async def _start_stats(self, _app: web.Application) -> None:
         from specserve.queue.consumer import StreamConsumer  # the stats query lives with the consumer
