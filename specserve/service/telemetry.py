@@ -13,7 +13,7 @@ from opentelemetry.context import Context
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import Observation
 from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import Tracer
@@ -44,16 +44,22 @@ class EngineGauges:
     last_batch_size: int = 0
 
 
+def build_resource(default_service_name: str) -> Resource:
+    """Our service name as a default only: OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES override it."""
+    # Resource.create() lets explicit attributes win over the environment's, so apply the environment last.
+    return Resource.create({SERVICE_NAME: default_service_name}).merge(OTELResourceDetector().detect())
+
+
 @dataclass
 class Telemetry:
-    service_name: str = "specserve"
+    service_name: str = "specserve"  # the default service.name; the OTEL_* environment variables win
     otlp_endpoint: str | None = None
     span_exporter: SpanExporter | None = None  # e.g. an in-memory exporter in tests
     engine: EngineGauges = field(default_factory=EngineGauges)
     queue: QueueStats = field(default_factory=lambda: QueueStats(0, 0, 0.0, 0))
 
     def __post_init__(self) -> None:
-        resource = Resource.create({"service.name": self.service_name})
+        self.resource = resource = build_resource(self.service_name)
         self.registry = CollectorRegistry(auto_describe=True)
         self._reader = PrometheusMetricReader(
             registry=self.registry, disable_target_info=True, scope_info_enabled=False
