@@ -936,6 +936,18 @@ def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
     return [(ins.upper(), rest) for ins, _, rest in (line.partition(" ") for line in logical)]
 
 
+# `pip install .` or `pip install ".[extra,...]"`: the project itself, not a dependency.
+PROJECT_INSTALL = re.compile(r"""pip install (?:\.|"\.\[(?P<extras>[^\]]*)\]")(?=\s|$)""")
+
+
+def project_extras(run: str) -> set[str] | None:
+    """The extras a RUN installs the project with (empty: none), or None when it does not install it."""
+    m = PROJECT_INSTALL.search(run)
+    if m is None:
+        return None
+    return {e.strip() for e in (m["extras"] or "").split(",") if e.strip()}
+
+
 def final_stage(instructions: list[tuple[str, str]]) -> list[tuple[str, str]]:
     starts = [i for i, (ins, _) in enumerate(instructions) if ins == "FROM"]
     return instructions[starts[-1] :]
@@ -975,7 +987,7 @@ def test_image_installs_torch_before_the_package(name: str, index_suffix: str, b
     assert any(value.startswith(base) for value in args.values())
     runs = [rest for ins, rest in instructions if ins == "RUN"]
     torch_step = next(i for i, run in enumerate(runs) if '"${TORCH_SPEC}" --index-url' in run)
-    package_step = next(i for i, run in enumerate(runs) if "pip install ." in run)
+    package_step = next(i for i, run in enumerate(runs) if project_extras(run) is not None)
     assert torch_step < package_step
     copied = [
         rest.split()[:-1] for ins, rest in instructions if ins == "COPY" and not rest.startswith("--from")
@@ -985,9 +997,26 @@ def test_image_installs_torch_before_the_package(name: str, index_suffix: str, b
             assert (ROOT / source).exists(), f"{name} copies {source}, which is not in the repository"
 
 
+@pytest.mark.parametrize(("name", "extras"), [("Dockerfile.cuda", {"gpu"}), ("Dockerfile.cpu", set())])
+def test_only_the_cuda_image_installs_the_gpu_extra(name: str, extras: set[str]) -> None:
+    # Triton is an optional dependency (the gpu extra): the CPU image must not carry it.
+    runs = [rest for ins, rest in dockerfile_instructions(ROOT / "docker" / name) if ins == "RUN"]
+    (installed,) = [e for e in map(project_extras, runs) if e is not None]
+    assert installed == extras
+    assert ("triton" in " ".join(runs)) == ("gpu" in extras)
+
+
 def test_dockerignore_keeps_what_the_images_copy() -> None:
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     ignored.discard("")
     for needed in ("pyproject.toml", "README.md", "specserve"):
         assert needed not in ignored
     assert {".git", "tests", "helm"} <= ignored
+
+
+def test_cpu_image_can_build_the_attention_kernel() -> None:
+    """CPU workers compile their C++ attention kernel on first use (-march=native for the CPU they run on):
+    without a compiler in the final stage they would fall back to the torch ops, several times slower."""
+    stage = final_stage(dockerfile_instructions(ROOT / "docker" / "Dockerfile.cpu"))
+    installs = " ".join(rest for ins, rest in stage if ins == "RUN" and "apt-get install" in rest)
+    assert "g++" in installs.split()
