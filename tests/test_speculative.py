@@ -225,3 +225,38 @@ def test_sampled_speculation_keeps_the_target_distribution(
     monkeypatch.setattr(verifier_module, "residual_distribution", lambda p, q: p)
     stat, limit = chi_square_exceeds(sample_triples(llm, temperature, top_k, top_p), joint, N_SAMPLES)
     assert stat > limit, f"a broken verifier passed: chi-square {stat:.1f} < {limit:.1f}"
+
+
+def _probe_steps(max_backoff: int, monkeypatch) -> list[int]:
+    """Steps at which "auto" speculates for one decoding request whose drafts are never accepted."""
+    from specserve.engine.sequence import Sequence
+    from specserve.spec import decoder
+    from specserve.spec.ngram import NgramProposer
+
+    monkeypatch.setattr(decoder, "MAX_BACKOFF", max_backoff)
+    spec = decoder.SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100_000)
+    # A memory-bound target (a step costs about the same for 1 or 9 tokens) and a cheap proposer: the
+    # policy would speculate at any fair acceptance, so only the measured acceptance holds it back.
+    for _ in range(4):
+        for n in (1, 2, 5, 9):
+            spec.policy.target.observe(n, 0.010 + 0.0002 * n)
+    spec.policy.draft_step_seconds.observe(1, 0.0002)
+    params = SamplingParams(max_tokens=100_000, speculation="auto")
+    seq = Sequence(0, "r", [1, 2, 3], params, detokenizer=None, arrival_time=0.0)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    probes = []
+    for step in range(4000):
+        k = spec.lookahead([seq]).get(seq.seq_id, 0)
+        if k:
+            probes.append(step)
+            spec.observe(seq, k, 0)
+    return probes
+
+
+def test_auto_retries_a_useless_proposer_ever_more_rarely(monkeypatch) -> None:
+    constant = _probe_steps(0, monkeypatch)  # no backoff: a retry every few dozen steps, forever
+    probes = _probe_steps(6, monkeypatch)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(constant) > 50
+    assert len(probes) < len(constant) / 4
+    assert gaps[-1] >= 16 * gaps[0]  # each fruitless retry waits about twice as long as the one before

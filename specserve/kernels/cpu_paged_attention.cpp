@@ -93,6 +93,28 @@ inline void pv_block(int64_t R, const int64_t* limit, const T* vblock, int64_t r
   }
 }
 
+// Softmax of one row of scores over [0, n), in place, then zeros over [n, n_pad) (the bf16 kernel's row
+// tile runs its PV loop to its longest row, and a shorter row must add nothing there). Written so that
+// the compiler vectorises it: 16 running maxima, then the exponentials.
+inline void softmax_row(float* sr, int64_t n, int64_t n_pad) {
+  float lanes[16];
+  for (int j = 0; j < 16; ++j) lanes[j] = -3.0e38f;
+  int64_t p = 0;
+  for (; p + 16 <= n; p += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] = sr[p + j] > lanes[j] ? sr[p + j] : lanes[j];
+  float mx = -3.0e38f;
+  for (int j = 0; j < 16; ++j) mx = lanes[j] > mx ? lanes[j] : mx;
+  for (; p < n; ++p) mx = sr[p] > mx ? sr[p] : mx;
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    sr[i] = exp_nonpositive(sr[i] - mx);
+    sum += sr[i];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
+  for (int64_t i = n; i < n_pad; ++i) sr[i] = 0.f;
+}
+
 struct Args {
   const void* q;
   int64_t q_tok, q_head;
@@ -147,24 +169,6 @@ inline void transpose16(__m512i r[16]) {
     r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
     r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
   }
-}
-
-// Softmax of one row of scores over [0, n), in place, then zeros over [n, n_pad): the row tile's PV loop
-// runs to its longest row, and a shorter row must add nothing there.
-inline void softmax_row(float* sr, int64_t n, int64_t n_pad) {
-  __m512 m = _mm512_set1_ps(-3.0e38f);
-  int64_t p = 0;
-  for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + p));
-  float mx = _mm512_reduce_max_ps(m);
-  for (; p < n; ++p) mx = sr[p] > mx ? sr[p] : mx;
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    sr[i] = exp_nonpositive(sr[i] - mx);
-    sum += sr[i];
-  }
-  const float inv = 1.f / sum;
-  for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
-  for (int64_t i = n; i < n_pad; ++i) sr[i] = 0.f;
 }
 
 struct Task {
@@ -390,25 +394,7 @@ void run(const Args& a, int num_threads) {
                           scores.data(), len);
       }
 
-      for (int64_t r = 0; r < R; ++r) {
-        float* sr = scores.data() + r * len;
-        const int64_t n = limit[r];
-        float lanes[16];
-        for (int j = 0; j < 16; ++j) lanes[j] = -3.0e38f;
-        int64_t p = 0;
-        for (; p + 16 <= n; p += 16)
-          for (int j = 0; j < 16; ++j) lanes[j] = sr[p + j] > lanes[j] ? sr[p + j] : lanes[j];
-        float mx = -3.0e38f;
-        for (int j = 0; j < 16; ++j) mx = lanes[j] > mx ? lanes[j] : mx;
-        for (; p < n; ++p) mx = sr[p] > mx ? sr[p] : mx;
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-          sr[i] = exp_nonpositive(sr[i] - mx);
-          sum += sr[i];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
-      }
+      for (int64_t r = 0; r < R; ++r) softmax_row(scores.data() + r * len, limit[r], limit[r]);
 
       for (int64_t b = 0; b < num_blocks; ++b) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;

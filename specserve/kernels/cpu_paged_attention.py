@@ -76,6 +76,15 @@ def _build(compiler: str) -> Path:
     return target
 
 
+_CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float, "c": ctypes.c_int}
+
+
+def _bind(lib: ctypes.CDLL, name: str, signature: str) -> None:
+    fn = getattr(lib, name)
+    fn.argtypes = [_CTYPES[c] for c in signature.split()]
+    fn.restype = ctypes.c_int
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None when it cannot be built here (the caller falls back)."""
     global _lib, _failed, _has_bf16_path
@@ -86,52 +95,10 @@ def load() -> ctypes.CDLL | None:
                 if compiler is None:
                     raise RuntimeError("no C++ compiler found")
                 lib = ctypes.CDLL(str(_build(compiler)))
-                fn = lib.specserve_paged_attention_short
-                i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                fn.argtypes = [
-                    ptr,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    i64,
-                    ctypes.c_float,
-                    ptr,
-                    i64,
-                    i64,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                ]
-                fn.restype = ctypes.c_int
-                rope = lib.specserve_rope_write_kv
-                rope.argtypes = [
-                    ptr,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    i64,
-                    i64,
-                    i64,
-                    ptr,
-                    ptr,
-                    ptr,
-                    ctypes.c_int,
-                    ctypes.c_int,
-                ]
-                rope.restype = ctypes.c_int
-                lib.specserve_has_bf16_path.argtypes = []
-                lib.specserve_has_bf16_path.restype = ctypes.c_int
+                # p: pointer, i: int64, f: float, c: int (every function returns an int status)
+                _bind(lib, "specserve_paged_attention_short", "p i i p p p i p p p i i i i i f p i i c c")
+                _bind(lib, "specserve_rope_write_kv", "p i i p p p i i i p p p c c")
+                _bind(lib, "specserve_has_bf16_path", "")
                 _has_bf16_path = bool(lib.specserve_has_bf16_path())
                 _lib = lib
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:

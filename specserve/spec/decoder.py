@@ -24,7 +24,11 @@ if TYPE_CHECKING:
 
 METHODS = ("ngram", "draft_model")
 ACCEPTANCE_PRIOR = 0.7
-RELAX = 0.02  # per idle step, a request's acceptance estimate drifts back toward the prior, so it is retried
+# Per idle step, a request's acceptance estimate drifts back toward the prior, so speculation is retried when
+# the text may have become predictable. Every retry that accepts nothing halves that drift (down to
+# 1 / 2**MAX_BACKOFF of it): with a useless proposer, retries grow rare and cost next to nothing.
+RELAX = 0.02
+MAX_BACKOFF = 6
 
 
 class SpeculativeDecoder:
@@ -85,7 +89,8 @@ class SpeculativeDecoder:
             for seq in auto:
                 ks[seq.seq_id] = self._cap(seq, k)
                 if k == 0:
-                    seq.acceptance_ewma += RELAX * (ACCEPTANCE_PRIOR - seq.acceptance_ewma)
+                    relax = RELAX / 2 ** min(seq.failed_probes, MAX_BACKOFF)
+                    seq.acceptance_ewma += relax * (ACCEPTANCE_PRIOR - seq.acceptance_ewma)
         return ks
 
     # ---- the step --------------------------------------------------------------------------------------
@@ -137,6 +142,8 @@ class SpeculativeDecoder:
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         seq.acceptance_ewma = self.policy.observe_acceptance(seq.acceptance_ewma, num_proposed, num_accepted)
+        if num_proposed:
+            seq.failed_probes = 0 if num_accepted else seq.failed_probes + 1
         if not seq.is_finished:
             self.proposer.accepted(seq, num_proposed, num_accepted)
 
