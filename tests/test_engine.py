@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 from conftest import MAX_TOKENS, PROMPTS
@@ -145,6 +146,8 @@ def test_async_engine_streams_and_aborts(tiny_model_dir, hf_reference):
     async def main():
         engine = AsyncLLMEngine.from_args(model=str(tiny_model_dir), dtype="float32")
         await engine.start()
+        # the step thread gets the GIL back from the event loop within half a millisecond, not 5
+        assert sys.getswitchinterval() <= 0.0005
         try:
 
             async def collect(i):

@@ -8,6 +8,7 @@ asyncio.Queue through loop.call_soon_threadsafe.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,6 +17,8 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import EngineStats, LLMEngine
 from specserve.engine.outputs import StepDelta
 from specserve.engine.sampling_params import SamplingParams
+
+SWITCH_INTERVAL_S = 0.0005
 
 
 class AsyncLLMEngine:
@@ -54,6 +57,10 @@ class AsyncLLMEngine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # The step thread holds the GIL between torch ops; when the event loop takes it (Redis, HTTP), the
+        # step thread waits up to the switch interval (5 ms by default) to get it back, every time. A short
+        # interval keeps the forward pass from stalling behind the loop's Python.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
         self._thread.start()
 
