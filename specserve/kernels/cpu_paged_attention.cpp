@@ -17,7 +17,7 @@
 #include <vector>
 
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -94,16 +94,21 @@ inline void pv_block(int64_t R, const int64_t* limit, const T* vblock, int64_t r
 }
 
 // Softmax of one row of scores over [0, n), in place, then zeros over [n, n_pad) (the bf16 kernel's row
-// tile runs its PV loop to its longest row, and a shorter row must add nothing there). Written so that
-// the compiler vectorises it: 16 running maxima, then the exponentials.
+// tile runs its PV loop to its longest row, and a shorter row must add nothing there).
 inline void softmax_row(float* sr, int64_t n, int64_t n_pad) {
+  int64_t p = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-3.0e38f);
+  for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + p));
+  float mx = _mm512_reduce_max_ps(m);
+#else
   float lanes[16];
   for (int j = 0; j < 16; ++j) lanes[j] = -3.0e38f;
-  int64_t p = 0;
   for (; p + 16 <= n; p += 16)
     for (int j = 0; j < 16; ++j) lanes[j] = sr[p + j] > lanes[j] ? sr[p + j] : lanes[j];
   float mx = -3.0e38f;
   for (int j = 0; j < 16; ++j) mx = lanes[j] > mx ? lanes[j] : mx;
+#endif
   for (; p < n; ++p) mx = sr[p] > mx ? sr[p] : mx;
   float sum = 0.f;
   for (int64_t i = 0; i < n; ++i) {
