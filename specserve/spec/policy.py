@@ -57,7 +57,7 @@ def expected_tokens(acceptance: float, k: int) -> float:
 class AdaptivePolicy:
     """Chooses k for the "auto" requests of a step; fixed-k and "off" requests are taken as they ask."""
 
-    def __init__(self, k_max: int, ewma: float = 0.2, warmup_steps: int = 8) -> None:
+    def __init__(self, k_max: int, ewma: float = 0.1, warmup_steps: int = 8) -> None:
         self.k_max = k_max
         self.ewma = ewma
         self.warmup_steps = warmup_steps
@@ -67,7 +67,10 @@ class AdaptivePolicy:
     def observe_acceptance(self, acceptance_ewma: float, proposed: int, accepted: int) -> float:
         if not proposed:
             return acceptance_ewma
-        return (1 - self.ewma) * acceptance_ewma + self.ewma * (accepted / proposed)
+        # Each proposed draft is one observation: a step that tested 8 drafts moves the estimate further
+        # than one that tested 1, so a fresh request's optimistic prior gives way after a probe or two.
+        weight = 1 - (1 - self.ewma) ** proposed
+        return (1 - weight) * acceptance_ewma + weight * (accepted / proposed)
 
     def choose_k(self, acceptances: list[float], other_tokens: int) -> int:
         """The k for every auto request this step, given their acceptance rates and the tokens of the
