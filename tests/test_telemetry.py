@@ -18,58 +18,38 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     yield monkeypatch
 
 
-def exported_resource(telemetry: Telemetry, exporter: InMemorySpanExporter) -> dict:
-    """The resource attributes a span actually leaves with (what a collector sees)."""
-    with telemetry.tracer.start_as_current_span("probe"):
-        pass
-    (span,) = exporter.get_finished_spans()
-    return dict(span.resource.attributes)
-
-
-def make(service_name: str | None = None) -> tuple[Telemetry, InMemorySpanExporter]:
+def exported_resource(service_name: str | None = None) -> tuple[dict, dict]:
+    """(attributes a span actually leaves with, i.e. what a collector sees; Telemetry.resource's attributes)
+    for a Telemetry built with this default service name (None: the class default)."""
     exporter = InMemorySpanExporter()
-    if service_name is None:
-        return Telemetry(span_exporter=exporter), exporter
-    return Telemetry(service_name, span_exporter=exporter), exporter
+    kw = {} if service_name is None else {"service_name": service_name}
+    telemetry = Telemetry(span_exporter=exporter, **kw)
+    try:
+        with telemetry.tracer.start_as_current_span("probe"):
+            pass
+        (span,) = exporter.get_finished_spans()
+        return dict(span.resource.attributes), dict(telemetry.resource.attributes)
+    finally:
+        telemetry.shutdown()
 
 
 def test_default_service_name_without_the_environment(clean_env: pytest.MonkeyPatch) -> None:
-    telemetry, exporter = make()
-    try:
-        assert exported_resource(telemetry, exporter)["service.name"] == "specserve"
-        assert telemetry.resource.attributes["service.name"] == "specserve"
-    finally:
-        telemetry.shutdown()
-    telemetry, exporter = make("specserve-api")
-    try:
-        assert exported_resource(telemetry, exporter)["service.name"] == "specserve-api"
-    finally:
-        telemetry.shutdown()
+    exported, resource = exported_resource()
+    assert exported["service.name"] == resource["service.name"] == "specserve"
+    assert exported_resource("specserve-api")[0]["service.name"] == "specserve-api"
 
 
 def test_otel_service_name_overrides_ours(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("OTEL_SERVICE_NAME", "llm-workers-eu")
-    telemetry, exporter = make("specserve")
-    try:
-        assert exported_resource(telemetry, exporter)["service.name"] == "llm-workers-eu"
-        assert telemetry.resource.attributes["service.name"] == "llm-workers-eu"
-    finally:
-        telemetry.shutdown()
+    exported, resource = exported_resource("specserve")
+    assert exported["service.name"] == resource["service.name"] == "llm-workers-eu"
 
 
 def test_otel_resource_attributes_override_ours(clean_env: pytest.MonkeyPatch) -> None:
     clean_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "service.name=from-attrs,deployment.environment=staging")
-    telemetry, exporter = make()
-    try:
-        attrs = exported_resource(telemetry, exporter)
-        assert attrs["service.name"] == "from-attrs" and attrs["deployment.environment"] == "staging"
-    finally:
-        telemetry.shutdown()
+    attrs, _ = exported_resource()
+    assert attrs["service.name"] == "from-attrs" and attrs["deployment.environment"] == "staging"
     # Both set: OTEL_SERVICE_NAME takes precedence, as the specification says.
     clean_env.setenv("OTEL_SERVICE_NAME", "from-service-name")
-    telemetry, exporter = make()
-    try:
-        attrs = exported_resource(telemetry, exporter)
-        assert attrs["service.name"] == "from-service-name" and attrs["deployment.environment"] == "staging"
-    finally:
-        telemetry.shutdown()
+    attrs, _ = exported_resource()
+    assert attrs["service.name"] == "from-service-name" and attrs["deployment.environment"] == "staging"
