@@ -228,3 +228,24 @@ def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit() -> None:
         cpu_paged_attention.rope_write_kv(
             qkv.float(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots
         )
+
+
+def test_triton_backend_without_triton_names_the_extra(monkeypatch) -> None:
+    import builtins
+    import sys
+
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("No module named 'triton'")
+        return real_import(name, *args, **kwargs)
+
+    import specserve.kernels
+
+    # forget an earlier import, both as a module and as the package's attribute
+    monkeypatch.delitem(sys.modules, "specserve.kernels.triton_attention", raising=False)
+    monkeypatch.delattr(specserve.kernels, "triton_attention", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    with pytest.raises(ValueError, match=r"specserve\[gpu\]"):
+        select_backend("cuda", "auto")

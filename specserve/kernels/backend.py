@@ -30,7 +30,12 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
         raise ValueError(f"attention backend must be auto, cpu, torch or triton, not {prefer!r}")
     use_triton = prefer == "triton" or (prefer == "auto" and device.type == "cuda")
     if use_triton:
-        from specserve.kernels import triton_attention
+        try:
+            from specserve.kernels import triton_attention
+        except ImportError as exc:  # triton comes with the gpu extra, which CPU installs leave out
+            raise ValueError(
+                "the triton attention backend needs Triton: pip install 'specserve[gpu]'"
+            ) from exc
 
         # Compiled Triton kernels launched on CPU tensors fail deep inside Triton; say what is wrong here.
         if device.type != "cuda" and not triton_attention.interpreted():
