@@ -13,7 +13,7 @@ written into the cache (write_kv) before the call.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +85,16 @@ class AttentionPlan:
     """Index tensors derived from the batch layout; built once per step, reused by every layer."""
 
     groups: list[ShortGroup]
-    long: list[LongSeq]
+    # Prefill chunks for gather + SDPA. A native plan builds them only on first need (float32, or a CPU
+    # without the bf16 kernel): where the C++ kernel takes them, their masks would be built for nothing.
+    long: list[LongSeq] | None
     native: NativeShort | None = None
+    long_inputs: tuple | None = field(default=None, repr=False)
+
+    def long_seqs(self) -> list[LongSeq]:
+        if self.long is None:
+            self.long = _long_seqs(*self.long_inputs)
+        return self.long
 
 
 def _split_by_length(ids: list[int], seq_lens: list[int]) -> list[list[int]]:
@@ -149,19 +157,8 @@ def build_plan(
     starts = [0]
     for ql in query_lens:
         starts.append(starts[-1] + ql)
-    long: list[LongSeq] = []
-    short_ids = []
-    for s, ql in enumerate(query_lens):
-        if ql <= SHORT_QUERY_MAX:
-            short_ids.append(s)
-            continue
-        sl = seq_lens[s]
-        blocks = torch.tensor(block_tables[s][: -(-sl // block_size)], dtype=torch.long)
-        mask = None
-        if sl != ql:
-            q_pos = torch.arange(sl - ql, sl)[:, None]
-            mask = torch.arange(sl)[None, :] <= q_pos
-        long.append(LongSeq(starts[s], ql, sl, blocks, mask))
+    short_ids = [s for s, ql in enumerate(query_lens) if ql <= SHORT_QUERY_MAX]
+    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size)
     if native_short:
         width = max(len(t) for t in block_tables)
         long_ids = [s for s, ql in enumerate(query_lens) if ql > SHORT_QUERY_MAX]
@@ -172,12 +169,33 @@ def build_plan(
             torch.tensor(seq_lens, dtype=torch.int32),
             torch.tensor(starts, dtype=torch.int32),
         )
-        return AttentionPlan([], long, native)
+        return AttentionPlan([], None, native, long_inputs)
     groups = [
         _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size)
         for ids in _split_by_length(short_ids, seq_lens)
     ]
-    return AttentionPlan(groups, long)
+    return AttentionPlan(groups, _long_seqs(*long_inputs))
+
+
+def _long_seqs(
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    query_lens: list[int],
+    starts: list[int],
+    block_size: int,
+) -> list[LongSeq]:
+    long = []
+    for s, ql in enumerate(query_lens):
+        if ql <= SHORT_QUERY_MAX:
+            continue
+        sl = seq_lens[s]
+        blocks = torch.tensor(block_tables[s][: -(-sl // block_size)], dtype=torch.long)
+        mask = None
+        if sl != ql:
+            q_pos = torch.arange(sl - ql, sl)[:, None]
+            mask = torch.arange(sl)[None, :] <= q_pos
+        long.append(LongSeq(starts[s], ql, sl, blocks, mask))
+    return long
 
 
 def _sdpa(
@@ -241,16 +259,19 @@ def paged_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, out
             )
         nat = plan.native
-        long_seqs = plan.long
         ids = nat.seq_ids
-        if long_seqs and cpu_paged_attention.supports_long(q.dtype, head_dim, k_cache.shape[1]):
-            ids, long_seqs = nat.all_ids, []
+        long_seqs: list[LongSeq] = []
+        if nat.all_ids.numel() > ids.numel():  # prefill chunks in the batch
+            if cpu_paged_attention.supports_long(q.dtype, head_dim, k_cache.shape[1]):
+                ids = nat.all_ids
+            else:
+                long_seqs = plan.long_seqs()
         if ids.numel():
             cpu_paged_attention.paged_attention_short(
                 q, k_cache, v_cache, nat.block_tables, nat.seq_lens, nat.query_start_loc, ids, scale, out
             )
     else:
-        long_seqs = plan.long
+        long_seqs = plan.long_seqs()
     for g in plan.groups:
         n = g.q_index.shape[0]
         ks, vs = gather(k_cache, g.blocks, n, g.pad_index), gather(v_cache, g.blocks, n, g.pad_index)
