@@ -116,12 +116,14 @@ def test_the_openai_client_streaming_and_not(valkey, tiny_model_dir, tiny_engine
     model = str(tiny_model_dir)
 
     async def main():
-        async with api_stack(valkey.url, tiny_model_dir, api_keys=["sk-test"]) as (base, _w, _c):
+        async with api_stack(valkey.url, tiny_model_dir, api_keys=["sk-test"]) as (base, _w, queue):
             client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="sk-test", max_retries=0)
             models = await client.models.list()
             assert [m.id for m in models.data] == [model]
             c = await client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
             assert c.choices[0].text == ref.text and c.choices[0].finish_reason == ref.finish_reason
+            # Answered once at the end, so the worker wrote one output entry, not one per step.
+            assert await queue.r.xlen(f"specserve:out:{c.id}") == 1
             assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (
                 len(ref.prompt_token_ids),
                 len(ref.token_ids),

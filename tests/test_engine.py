@@ -174,6 +174,26 @@ def test_async_engine_streams_and_aborts(tiny_model_dir, hf_reference):
     asyncio.run(main())
 
 
+def test_a_final_only_request_gets_one_delta_with_everything(tiny_model_dir, hf_reference):
+    async def main():
+        engine = AsyncLLMEngine.from_args(model=str(tiny_model_dir), dtype="float32")
+        await engine.start()
+        try:
+            streamed = [d async for d in engine.add_request("s", PROMPTS[0], GREEDY)]
+            final_only = [d async for d in engine.add_request("f", PROMPTS[0], GREEDY, stream=False)]
+        finally:
+            await engine.shutdown()
+        return streamed, final_only
+
+    streamed, final_only = asyncio.run(main())
+    assert len(streamed) == MAX_TOKENS and len(final_only) == 1
+    (only,) = final_only
+    assert only.finished and only.offset == 0 and only.finish_reason == "length"
+    assert only.token_ids == hf_reference("llama_gqa_tied")[0] == [t for d in streamed for t in d.token_ids]
+    assert only.text == "".join(d.text for d in streamed)
+    assert only.usage.completion_tokens == MAX_TOKENS and only.first_token_time is not None
+
+
 def test_bfloat16_forward_with_fused_rope_equals_the_torch_ops(tiny_model_factory) -> None:
     """The cpu backend's fused rope + KV write changes no bit of a bfloat16 forward (qkv bias, GQA 3:1)."""
     import torch

@@ -49,6 +49,14 @@ def test_body_with_prompt_and_sampling_fields():
     }
 
 
+def test_final_only_bodies_say_so_on_the_wire_and_others_do_not():
+    final_only = parse_body({"prompt": "hi", "stream": False})
+    assert final_only.stream is False and final_only.sampling == {}
+    assert orjson.loads(final_only.to_json()) == {"prompt": "hi", "stream": False}
+    assert parse_body({"prompt": "hi", "stream": True}).stream is True
+    assert "stream" not in orjson.loads(parse_body({"prompt": "hi"}).to_json())
+
+
 def test_body_with_token_ids_and_chat_messages():
     assert parse_body({"prompt": [1, 2, 3]}).prompt == [1, 2, 3]
     msgs = [
@@ -77,6 +85,7 @@ def test_body_with_token_ids_and_chat_messages():
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
         ({"prompt": "a", "model": 3}, "model"),
         ({"prompt": "a", "deadline": "soon"}, "deadline"),
+        ({"prompt": "a", "stream": "no"}, "stream"),
     ],
 )
 def test_malformed_bodies_name_the_field(data, field):

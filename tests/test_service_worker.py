@@ -42,15 +42,21 @@ def test_results_equal_llm_generate_through_client_and_raw_xadd(valkey, tiny_mod
             )
             await client.r.xadd(
                 KEYS.requests,
-                {"id": "raw-ids", "body": orjson.dumps({"prompt": ref[1].prompt_token_ids, **GREEDY})},
+                # final-only: one output entry carries every token
+                {
+                    "id": "raw-ids",
+                    "body": orjson.dumps({"prompt": ref[1].prompt_token_ids, **GREEDY, "stream": False}),
+                },
             )
             await client.enqueue({"prompt": PROMPTS[0], **sampled}, "sampled")
             results = await asyncio.gather(
                 *(client.wait(i) for i in [*ids, "raw-chat", "raw-ids", "sampled"])
             )
-            return results, await client.result(ids[0])
+            lengths = [await client.r.xlen(KEYS.out(i)) for i in (ids[1], "raw-ids")]
+            return results, await client.result(ids[0]), lengths
 
-    results, stored = run(main())
+    results, stored, lengths = run(main())
+    assert lengths[1] == 1 < lengths[0]  # the publisher may merge steps, but a streamed request gets several
     for got, want in zip(results, [*ref, ref_chat, ref[1], ref_sampled]):
         assert got.status == "finished" and got.token_ids == want.token_ids and got.text == want.text
         assert got.finish_reason == want.finish_reason

@@ -26,7 +26,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, str | list[int], SamplingParams]] = []
+        self._inbox: list[tuple[str, list[int], SamplingParams, bool]] = []
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue[StepDelta]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -71,9 +71,13 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = True
     ) -> AsyncIterator[StepDelta]:
-        """Queue a request; iterate the result for its deltas. Bad prompts raise here, in the caller."""
+        """Queue a request; iterate the result for its deltas. Bad prompts raise here, in the caller.
+
+        stream=False yields one delta, the final one with every token: no per-step wake-ups of the event loop
+        for a caller that only wants the whole result (vLLM's FINAL_ONLY output kind).
+        """
         if self.error is not None:
             raise RuntimeError("the engine thread has failed") from self.error
         if request_id in self._queues:
@@ -83,7 +87,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[StepDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
-            self._inbox.append((request_id, prompt_ids, params))
+            self._inbox.append((request_id, prompt_ids, params, stream))
         self._wake.set()
         return self._stream(request_id, queue)
 
@@ -134,8 +138,8 @@ class AsyncLLMEngine:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
-                for request_id, prompt_ids, params in inbox:
-                    engine.add_request(request_id, prompt_ids, params)
+                for request_id, prompt_ids, params, stream in inbox:
+                    engine.add_request(request_id, prompt_ids, params, stream)
                 for request_id in aborts:
                     engine.abort(request_id)
                 if not engine.has_unfinished():

@@ -36,7 +36,7 @@ class LLM:
         ids = [f"gen-{id(self)}-{i}" for i in range(len(prompts))]
         start = time.monotonic()
         for rid, prompt, p in zip(ids, prompts, params):
-            engine.add_request(rid, prompt, p)
+            engine.add_request(rid, prompt, p, stream=False)  # outputs are read from the sequences
         seqs = {rid: engine._requests[rid] for rid in ids}
         finished_at: dict[str, float] = {}
         while engine.has_unfinished():

@@ -161,7 +161,10 @@ class LLMEngine:
             ids = list(ids["input_ids"])
         return self.encode_prompt(ids)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = True
+    ) -> None:
+        """stream=False: no per-step deltas, only the final one (for callers that want the whole result)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         params.validate()
@@ -175,6 +178,7 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             arrival_time=time.monotonic(),
             generator=gen,
+            stream=stream,
         )
         self._requests[request_id] = seq
         self.scheduler.add(seq)
@@ -248,7 +252,7 @@ class LLMEngine:
         t4 = time.perf_counter()
         for s, (tokens, num_drafts_accepted) in zip(plan.scheduled, accepted):
             self._update(s, tokens, num_drafts_accepted, drafts.get(s.seq.seq_id))
-            if tokens or s.seq.is_finished:
+            if s.seq.is_finished or (tokens and s.seq.stream):
                 deltas.append(self._delta(s.seq))
         t5 = time.perf_counter()
         times.schedule += t1 - t0
@@ -346,6 +350,7 @@ class LLMEngine:
         seq.num_emitted_tokens = seq.num_output_tokens
         seq.num_emitted_chars = text_end
         if finished:
+            delta.first_token_time = seq.first_token_time
             delta.usage = Usage(
                 seq.num_prompt_tokens, seq.num_output_tokens, seq.draft_proposed, seq.draft_accepted
             )

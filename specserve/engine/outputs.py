@@ -29,6 +29,7 @@ class StepDelta:
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None  # set on the final delta
+    first_token_time: float | None = None  # time.monotonic() of the first output token; on the final delta
 
 
 @dataclass

@@ -39,6 +39,7 @@ class Sequence:
     spec_steps: int = 0
     acceptance_ewma: float = 0.7  # optimistic prior: speculation gets tried before it is judged
     failed_probes: int = 0  # speculation steps in a row that accepted nothing (slows the next re-probe)
+    stream: bool = True  # hand out a delta every step; False: only the final one, with every token
 
     def __post_init__(self) -> None:
         if not self.token_ids:

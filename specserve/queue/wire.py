@@ -25,7 +25,7 @@ STATUSES = (QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED)
 TERMINAL = frozenset({FINISHED, FAILED, CANCELLED, EXPIRED})
 
 # Body keys that are not sampling parameters; every other key is handed to SamplingParams.from_dict.
-REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline"})
+REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline", "stream"})
 SAMPLING_KEYS = (
     "max_tokens",
     "temperature",
@@ -56,6 +56,9 @@ class RequestBody:
     model: str | None = None
     deadline: float | None = None  # unix time, seconds
     sampling: dict[str, Any] = field(default_factory=dict)
+    # False: the worker writes only the final output entry (every token at once), no entry per step. For a
+    # producer that waits for the whole result: it saves the worker, Redis and readers a round each step.
+    stream: bool = True
 
     def to_json(self) -> bytes:
         body: dict[str, Any] = (
@@ -65,6 +68,8 @@ class RequestBody:
             body["model"] = self.model
         if self.deadline is not None:
             body["deadline"] = self.deadline
+        if not self.stream:
+            body["stream"] = False
         body.update(self.sampling)
         return orjson.dumps(body)
 
@@ -158,8 +163,12 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
     deadline = data.get("deadline")
     if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
         raise WireError("deadline", "must be a unix time in seconds")
+    stream = data.get("stream", True)
+    if not isinstance(stream, bool):
+        raise WireError("stream", "must be a boolean")
     sampling = {k: v for k, v in data.items() if k not in REQUEST_KEYS}
-    return RequestBody(prompt, messages, model, float(deadline) if deadline is not None else None, sampling)
+    deadline = float(deadline) if deadline is not None else None
+    return RequestBody(prompt, messages, model, deadline, sampling, stream)
 
 
 def decode_body(raw: str | bytes, max_prompt_chars: int | None = None) -> RequestBody:

@@ -102,6 +102,8 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ApiError(400, "timeout: must be a positive number of seconds", "timeout")
         body["deadline"] = time.time() + timeout
+    if not stream:
+        body["stream"] = False  # we answer once, at the end: the worker need not write every step
     meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
     return api.validate(body), meta
 

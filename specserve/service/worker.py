@@ -71,6 +71,11 @@ def stable_seed(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
 
 
+def _wall_ns(monotonic: float) -> int:
+    """A time.monotonic() reading as the wall-clock nanoseconds that spans take."""
+    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
+
+
 def model_aliases(name: str) -> set[str]:
     base = os.path.basename(name.rstrip("/"))
     return {name, base, base.removesuffix(".gguf")}
@@ -301,7 +306,7 @@ class Worker:
         assert rid is not None
         try:
             params, prompt = self._prepare(rid, body)
-            deltas = self.engine.add_request(rid, prompt, params)
+            deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
         except (InvalidParameter, WireError) as err:
             self._finish_unstarted(e, wire.FAILED, "error", str(err), err.field, claim.run)
             return
@@ -376,10 +381,15 @@ class Worker:
                     if d.token_ids:
                         inf.last_token_at = time.monotonic()
                         if inf.first_token_at is None:
-                            inf.first_token_at = inf.last_token_at
-                            phase.end()
-                            phase = tracer.start_span("decode", context=in_request)
-                            self.telemetry.ttft.record(max(0.0, self._server_now() - inf.enqueued_ms / 1000))
+                            # A final-only request's one delta says when its first token really came.
+                            inf.first_token_at = d.first_token_time or inf.last_token_at
+                            phase.end(end_time=_wall_ns(inf.first_token_at))
+                            phase = tracer.start_span(
+                                "decode", context=in_request, start_time=_wall_ns(inf.first_token_at)
+                            )
+                            since_first = time.monotonic() - inf.first_token_at
+                            ttft = self._server_now() - since_first - inf.enqueued_ms / 1000
+                            self.telemetry.ttft.record(max(0.0, ttft))
                     if d.finished:
                         last = d  # its tokens go out with the final entry
                     elif d.token_ids or d.text:
