@@ -3,7 +3,10 @@
 Every system runs the same requests (same prompt token ids), greedy, EOS ignored, each request producing
 exactly its max_tokens; output tokens/s counts only those tokens, over the whole run (prefill included).
 - specserve continuous and specserve static (a new batch starts only when the previous one is done), at the
-  same number of sequences in flight (--max-num-seqs);
+  same number of sequences in flight (--max-num-seqs). Static runs twice: padded (a finished row is
+  computed on until its batch ends, as in HF generate) and shrinking (a finished row leaves, so later steps
+  are cheaper; on a GPU a row costs next to nothing and the two agree, on this CPU a step's cost grows with
+  its rows);
 - HF transformers `generate` on left-padded static batches (--hf-batch-sizes, the best is reported, and our
   continuous engine is also run at that batch size so the ratio compares equal sequences in flight);
 - vLLM's CPU build as a peer when its venv exists (--vllm-python, $SPECSERVE_VLLM_PYTHON or
@@ -64,15 +67,27 @@ class Result:
 # ---------------------------------------------------------------- our engine
 
 
-def run_ours(workload: Workload, static: bool, max_num_seqs: int, args: argparse.Namespace) -> Result:
+# Our batching modes: name -> (static_batching, static_padding)
+MODES = {
+    "specserve continuous": (False, False),
+    # static batching as HF generate and FasterTransformer do it: a finished row is computed on to the end
+    "specserve static (padded)": (True, True),
+    # the same batches, but a finished row leaves and steps get cheaper (on CPU a row costs; on GPU hardly)
+    "specserve static (shrinking)": (True, False),
+}
+
+
+def run_ours(workload: Workload, name: str, max_num_seqs: int, args: argparse.Namespace) -> Result:
     from specserve import LLM, SamplingParams
 
+    static, padding = MODES[name]
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         static_batching=static,
+        static_padding=padding,
         attention_backend=args.attention_backend,
     )
     ids = [r.prompt_token_ids for r in workload.requests]
@@ -93,7 +108,6 @@ def run_ours(workload: Workload, static: bool, max_num_seqs: int, args: argparse
         if best is None or seconds < best[0]:
             best = (seconds, step_delta(before, llm.engine.step_times.as_dict()))
     steps = breakdown(best[1])
-    name = "specserve static" if static else "specserve continuous"
     return Result(name, max_num_seqs, best[0], workload.output_tokens, steps["batch"] / max_num_seqs, steps)
 
 
@@ -166,10 +180,12 @@ def verdicts(results: list[Result], reference: dict[int, Result], hf_best: Resul
         return next((r for r in results if r.system == system and r.in_flight == in_flight), None)
 
     for n, ours in sorted(reference.items()):
-        static = find("specserve static", n)
-        if static:
-            x = ours.tok_s / static.tok_s
-            lines.append(f"continuous / static at {n} in flight: {x:.2f}x (target >= 2x: {_ok(x >= 2)})")
+        for name in MODES:
+            static = find(name, n) if "static" in name else None
+            if static:
+                x = ours.tok_s / static.tok_s
+                what = name.removeprefix("specserve ")
+                lines.append(f"continuous / {what} at {n} in flight: {x:.2f}x (target >= 2x: {_ok(x >= 2)})")
         vllm = find("vLLM CPU (peer)", n)
         if vllm:
             x = ours.tok_s / vllm.tok_s
@@ -288,19 +304,20 @@ def main(argv: list[str] | None = None) -> int:
         payload["results"] = [r.to_json() for r in results]
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
 
-    def ours(static: bool, n: int) -> None:
-        r = run_ours(workload, static, n, args)
+    def ours(name: str, n: int) -> None:
+        r = run_ours(workload, name, n, args)
         results.append(r)
-        if not static:
+        if not MODES[name][0]:
             reference[n] = r
         save()
         print(f"  {r.system} @ {n}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
         print(format_breakdown("", r.steps), flush=True)
 
     if "continuous" in systems:
-        ours(False, args.max_num_seqs)
+        ours("specserve continuous", args.max_num_seqs)
     if "static" in systems:
-        ours(True, args.max_num_seqs)
+        ours("specserve static (padded)", args.max_num_seqs)
+        ours("specserve static (shrinking)", args.max_num_seqs)
 
     hf_best = None
     if "hf" in systems:
@@ -316,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 hf_best = r
         del model
         if "continuous" in systems and hf_best.in_flight not in reference:
-            ours(False, hf_best.in_flight)
+            ours("specserve continuous", hf_best.in_flight)
 
     if "vllm" in systems:
         python = vllm_python(args.vllm_python)
@@ -326,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             ensure_target_dir(hf_dir)
             n = args.vllm_max_num_seqs
             if "continuous" in systems and n not in reference:
-                ours(False, n)
+                ours("specserve continuous", n)
             print(f"  vLLM ({python}) @ {n}: starting (start-up takes minutes) ...", flush=True)
             try:
                 peer = run_vllm(

@@ -67,6 +67,25 @@ def test_static_batching_gives_the_same_tokens(tiny_model_factory, hf_reference)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == hf_reference("qwen2_bias")
 
 
+def test_padded_static_batches_compute_finished_rows_on_with_the_same_tokens(tiny_model_dir, hf_reference):
+    lengths = [MAX_TOKENS, 5, 9, 17]  # batches of two: (24, 5) and (9, 17)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    want = [ref[:n] for ref, n in zip(hf_reference("llama_gqa_tied"), lengths)]
+    times = {}
+    for padding in (False, True):
+        llm = LLM(
+            str(tiny_model_dir), dtype="float32", static_batching=True, static_padding=padding, max_num_seqs=2
+        )
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == want
+        times[padding] = llm.engine.step_times
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not llm.engine.scheduler.padding
+    # the same steps; each finished row went on being computed, one token a step, until its batch ended
+    assert times[True].steps == times[False].steps
+    assert times[True].tokens - times[False].tokens == (24 - 5) + (17 - 9)
+    assert times[True].seqs == times[False].seqs  # padding is not counted as a live sequence
+
+
 def test_seeded_sampling_does_not_depend_on_batch_mates(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32")
     params = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)

@@ -24,6 +24,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     static_batching: bool = False  # benchmark baseline only
+    # With static_batching: a finished member keeps its slot and is computed on (its output discarded) until
+    # the whole batch is done, as in HF generate's padded batches. Off, finished members leave the batch.
+    static_padding: bool = False
     speculative_config: dict[str, Any] | None = None
     attention_backend: str = "auto"
     seed: int = 0

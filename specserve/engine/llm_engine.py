@@ -116,6 +116,8 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             static_batching=config.static_batching,
             lookahead=self.spec.lookahead if self.spec else None,
+            static_padding=config.static_padding,
+            max_model_len=self.max_model_len,
         )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -244,7 +246,11 @@ class LLMEngine:
             entries.append(
                 ForwardEntry(tokens, start, self.block_manager.block_table(seq.seq_id), num_logits)
             )
-        logits = self.runner.run(entries)
+        num_real = sum(e.num_logits for e in entries)
+        for row in plan.padding:  # padded static batching only: computed like HF's padding, then dropped
+            table = self.block_manager.block_table(row.seq_id)
+            entries.append(ForwardEntry([row.token_id], row.position, table, 1))
+        logits = self.runner.run(entries)[:num_real]
         t3 = time.perf_counter()
         if self.spec is not None:
             self.spec.record_forward(sum(len(e.token_ids) for e in entries), t3 - t2)

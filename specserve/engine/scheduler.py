@@ -29,9 +29,19 @@ class ScheduledSeq:
 
 
 @dataclass
+class PadRow:
+    """A finished member of a padded static batch: still computed, one token a step, output thrown away."""
+
+    seq_id: int
+    token_id: int
+    position: int
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    padding: list[PadRow] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -51,12 +61,17 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         static_batching: bool = False,
         lookahead: LookaheadPolicy | None = None,
+        static_padding: bool = False,
+        max_model_len: int | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked = enable_chunked_prefill
         self.static = static_batching
+        self.pad = static_batching and static_padding
+        self.max_model_len = max_model_len
+        self.padding: list[PadRow] = []
         self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -87,6 +102,9 @@ class Scheduler:
                 if k:
                     k = 0  # speculation yields to memory before anyone is preempted
                     continue
+                if self.padding:
+                    self.bm.free(self.padding.pop().seq_id)  # and padding before real work
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -99,7 +117,10 @@ class Scheduler:
                 continue
             break  # the sequence preempted itself: nobody behind it can run either
 
-        if out.preempted or self.static:
+        if self.static:
+            out.padding = self._pad_rows() if self.running else []
+            return out
+        if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -123,6 +144,19 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
+    def _pad_rows(self) -> list[PadRow]:
+        """Advance every padding row one position; a row with no room (context or KV) stops being computed."""
+        rows = []
+        for row in self.padding:
+            row.position += 1
+            fits = self.max_model_len is None or row.position < self.max_model_len
+            if fits and self.bm.ensure(row.seq_id, row.position + 1):
+                rows.append(row)
+            else:
+                self.bm.free(row.seq_id)
+        self.padding = rows
+        return rows
+
     def _preempt(self, seq: Sequence) -> None:
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
@@ -132,10 +166,19 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is and give its blocks back."""
-        if seq.status is SeqStatus.RUNNING:
+        was_running = seq.status is SeqStatus.RUNNING
+        if was_running:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if self.pad and was_running and self.running and seq.num_computed_tokens:
+            # _pad_rows moves it one on before its first use: position of its last token, which has no K/V yet
+            self.padding.append(PadRow(seq.seq_id, seq.token_ids[-1], seq.num_computed_tokens - 1))
+            return
         self.bm.free(seq.seq_id)
+        if self.padding and not self.running:  # the batch is over
+            for row in self.padding:
+                self.bm.free(row.seq_id)
+            self.padding.clear()
