@@ -78,3 +78,14 @@ def test_bad_settings_are_refused_with_the_variable_named(env):
     with pytest.raises(ValueError) as e:
         cfg_mod.from_args(_parse([]), environ=env)
     assert next(iter(env)) in str(e.value) or "speculative" in str(e.value)
+
+
+def test_the_service_loop_is_uvloop_where_it_installs() -> None:
+    import asyncio
+
+    from specserve.service.cli import run_loop
+
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    assert run_loop(loop_module()).startswith("uvloop")

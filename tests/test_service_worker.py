@@ -67,6 +67,9 @@ def test_results_equal_llm_generate_through_client_and_raw_xadd(valkey, tiny_mod
         and stored.info["worker"] == "w-test"
         and stored.info["run"] == "1"
     )
+    # the engine's share of the latency, for telling it from what the queue and transport add
+    created, finished = int(stored.info["created"]), int(stored.info["finished"])
+    assert 0 < float(stored.info["engine_ms"]) <= finished - created + 1
 
 
 def test_a_long_prompt_is_tokenised_off_the_loop_with_the_same_result(valkey, tiny_model_dir, tiny_engines):

@@ -166,10 +166,11 @@ class StreamConsumer:
         return bool(ok)
 
     async def cancel_flags(self, request_ids: list[str]) -> list[bool]:
-        pipe = self.r.pipeline(transaction=False)
-        for rid in request_ids:
-            pipe.hget(self.keys.req(rid), "cancel")
-        return [v == "1" for v in await pipe.execute()]
+        if not request_ids:
+            return []
+        keys = [self.keys.req(rid) for rid in request_ids]
+        asked = {int(i) for i in await self.r.eval(scripts.CANCELLED, len(keys), *keys)}
+        return [i + 1 in asked for i in range(len(request_ids))]
 
     async def ack(self, entry_id: str) -> None:
         await self.r.xack(self.keys.requests, self.keys.group, entry_id)

@@ -64,6 +64,8 @@ class InFlight:
     first_token_at: float | None = None
     last_token_at: float | None = None
     task: asyncio.Task[None] | None = None
+    engine_start: float = 0.0  # time.monotonic() when the engine took it
+    engine_end: float | None = None  # ... and when its final output came back
 
 
 def stable_seed(request_id: str) -> int:
@@ -306,6 +308,7 @@ class Worker:
         assert rid is not None
         try:
             params, prompt = self._prepare(rid, body)
+            started = time.monotonic()
             deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
         except (InvalidParameter, WireError) as err:
             self._finish_unstarted(e, wire.FAILED, "error", str(err), err.field, claim.run)
@@ -332,7 +335,7 @@ class Worker:
         )
         wait.end(end_time=self._local_ns(claim.now_ms))
         self.telemetry.queue_wait.record(max(0.0, (claim.now_ms - enqueued) / 1000))
-        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span)
+        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span, engine_start=started)
         self.inflight[rid] = inf
         inf.task = asyncio.create_task(self._drive(inf, deltas), name=f"request-{rid}")
 
@@ -392,6 +395,7 @@ class Worker:
                             self.telemetry.ttft.record(max(0.0, ttft))
                     if d.finished:
                         last = d  # its tokens go out with the final entry
+                        inf.engine_end = time.monotonic()
                     elif d.token_ids or d.text:
                         self.publisher.push(
                             rid, OutputEntry(inf.run, d.offset, text_offset, d.token_ids, d.text)
@@ -464,6 +468,10 @@ class Worker:
             hash_fields.update({k: str(v) for k, v in usage.items()})
         if err_msg:
             hash_fields["error"] = err_msg
+        if inf.engine_end is not None:
+            # the engine's share of the latency (tokenising, waiting for a batch slot, prefill, decode), so a
+            # client can tell it from what the queue and the transport add
+            hash_fields["engine_ms"] = f"{1000 * (inf.engine_end - inf.engine_start):.2f}"
         finish_span = self.telemetry.tracer.start_span("finish", context=trace.set_span_in_context(inf.span))
         written = await self.publisher.finish(rid, entry.entry_id, final, hash_fields)
         finish_span.end()
