@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBody
+from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBody, Result
 from specserve.service.http import ApiError, json_response, read_json, sse_send, sse_start
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
     return api.validate(body), meta
 
 
-def _raise_for(final: OutputEntry) -> None:
+def _raise_for(final: OutputEntry | Result) -> None:
     if final.status == FAILED:
         if final.error_field:
             raise ApiError(400, final.error or "invalid request", final.error_field)
@@ -149,12 +149,15 @@ class OpenAIRoutes:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         await self.api.enqueue(request, body, rid)
         created = int(time.time())
+        if not meta["stream"]:
+            # Straight from the output stream: no keep-alive ticker or pump task for an answer sent once.
+            result = await self.api.client.wait(rid)
+            _raise_for(result)
+            return self._whole(rid, created, meta, chat, result)
         deltas = self.api.deltas(rid)
         try:
             first = await self._first(deltas)
-            if meta["stream"]:
-                return await self._stream(request, rid, created, meta, chat, first, deltas)
-            return await self._whole(rid, created, meta, chat, first, deltas)
+            return await self._stream(request, rid, created, meta, chat, first, deltas)
         finally:
             await deltas.aclose()
 
@@ -168,23 +171,17 @@ class OpenAIRoutes:
                 return d
         raise ApiError(500, "the output stream ended without a result")
 
-    async def _whole(self, rid, created, meta, chat, first: Delta, deltas) -> web.Response:
-        parts, final = [first.text], first.final
-        async for d in deltas:
-            if d is not None:
-                parts.append(d.text)
-                final = d.final or final
-        assert final is not None
-        _raise_for(final)
-        text = "".join(parts)
+    @staticmethod
+    def _whole(rid, created, meta, chat, result: Result) -> web.Response:
+        text = result.text
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = final.finish_reason
+        choice["finish_reason"] = result.finish_reason
         obj = "chat.completion" if chat else "text_completion"
         body = {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
-        body["usage"] = final.usage
+        body["usage"] = result.usage
         return json_response(body)
 
     async def _stream(self, request, rid, created, meta, chat, first: Delta, deltas) -> web.StreamResponse:
