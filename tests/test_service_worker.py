@@ -156,6 +156,33 @@ def test_an_expired_deadline_never_starts(valkey, tiny_model_dir):
     assert "run" not in info and "started" not in info and steps == 0
 
 
+def test_requests_started_before_their_claim_stop_when_it_says_no(valkey, tiny_model_dir, tiny_engines):
+    """Fresh entries reach the engine while their claim is in flight; one cancelled while queued and the
+    second entry of a duplicated id are aborted when the claim answers, and leave nothing behind."""
+    ref = _reference(tiny_engines, tiny_model_dir, [PROMPTS[1]], **GREEDY)[0]
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir, start_worker=False) as (worker, client):
+            await client.enqueue({"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True}, "gone")
+            assert (await client.cancel("gone"))[0] == "cancelled"
+            body = orjson.dumps({"prompt": PROMPTS[1], **GREEDY})
+            for _ in range(2):  # a producer's retry: the same id twice, read in one batch
+                await client.r.xadd(KEYS.requests, {"id": "twice", "body": body})
+            seq_ids = worker.engine.engine._seq_ids  # one id per request the engine was handed
+            before = next(seq_ids)
+            await worker.start()
+            gone, twice = await client.wait("gone"), await client.wait("twice")
+            await wait_for(lambda: _true(worker.engine.num_unfinished() == 0 and not worker.inflight))
+            handed = next(seq_ids) - before - 1
+            return gone, twice, worker.engine.stats(), handed, await client.info("twice")
+
+    gone, twice, stats, handed, info = run(main())
+    assert handed == 2  # "gone" went to the engine before its claim said cancel; "twice" once
+    assert gone.status == "cancelled" and gone.token_ids == []
+    assert twice.status == "finished" and twice.token_ids == ref.token_ids and info["run"] == "1"
+    assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
 def test_a_poison_request_goes_to_the_dead_letter_stream(valkey, tiny_model_dir):
     async def main():
         async with service_stack(

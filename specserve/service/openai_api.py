@@ -5,6 +5,7 @@ They translate to the wire format and ride the same queue as everything else.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -147,13 +148,20 @@ class OpenAIRoutes:
         data = await read_json(request)
         body, meta = _translate(self.api, data, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        await self.api.enqueue(request, body, rid)
         created = int(time.time())
         if not meta["stream"]:
-            # Straight from the output stream: no keep-alive ticker or pump task for an answer sent once.
-            result = await self.api.client.wait(rid)
+            # Straight from the output stream: no keep-alive ticker or pump task for an answer sent once. Its
+            # subscription is made while the enqueue is in flight, not after it, where it would hold up the
+            # worker's claim on the same event loop.
+            waiting = asyncio.create_task(self.api.client.wait(rid))
+            try:
+                await self.api.enqueue(request, body, rid)
+                result = await waiting
+            finally:
+                waiting.cancel()
             _raise_for(result)
             return self._whole(rid, created, meta, chat, result)
+        await self.api.enqueue(request, body, rid)
         deltas = self.api.deltas(rid)
         try:
             first = await self._first(deltas)

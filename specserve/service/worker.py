@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,15 @@ class InFlight:
     task: asyncio.Task[None] | None = None
     engine_start: float = 0.0  # time.monotonic() when the engine took it
     engine_end: float | None = None  # ... and when its final output came back
+
+
+@dataclass
+class Early:
+    """A fresh request handed to the engine before its claim came back."""
+
+    request_id: str
+    deltas: AsyncIterator[StepDelta]
+    started: float  # time.monotonic()
 
 
 def stable_seed(request_id: str) -> int:
@@ -232,7 +242,7 @@ class Worker:
                 )
                 self.redis_ok = True
                 if entries:
-                    await self._admit(entries)
+                    await self._admit(entries, fresh=True)
             except asyncio.CancelledError:
                 raise
             except Exception:  # never let one bad reply stop the worker from pulling
@@ -247,7 +257,7 @@ class Worker:
                 log.info("reclaimed %d idle entries", len(entries))
                 await self._admit(entries)
 
-    async def _admit(self, entries: list[RequestEntry]) -> None:
+    async def _admit(self, entries: list[RequestEntry], fresh: bool = False) -> None:
         if self.draining:
             return  # read as the drain began: they stay pending here and are handed back
         self._admitting += len(entries)
@@ -273,17 +283,63 @@ class Worker:
                     # (The engine's own encode of text is the same call, so results do not change.)
                     body.prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
             pairs = [(e, b.deadline if isinstance(b, RequestBody) else None) for e, b in ok]
-            claims = await retry_forever(lambda: self.consumer.claim(pairs), what="claim")
+            claiming = asyncio.ensure_future(retry_forever(lambda: self.consumer.claim(pairs), what="claim"))
+            early: dict[str, Early] = {}
+            if fresh:
+                await asyncio.sleep(0)  # the claim goes out first; the engine starts while it is answered
+                early = self._start_early(ok)
+            try:
+                claims = await claiming
+            except BaseException:
+                for started in early.values():
+                    self._drop_early(started)
+                raise
             for (e, body), claim in zip(ok, claims):
                 self._clock_offset = claim.now_ms / 1000 - time.time()
-                self._on_claim(e, body, claim)
+                self._on_claim(e, body, claim, early.pop(e.entry_id, None))
         finally:
             self._admitting -= len(entries)
 
-    def _on_claim(self, e: RequestEntry, body: RequestBody | WireError, claim: Claim) -> None:
+    def _start_early(self, ok: list[tuple[RequestEntry, RequestBody | WireError]]) -> dict[str, Early]:
+        """Hand fresh requests to the engine while their claim is in flight: the claim's round trip overlaps
+        tokenising and the first step instead of preceding them. Only first deliveries (never a poison
+        request's redelivery) with a valid body and no past deadline; whatever the claim then says other than
+        "run" aborts them before any output is written, within a step."""
+        early: dict[str, Early] = {}
+        now = time.time() + self._clock_offset
+        for e, body in ok:
+            rid = e.request_id
+            if not isinstance(body, RequestBody) or rid is None or rid in self.inflight:
+                continue
+            if body.deadline is not None and body.deadline <= now:
+                continue
+            try:
+                params, prompt = self._prepare(rid, body)
+                started = time.monotonic()
+                deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
+            except Exception:  # the claim decides, and _start reports the error the usual way
+                continue
+            early[e.entry_id] = Early(rid, deltas, started)
+        return early
+
+    def _drop_early(self, started: Early) -> None:
+        self.engine.abort(started.request_id)
+
+        async def drain() -> None:  # the abort's final delta ends the stream and frees its queue
+            async for _ in started.deltas:
+                pass
+
+        self._detach(drain())
+
+    def _on_claim(
+        self, e: RequestEntry, body: RequestBody | WireError, claim: Claim, early: Early | None = None
+    ) -> None:
         rid = e.request_id
         assert rid is not None
         act = claim.action
+        if early is not None and (act in ("notmine", "duplicate", "done", "cancel", "expire", "dead")):
+            self._drop_early(early)
+            early = None
         if act == "notmine":
             return
         if act in ("duplicate", "done"):
@@ -301,15 +357,18 @@ class Worker:
         elif isinstance(body, WireError):
             self._finish_unstarted(e, wire.FAILED, "error", str(body), body.field, claim.run)
         else:
-            self._start(e, body, claim)
+            self._start(e, body, claim, early)
 
-    def _start(self, e: RequestEntry, body: RequestBody, claim: Claim) -> None:
+    def _start(self, e: RequestEntry, body: RequestBody, claim: Claim, early: Early | None = None) -> None:
         rid = e.request_id
         assert rid is not None
         try:
-            params, prompt = self._prepare(rid, body)
-            started = time.monotonic()
-            deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
+            if early is not None:
+                deltas, started = early.deltas, early.started
+            else:
+                params, prompt = self._prepare(rid, body)
+                started = time.monotonic()
+                deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
         except (InvalidParameter, WireError) as err:
             self._finish_unstarted(e, wire.FAILED, "error", str(err), err.field, claim.run)
             return
