@@ -246,11 +246,14 @@ class LLMEngine:
             entries.append(
                 ForwardEntry(tokens, start, self.block_manager.block_table(seq.seq_id), num_logits)
             )
-        num_real = sum(e.num_logits for e in entries)
-        for row in plan.padding:  # padded static batching only: computed like HF's padding, then dropped
-            table = self.block_manager.block_table(row.seq_id)
-            entries.append(ForwardEntry([row.token_id], row.position, table, 1))
-        logits = self.runner.run(entries)[:num_real]
+        if plan.padding:  # padded static batching only: computed like HF's padding, then dropped
+            num_real = sum(e.num_logits for e in entries)
+            for row in plan.padding:
+                table = self.block_manager.block_table(row.seq_id)
+                entries.append(ForwardEntry([row.token_id], row.position, table, 1))
+            logits = self.runner.run(entries)[:num_real]
+        else:
+            logits = self.runner.run(entries)
         t3 = time.perf_counter()
         if self.spec is not None:
             self.spec.record_forward(sum(len(e.token_ids) for e in entries), t3 - t2)

@@ -104,9 +104,6 @@ end
 return lost
 """
 
-# A draining worker hands an entry back: it looks idle at once so a live worker's XAUTOCLAIM takes it, and
-# the hand-off does not count as a failed delivery. KEYS: requests stream, status hash.
-# ARGV: group, consumer, entry id, idle_ms.
 # KEYS: status hashes of the requests a worker runs. Returns the 1-based positions of those asked to cancel.
 # One command instead of one HGET each: the worker asks every 0.1 s, and with a full batch the per-command
 # Python of a pipeline was a third of its event loop's time.
@@ -118,6 +115,9 @@ end
 return out
 """
 
+# A draining worker hands an entry back: it looks idle at once so a live worker's XAUTOCLAIM takes it, and
+# the hand-off does not count as a failed delivery. KEYS: requests stream, status hash.
+# ARGV: group, consumer, entry id, idle_ms.
 HANDBACK = (
     _TERMINAL
     + """

@@ -314,13 +314,15 @@ class Worker:
             if body.deadline is not None and body.deadline <= now:
                 continue
             try:
-                params, prompt = self._prepare(rid, body)
-                started = time.monotonic()
-                deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
+                early[e.entry_id] = self._hand_to_engine(rid, body)
             except Exception:  # the claim decides, and _start reports the error the usual way
                 continue
-            early[e.entry_id] = Early(rid, deltas, started)
         return early
+
+    def _hand_to_engine(self, rid: str, body: RequestBody) -> Early:
+        params, prompt = self._prepare(rid, body)
+        started = time.monotonic()
+        return Early(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), started)
 
     def _drop_early(self, started: Early) -> None:
         self.engine.abort(started.request_id)
@@ -337,12 +339,9 @@ class Worker:
         rid = e.request_id
         assert rid is not None
         act = claim.action
-        if early is not None and (act in ("notmine", "duplicate", "done", "cancel", "expire", "dead")):
-            self._drop_early(early)
-            early = None
         if act == "notmine":
-            return
-        if act in ("duplicate", "done"):
+            pass
+        elif act in ("duplicate", "done"):
             self._detach(retry_forever(lambda: self.consumer.ack(e.entry_id), what="XACK"))
         elif act == "cancel":
             self._finish_unstarted(e, wire.CANCELLED, "abort")
@@ -358,17 +357,15 @@ class Worker:
             self._finish_unstarted(e, wire.FAILED, "error", str(body), body.field, claim.run)
         else:
             self._start(e, body, claim, early)
+            return
+        if early is not None:  # the claim said no: what began before it stops within a step
+            self._drop_early(early)
 
     def _start(self, e: RequestEntry, body: RequestBody, claim: Claim, early: Early | None = None) -> None:
         rid = e.request_id
         assert rid is not None
         try:
-            if early is not None:
-                deltas, started = early.deltas, early.started
-            else:
-                params, prompt = self._prepare(rid, body)
-                started = time.monotonic()
-                deltas = self.engine.add_request(rid, prompt, params, stream=body.stream)
+            begun = early or self._hand_to_engine(rid, body)
         except (InvalidParameter, WireError) as err:
             self._finish_unstarted(e, wire.FAILED, "error", str(err), err.field, claim.run)
             return
@@ -394,9 +391,9 @@ class Worker:
         )
         wait.end(end_time=self._local_ns(claim.now_ms))
         self.telemetry.queue_wait.record(max(0.0, (claim.now_ms - enqueued) / 1000))
-        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span, engine_start=started)
+        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span, engine_start=begun.started)
         self.inflight[rid] = inf
-        inf.task = asyncio.create_task(self._drive(inf, deltas), name=f"request-{rid}")
+        inf.task = asyncio.create_task(self._drive(inf, begun.deltas), name=f"request-{rid}")
 
     def _prepare(self, rid: str, body: RequestBody) -> tuple[SamplingParams, str | list[int]]:
         if body.model is not None and body.model not in self.models:
