@@ -16,6 +16,7 @@ from specserve.queue.connection import connect
 from specserve.queue.consumer import ensure_group
 from specserve.queue.keys import DEFAULT_PREFIX, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
+from specserve.queue.resp import RespClient
 from specserve.queue.wire import (
     Delta,
     OutputCursor,
@@ -47,7 +48,8 @@ class QueueClient:
         self.r = redis
         self.keys = keys or Keys()
         self.ttl_ms = ttl_ms
-        self.reader = OutputReader(redis, self.keys)
+        self.fast = RespClient(redis)  # enqueue and the reader's wake-ups: a round trip each per request
+        self.reader = OutputReader(redis, self.keys, fast=self.fast)
         self._reader_task: asyncio.Task[None] | None = None
         # The workers' group is created once per client, not on every enqueue; should the server lose it
         # later (restart without persistence), the ENQUEUE script recreates it with the stream.
@@ -76,6 +78,7 @@ class QueueClient:
         if self._reader_task is not None:
             await self.reader.close(self._reader_task)
             self._reader_task = None
+        await self.fast.aclose()
         if close_redis:
             await self.r.aclose()
 
@@ -94,7 +97,8 @@ class QueueClient:
         parsed = body if isinstance(body, RequestBody) else parse_body(body)
         if not self._group_ready:
             await self.ensure_group()
-        created, detail = await self.r.eval(
+        created, detail = await self.fast.execute(
+            "EVAL",
             scripts.ENQUEUE,
             2,
             self.keys.requests,
@@ -105,6 +109,7 @@ class QueueClient:
             traceparent or "",
             tracestate or "",
             self.keys.group,
+            retries=2,  # idempotent by id, so a retry after a lost connection adds nothing twice
         )
         if created:
             return Enqueued(request_id, True, "queued", detail)

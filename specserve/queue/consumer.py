@@ -16,6 +16,7 @@ from redis.exceptions import ResponseError
 from specserve.queue import scripts
 from specserve.queue.connection import BLOCK_MS
 from specserve.queue.keys import Keys
+from specserve.queue.resp import RespClient, fields_dict
 from specserve.queue.wire import RequestEntry
 
 log = logging.getLogger(__name__)
@@ -71,26 +72,43 @@ class ConsumerConfig:
 
 
 class StreamConsumer:
-    def __init__(self, redis: Redis, keys: Keys, name: str, config: ConsumerConfig | None = None) -> None:
+    """Reads, claims and cancellation checks (each request's own round trips) go through lean clients:
+    `fast`, shared with the caller's other per-request commands, and one of its own for the blocking read.
+    The rest uses redis-py."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys,
+        name: str,
+        config: ConsumerConfig | None = None,
+        fast: RespClient | None = None,
+    ) -> None:
         self.r = redis
         self.keys = keys
         self.name = name
         self.cfg = config or ConsumerConfig()
         self._autoclaim_cursor = "0-0"
+        self._own_fast = fast is None
+        self._fast = fast or RespClient(redis)
+        self._blocking = RespClient(redis, block_ms=self.cfg.block_ms)
+
+    async def aclose(self) -> None:
+        await self._blocking.aclose()
+        if self._own_fast:
+            await self._fast.aclose()
 
     async def ensure_group(self) -> None:
         await ensure_group(self.r, self.keys)
 
     async def read_new(self, count: int, block_ms: int | None = None) -> list[RequestEntry]:
         """Up to `count` entries never delivered before; blocks up to block_ms when there are none."""
+        block = self.cfg.block_ms if block_ms is None else block_ms
         try:
-            resp = await self.r.xreadgroup(
-                self.keys.group,
-                self.name,
-                {self.keys.requests: ">"},
-                count=count,
-                block=self.cfg.block_ms if block_ms is None else block_ms,
-            )
+            resp = await self._blocking.execute(
+                "XREADGROUP", "GROUP", self.keys.group, self.name, "COUNT", count, "BLOCK", block,
+                "STREAMS", self.keys.requests, ">",
+            )  # fmt: skip
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -98,9 +116,8 @@ class StreamConsumer:
             log.warning("consumer group missing; recreating it")
             await self.ensure_group()
             return []
-        return [
-            RequestEntry.from_fields(eid, fields or {}) for _, items in resp or [] for eid, fields in items
-        ]
+        items = [item for _, stream_items in resp or [] for item in stream_items]
+        return [RequestEntry.from_fields(eid, fields_dict(fields)) for eid, fields in items]
 
     async def reclaim(self, count: int) -> list[RequestEntry]:
         """Take over up to `count` entries idle past the claim timeout (dead worker, or handed back)."""
@@ -124,23 +141,26 @@ class StreamConsumer:
 
     async def claim(self, entries: list[tuple[RequestEntry, float | None]]) -> list[Claim]:
         """Run CLAIM for each (entry, deadline) in one round trip. Entries must carry a request id."""
-        pipe = self.r.pipeline(transaction=False)
+        commands = []
         for e, deadline in entries:
             assert e.request_id is not None
-            pipe.eval(
-                scripts.CLAIM,
-                2,
-                self.keys.req(e.request_id),
-                self.keys.requests,
-                e.entry_id,
-                self.keys.group,
-                self.name,
-                self.cfg.ttl_ms,
-                self.cfg.max_deliveries,
-                "" if deadline is None else str(int(deadline * 1000)),
-                entry_ms(e.entry_id),
+            commands.append(
+                (
+                    "EVAL",
+                    scripts.CLAIM,
+                    2,
+                    self.keys.req(e.request_id),
+                    self.keys.requests,
+                    e.entry_id,
+                    self.keys.group,
+                    self.name,
+                    self.cfg.ttl_ms,
+                    self.cfg.max_deliveries,
+                    "" if deadline is None else str(int(deadline * 1000)),
+                    entry_ms(e.entry_id),
+                )
             )
-        return [Claim(str(a), str(d), int(n)) for a, d, n in await pipe.execute()]
+        return [Claim(str(a), str(d), int(n)) for a, d, n in await self._fast.pipeline(commands)]
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of our in-flight entries; returns those another worker has taken."""
@@ -169,7 +189,7 @@ class StreamConsumer:
         if not request_ids:
             return []
         keys = [self.keys.req(rid) for rid in request_ids]
-        asked = {int(i) for i in await self.r.eval(scripts.CANCELLED, len(keys), *keys)}
+        asked = {int(i) for i in await self._fast.execute("EVAL", scripts.CANCELLED, len(keys), *keys)}
         return [i + 1 in asked for i in range(len(request_ids))]
 
     async def ack(self, entry_id: str) -> None:

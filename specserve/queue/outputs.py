@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 
 from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS
 from specserve.queue.keys import Keys
+from specserve.queue.resp import RespClient, fields_dict
 from specserve.queue.wire import OutputEntry
 
 log = logging.getLogger(__name__)
@@ -36,20 +37,30 @@ class Subscription:
 
 
 class OutputReader:
-    def __init__(self, redis: Redis, keys: Keys, block_ms: int = BLOCK_MS) -> None:
+    """`fast`: the client for wake-ups (shared with the caller's other per-request commands); the blocking
+    XREAD has a connection of its own."""
+
+    def __init__(
+        self, redis: Redis, keys: Keys, block_ms: int = BLOCK_MS, fast: RespClient | None = None
+    ) -> None:
         self.r = redis
         self.keys = keys
         self.block_ms = block_ms
+        self._own_fast = fast is None
+        self._fast = fast or RespClient(redis)
+        self._blocking = RespClient(redis, block_ms=block_ms)
         self._wake_key = keys.wake(uuid.uuid4().hex[:12])
         self._wake_last = "0-0"
         self._subs: dict[str, list[Subscription]] = {}
         self._closed = False
 
     async def _wake(self) -> None:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(self._wake_key, {"w": "1"}, maxlen=16, approximate=True)
-        pipe.pexpire(self._wake_key, 3_600_000)
-        await pipe.execute()
+        await self._fast.pipeline(
+            [
+                ("XADD", self._wake_key, "MAXLEN", "~", 16, "*", "w", "1"),
+                ("PEXPIRE", self._wake_key, 3_600_000),
+            ]
+        )
 
     async def follow(self, request_id: str, after: str = "0-0") -> AsyncIterator[tuple[str, OutputEntry]]:
         """Yield (entry id, entry) of a request's output stream after `after`, through the final entry."""
@@ -78,6 +89,9 @@ class OutputReader:
         with contextlib.suppress(*TRANSIENT_ERRORS):
             await asyncio.wait_for(self._wake(), timeout=1.0)
         await asyncio.wait({task}, timeout=self.block_ms / 1000 + 1)
+        await self._blocking.aclose()
+        if self._own_fast:
+            await self._fast.aclose()
 
     async def run(self) -> None:
         """Read until closed."""
@@ -87,7 +101,9 @@ class OutputReader:
             for key, subs in self._subs.items():
                 streams[key] = min((s.last_id for s in subs), key=_id_tuple)
             try:
-                resp = await self.r.xread(streams, count=1000, block=self.block_ms)
+                resp = await self._blocking.execute(
+                    "XREAD", "COUNT", 1000, "BLOCK", self.block_ms, "STREAMS", *streams, *streams.values()
+                )
             except TRANSIENT_ERRORS as e:
                 log.warning("output reader: redis unavailable (%s); retrying", e)
                 await asyncio.sleep(delay)
@@ -106,5 +122,5 @@ class OutputReader:
                     last = _id_tuple(sub.last_id)
                     for eid, fields in items:
                         if _id_tuple(eid) > last:
-                            sub.queue.put_nowait((eid, OutputEntry.from_fields(fields)))
+                            sub.queue.put_nowait((eid, OutputEntry.from_fields(fields_dict(fields))))
                     sub.last_id = max(sub.last_id, items[-1][0], key=_id_tuple)

@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from specserve.queue import scripts
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import Keys
+from specserve.queue.resp import RespClient
 from specserve.queue.wire import OutputEntry
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,14 @@ def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
 
 
 class Publisher:
-    def __init__(self, redis: Redis, keys: Keys, consumer: str, ttl_ms: int) -> None:
+    """`fast`: the lean client its flushes go through (its own unless given)."""
+
+    def __init__(
+        self, redis: Redis, keys: Keys, consumer: str, ttl_ms: int, fast: RespClient | None = None
+    ) -> None:
         self.r = redis
+        self._own_fast = fast is None
+        self._fast = fast or RespClient(redis)
         self.keys = keys
         self.consumer = consumer
         self.ttl_ms = ttl_ms
@@ -63,6 +70,11 @@ class Publisher:
         """End run() after its current flush (a cancel alone can be lost on Python 3.11, see OutputReader)."""
         self._closed = True
         self._wake.set()
+
+    async def aclose(self) -> None:
+        """After run() has ended: close the connection if it is ours."""
+        if self._own_fast:
+            await self._fast.aclose()
 
     def push(self, request_id: str, entry: OutputEntry) -> None:
         _merge(self._deltas.setdefault(request_id, []), entry)
@@ -125,36 +137,34 @@ class Publisher:
         self._finals = finals + self._finals
 
     async def _flush(self, deltas: dict[str, list[OutputEntry]], finals: list[_Final]) -> list[int]:
-        pipe = self.r.pipeline(transaction=False)
+        commands: list[list[str | int]] = []
         for rid, entries in deltas.items():
             out = self.keys.out(rid)
             for e in entries:
-                pipe.xadd(out, e.to_fields())
+                commands.append(["XADD", out, "*", *_flat(e.to_fields())])
             if rid not in self._expiring:
-                pipe.pexpire(out, self.ttl_ms)
+                commands.append(["PEXPIRE", out, self.ttl_ms])
         for f in finals:
             out_fields = f.entry.to_fields()
-            args: list[str | int] = [
-                self.keys.group,
-                self.consumer,
-                f.entry_id,
-                self.ttl_ms,
-                f.entry.status or "finished",
-                len(out_fields),
-            ]
-            for k, v in out_fields.items():
-                args += [k, v]
-            for k, v in f.hash_fields.items():
-                args += [k, v]
-            pipe.eval(
-                scripts.FINISH,
-                3,
-                self.keys.out(f.request_id),
-                self.keys.req(f.request_id),
-                self.keys.requests,
-                *args,
+            commands.append(
+                [
+                    "EVAL",
+                    scripts.FINISH,
+                    3,
+                    self.keys.out(f.request_id),
+                    self.keys.req(f.request_id),
+                    self.keys.requests,
+                    self.keys.group,
+                    self.consumer,
+                    f.entry_id,
+                    self.ttl_ms,
+                    f.entry.status or "finished",
+                    len(out_fields),
+                    *_flat(out_fields),
+                    *_flat(f.hash_fields),
+                ]
             )
-        results = await pipe.execute(raise_on_error=False)
+        results = await self._fast.pipeline(commands, raise_on_error=False)
         for rid in deltas:
             self._expiring.add(rid)
         for r in results:
@@ -163,3 +173,7 @@ class Publisher:
         return (
             [r if isinstance(r, int) else 0 for r in results[len(results) - len(finals) :]] if finals else []
         )
+
+
+def _flat(fields: dict[str, str]) -> list[str]:
+    return [x for kv in fields.items() for x in kv]

@@ -29,6 +29,7 @@ from specserve.queue.connection import TRANSIENT_ERRORS, retry_forever
 from specserve.queue.consumer import Claim, ConsumerConfig, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
+from specserve.queue.resp import RespClient
 from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError
 from specserve.service.telemetry import Telemetry
 
@@ -110,6 +111,7 @@ class Worker:
         self.cfg = config or WorkerConfig()
         self.telemetry = telemetry or Telemetry()
         ttl_ms = int(self.cfg.ttl_s * 1000)
+        self.fast = RespClient(redis)  # the per-request commands: claims, cancellation checks, outputs
         self.consumer = StreamConsumer(
             redis,
             keys,
@@ -119,8 +121,9 @@ class Worker:
                 max_deliveries=self.cfg.max_deliveries,
                 claim_timeout_ms=int(self.cfg.claim_timeout_s * 1000),
             ),
+            fast=self.fast,
         )
-        self.publisher = Publisher(redis, keys, name, ttl_ms)
+        self.publisher = Publisher(redis, keys, name, ttl_ms, fast=self.fast)
         self.models = model_aliases(engine.model_name)
         self.inflight: dict[str, InFlight] = {}
         self._admitting = 0
@@ -185,6 +188,8 @@ class Worker:
         self.draining = self._closed = True
         self.publisher.stop()
         await self._stop(self._pulling + self._background + list(self._detached))
+        await self.consumer.aclose()
+        await self.fast.aclose()
 
     async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:
         # The loops also watch the flags: on Python 3.11 a cancel racing a Redis reply can be swallowed
