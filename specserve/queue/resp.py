@@ -4,8 +4,10 @@ redis-py spends ~150 us of Python on each command (pool checkout, retry and time
 hooks), and on an event loop that has sat idle through an engine step, with its caches cold, a hop through
 Redis took 1.2 ms with it against 0.54 ms here. Every request makes a handful of these hops in a row.
 
-Commands from any number of tasks share one connection: they are written as they come and Redis answers in
-order, so each reply goes to the oldest waiting caller; a caller that gives up leaves its place in the line.
+Commands from any number of tasks share one connection and Redis answers in order, so each reply goes to the
+oldest waiting caller; a caller that gives up leaves its place in the line. Commands issued in the same turn
+of the event loop go out in one write at its end: a write to loopback costs ~0.1 ms here (it wakes the
+reader), more than the Python of a command.
 A blocking read (XREAD/XREADGROUP BLOCK) would hold up everyone behind it, so it gets a client of its own.
 The server, credentials, database and TLS context are those of the redis-py client it is made from, and
 errors are redis-py's exceptions, so callers' handling of transient errors (TRANSIENT_ERRORS) is unchanged.
@@ -83,6 +85,7 @@ class _Protocol(asyncio.Protocol):
         self.lost: Exception | None = None
         self.timeout = timeout
         self._timer: asyncio.TimerHandle | None = None
+        self._out: list[bytes] = []  # written at the end of this turn of the loop
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -97,10 +100,17 @@ class _Protocol(asyncio.Protocol):
         deadline = self.loop.time() + self.timeout
         futures = [self.loop.create_future() for _ in range(replies)]
         self.waiting.extend((f, deadline) for f in futures)
-        self.transport.write(data)
+        if not self._out:
+            self.loop.call_soon(self._write)
+        self._out.append(data)
         if self._timer is None:
             self._timer = self.loop.call_at(deadline, self._check_timeout)
         return futures
+
+    def _write(self) -> None:
+        data, self._out = b"".join(self._out), []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)  # if it closed meanwhile, connection_lost fails the callers
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
