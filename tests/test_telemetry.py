@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specserve.service.telemetry import Telemetry
@@ -53,3 +54,29 @@ def test_otel_resource_attributes_override_ours(clean_env: pytest.MonkeyPatch) -
     clean_env.setenv("OTEL_SERVICE_NAME", "from-service-name")
     attrs, _ = exported_resource()
     assert attrs["service.name"] == "from-service-name" and attrs["deployment.environment"] == "staging"
+
+
+def test_without_an_exporter_no_span_is_built_but_the_producers_trace_context_passes_through() -> None:
+    """The API's enqueue span as the service builds it: with nowhere to send spans, what reaches the request
+    entry is the producer's own traceparent (so an exporting worker continues the producer's trace), and
+    nothing when the producer sent none (the worker then starts a trace of its own)."""
+    producer = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    telemetry = Telemetry()
+    try:
+        with telemetry.tracer.start_as_current_span("enqueue", context=Telemetry.extract(producer)) as span:
+            assert not span.is_recording()
+            assert Telemetry.inject(trace.set_span_in_context(span)) == {"traceparent": producer}
+        with telemetry.tracer.start_as_current_span("enqueue", context=Telemetry.extract(None)) as span:
+            assert Telemetry.inject(trace.set_span_in_context(span)) == {}
+    finally:
+        telemetry.shutdown()
+    exporter = InMemorySpanExporter()
+    exporting = Telemetry(span_exporter=exporter)
+    try:
+        with exporting.tracer.start_as_current_span("enqueue", context=Telemetry.extract(producer)) as span:
+            carried = Telemetry.inject(trace.set_span_in_context(span))["traceparent"]
+        (recorded,) = exporter.get_finished_spans()
+        assert recorded.parent.span_id == 0x00F067AA0BA902B7
+        assert carried.split("-")[1] == producer.split("-")[1] and carried != producer  # same trace, our span
+    finally:
+        exporting.shutdown()

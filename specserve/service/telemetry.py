@@ -16,7 +16,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.trace import Tracer
+from opentelemetry.trace import NoOpTracer, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -66,11 +66,16 @@ class Telemetry:
         )
         self.meter_provider = MeterProvider(resource=resource, metric_readers=[self._reader])
         self.tracer_provider = TracerProvider(resource=resource)
+        exporting = False
         if self.span_exporter is not None:
             self.tracer_provider.add_span_processor(SimpleSpanProcessor(self.span_exporter))
+            exporting = True
         if self.otlp_endpoint:
-            self._add_otlp(self.otlp_endpoint)
-        self.tracer: Tracer = self.tracer_provider.get_tracer("specserve")
+            exporting = self._add_otlp(self.otlp_endpoint) or exporting
+        # With nowhere to send spans, building them is ~20 us each, several per request on the loop that does
+        # everyone's I/O. The no-op tracer still hands on a producer's trace context (its spans are the
+        # parent's), so a worker that does export continues the producer's trace.
+        self.tracer: Tracer = self.tracer_provider.get_tracer("specserve") if exporting else NoOpTracer()
         m = self.meter_provider.get_meter("specserve")
 
         def hist(name: str, desc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS):
@@ -123,20 +128,21 @@ class Telemetry:
             "specserve_draft_tokens_accepted", "draft tokens accepted", lambda: self.engine.draft_accepted
         )
 
-    def _add_otlp(self, endpoint: str) -> None:
+    def _add_otlp(self, endpoint: str) -> bool:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError:
             log.warning(
                 "OTEL_EXPORTER_OTLP_ENDPOINT set but opentelemetry-exporter-otlp-proto-http is missing"
             )
-            return
+            return False
         url = (
             endpoint.rstrip("/") + "/v1/traces"
             if not endpoint.rstrip("/").endswith("/v1/traces")
             else endpoint
         )
         self.tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
+        return True
 
     def metrics_text(self) -> bytes:
         return generate_latest(self.registry)
