@@ -185,8 +185,8 @@ async def bench(args: argparse.Namespace) -> dict:
     await service.stop()
     await direct.engine.shutdown()
 
-    def med(name: str, key: str) -> float:
-        return statistics.median(x[key] for x in rounds[name])
+    def med(name: str, key: str) -> float | None:
+        return statistics.median(x[key] for x in rounds[name]) if rounds[name] else None
 
     def ratio(of: dict) -> float | None:
         """Median over rounds of service/engine, each pair run back to back: the machine's speed drifts by
@@ -233,7 +233,7 @@ def main() -> None:
     p.add_argument("--dtype", default="auto", help="as `specserve serve` (auto: bf16 where the CPU has it)")
     p.add_argument("--requests", type=int, default=32, help="concurrent requests per burst")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=6, help="bursts per mode, alternating")
+    p.add_argument("--rounds", type=int, default=6, help="bursts per mode, alternating (0: skip)")
     p.add_argument("--workload", default=None, help="JSONL of {prompt, max_tokens} rows (default: W1)")
     p.add_argument("--workload-rounds", type=int, default=4, help="whole-workload runs per mode (0: skip)")
     p.add_argument("--sequential", type=int, default=30, help="single requests one at a time, per mode")
@@ -255,7 +255,8 @@ def main() -> None:
         return "met" if ok else "NOT met"
 
     ratio, added = result["throughput_ratio"], result["added_latency_ms"]["p50"]
-    print(f"throughput ratio, bursts of {args.requests}: {ratio:.3f} (>= 0.95: {verdict(ratio >= 0.95)})")
+    if ratio is not None:
+        print(f"throughput ratio, bursts of {args.requests}: {ratio:.3f} (>= 0.95: {verdict(ratio >= 0.95)})")
     w = result["workload_throughput_ratio"]
     if w is not None:
         print(f"throughput ratio, {result['workload']}: {w:.3f} (>= 0.95: {verdict(w >= 0.95)})")
