@@ -43,7 +43,6 @@ class OutputReader:
     def __init__(
         self, redis: Redis, keys: Keys, block_ms: int = BLOCK_MS, fast: RespClient | None = None
     ) -> None:
-        self.r = redis
         self.keys = keys
         self.block_ms = block_ms
         self._own_fast = fast is None

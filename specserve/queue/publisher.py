@@ -46,12 +46,11 @@ def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
 
 
 class Publisher:
-    """`fast`: the lean client its flushes go through (its own unless given)."""
+    """`fast`: the lean client its flushes go through (unless given, one of its own, closed as run() ends)."""
 
     def __init__(
         self, redis: Redis, keys: Keys, consumer: str, ttl_ms: int, fast: RespClient | None = None
     ) -> None:
-        self.r = redis
         self._own_fast = fast is None
         self._fast = fast or RespClient(redis)
         self.keys = keys
@@ -70,11 +69,6 @@ class Publisher:
         """End run() after its current flush (a cancel alone can be lost on Python 3.11, see OutputReader)."""
         self._closed = True
         self._wake.set()
-
-    async def aclose(self) -> None:
-        """After run() has ended: close the connection if it is ours."""
-        if self._own_fast:
-            await self._fast.aclose()
 
     def push(self, request_id: str, entry: OutputEntry) -> None:
         _merge(self._deltas.setdefault(request_id, []), entry)
@@ -96,6 +90,13 @@ class Publisher:
 
     async def run(self) -> None:
         """Flush until stopped."""
+        try:
+            await self._run()
+        finally:
+            if self._own_fast:
+                await self._fast.aclose()
+
+    async def _run(self) -> None:
         delay = 0.02
         while not self._closed:
             await self._wake.wait()
