@@ -88,8 +88,11 @@ class QueueClient:
         request_id: str | None = None,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        tenant: str | None = None,
     ) -> Enqueued:
-        """Add a request; adding an id that is already known changes nothing (idempotent)."""
+        """Add a request; adding an id that is already known changes nothing (idempotent). `tenant` is
+        recorded with it (the API's key owner; see cancel). The id is used as given: the API qualifies ids
+        with their tenant itself (docs/wire-format.md, Tenants)."""
         if request_id is None:
             request_id = new_request_id()
         elif not valid_request_id(request_id):
@@ -109,6 +112,7 @@ class QueueClient:
             traceparent or "",
             tracestate or "",
             self.keys.group,
+            tenant or "",
             retries=2,  # idempotent by id, so a retry after a lost connection adds nothing twice
         )
         if created:
@@ -128,10 +132,11 @@ class QueueClient:
             return None
         return assemble(request_id, info, [OutputEntry.from_fields(f) for _, f in items])
 
-    async def cancel(self, request_id: str) -> tuple[str, str]:
-        """Returns (outcome, status): missing | terminal | cancelled (was queued) | cancelling (running)."""
+    async def cancel(self, request_id: str, tenant: str | None = None) -> tuple[str, str]:
+        """Returns (outcome, status): missing | terminal | cancelled (was queued) | cancelling (running).
+        With `tenant`, another tenant's request is missing."""
         outcome, status = await self.r.eval(
-            scripts.CANCEL, 2, self.keys.req(request_id), self.keys.out(request_id), self.ttl_ms
+            scripts.CANCEL, 2, self.keys.req(request_id), self.keys.out(request_id), self.ttl_ms, tenant or ""
         )
         return str(outcome), str(status)
 

@@ -18,7 +18,8 @@ local function terminal(s)
 end
 """
 
-# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group.
+# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group,
+# tenant ('' for none: recorded in the status hash, so that only its own key reads or cancels the request).
 # Returns {1, entry id} when added, {0, current status} when the id is already known (idempotent enqueue).
 # A missing stream means the server lost its data (restart without persistence, flush) and with it the
 # group: XADD alone would bring the stream back without one, so recreate it here (from id 0, as workers do).
@@ -35,7 +36,9 @@ local f = {'id', ARGV[1], 'body', ARGV[2]}
 if ARGV[4] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[4] end
 if ARGV[5] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[5] end
 local eid = redis.call('XADD', KEYS[1], '*', unpack(f))
-redis.call('HSET', KEYS[2], 'status', 'queued', 'entry', eid, 'created', now_ms)
+local h = {'status', 'queued', 'entry', eid, 'created', now_ms}
+if ARGV[7] and ARGV[7] ~= '' then h[#h + 1] = 'tenant'; h[#h + 1] = ARGV[7] end
+redis.call('HSET', KEYS[2], unpack(h))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
 return {1, eid}
 """
@@ -133,14 +136,16 @@ return 1
 """
 )
 
-# API / client cancellation. KEYS: status hash, output stream. ARGV: ttl_ms.
+# API / client cancellation. KEYS: status hash, output stream. ARGV: ttl_ms, tenant ('' or absent: any).
 # A queued request is cancelled here and now (with its final entry); a running one is flagged for its worker.
+# Another tenant's request is 'missing': a key learns nothing about requests it does not own.
 CANCEL = (
     _NOW
     + _TERMINAL
     + """
-local st = redis.call('HGET', KEYS[1], 'status')
+local st, owner = unpack(redis.call('HMGET', KEYS[1], 'status', 'tenant'))
 if not st then return {'missing', ''} end
+if ARGV[2] and ARGV[2] ~= '' and owner ~= ARGV[2] then return {'missing', ''} end
 if terminal(st) then return {'terminal', st} end
 redis.call('HSET', KEYS[1], 'cancel', '1')
 if st == 'queued' then
