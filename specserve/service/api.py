@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -17,19 +18,23 @@ from typing import Any
 import orjson
 from aiohttp import web
 from opentelemetry import trace
+from redis.exceptions import OutOfMemoryError
 
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
-from specserve.queue.client import Enqueued, QueueClient
+from specserve.queue.client import Enqueued, QueueClient, new_request_id
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import valid_request_id
 from specserve.queue.wire import Delta, RequestBody, WireError, parse_body
 from specserve.service import openai_api
 from specserve.service.http import (
     MAX_BODY_KEY,
+    TENANT_KEY,
     ApiError,
     auth_middleware,
+    deadline_after,
     errors_middleware,
     json_response,
+    parse_api_keys,
     read_json,
     sse_send,
     sse_start,
@@ -40,13 +45,14 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
 MODEL_CACHE_S = 5.0
+_EVENT_ID = re.compile(r"^([0-9]{1,15})\.([0-9]{1,15})$")  # <tokens shown>.<characters shown>
 
 
 @dataclass
 class ApiSettings:
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 200_000
-    api_keys: list[str] = field(default_factory=list)
+    api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
     model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
 
@@ -68,6 +74,7 @@ class Api:
         self.telemetry = telemetry
         self.settings = settings or ApiSettings()
         self.model_ready = model_ready  # in-process worker (serve): its model is loaded
+        self.keys = parse_api_keys(self.settings.api_keys)
         self._stats_task: asyncio.Task[None] | None = None
         self._models_ok: dict[str, float] = {}  # model name -> when a live worker last vouched for it
 
@@ -76,7 +83,7 @@ class Api:
     def app(self, refresh_queue_stats: bool = True) -> web.Application:
         app = web.Application(
             client_max_size=self.settings.max_body_bytes,
-            middlewares=[errors_middleware, auth_middleware(self.settings.api_keys)],
+            middlewares=[errors_middleware, auth_middleware(self.keys)],
         )
         app[MAX_BODY_KEY] = self.settings.max_body_bytes
         app.router.add_post("/v1/requests", self.post_request)
@@ -105,7 +112,7 @@ class Api:
         # the client then creates the group on its first enqueue.
         try:
             await asyncio.wait_for(self.client.ensure_group(), timeout=5.0)
-        except (asyncio.TimeoutError, *TRANSIENT_ERRORS) as e:
+        except (asyncio.TimeoutError, OutOfMemoryError, *TRANSIENT_ERRORS) as e:
             log.warning("consumer group not created at startup (%r); the first enqueue will create it", e)
 
     async def _start_stats(self, _app: web.Application) -> None:
@@ -177,16 +184,35 @@ class Api:
             raise ApiError(400, str(e), e.field) from None
         return body
 
-    async def enqueue(
-        self, request: web.Request, body: RequestBody, request_id: str | None = None
-    ) -> Enqueued:
+    # ---- tenants ----------------------------------------------------------------------------------------
+    # With API keys, every request belongs to the tenant of the key that made it. Ids on the native routes
+    # are the client's own, scoped per tenant: in Redis the request is "<tenant>:<id>" (so two tenants may
+    # use the same id, and neither can squat or read the other's), and the status hash records the tenant.
+    # Without keys there is one tenant, unnamed, and ids are used as given.
+
+    @staticmethod
+    def redis_id(request: web.Request, client_id: str) -> str:
+        tenant = request.get(TENANT_KEY)
+        return client_id if tenant is None else f"{tenant}:{client_id}"
+
+    @staticmethod
+    def owns(request: web.Request, info: dict[str, str]) -> bool:
+        tenant = request.get(TENANT_KEY)
+        return tenant is None or info.get("tenant") == tenant
+
+    async def enqueue(self, request: web.Request, body: RequestBody, request_id: str) -> Enqueued:
+        """`request_id` is the id in Redis (see redis_id)."""
         await self.check_model(body.model)
         parent = Telemetry.extract(request.headers.get("traceparent"), request.headers.get("tracestate"))
         with self.telemetry.tracer.start_as_current_span("enqueue", context=parent) as span:
             carrier = Telemetry.inject(trace.set_span_in_context(span))
             try:
                 result = await self.client.enqueue(
-                    body, request_id, carrier.get("traceparent"), carrier.get("tracestate")
+                    body,
+                    request_id,
+                    carrier.get("traceparent"),
+                    carrier.get("tracestate"),
+                    tenant=request.get(TENANT_KEY),
                 )
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
@@ -231,45 +257,61 @@ class Api:
 
     async def post_request(self, request: web.Request) -> web.Response:
         data = await read_json(request)
-        request_id = data.pop("id", None)
-        if request_id is not None and not valid_request_id(request_id):
+        client_id = data.pop("id", None)
+        if client_id is None:
+            client_id = new_request_id()
+        elif not valid_request_id(client_id):
             raise ApiError(400, "id: must be 1-200 characters of letters, digits, '_', '.', ':' or '-'", "id")
+        rid = self.redis_id(request, client_id)
+        if not valid_request_id(rid):  # the tenant's prefix took it past 200 characters
+            room = 200 - (len(rid) - len(client_id))
+            raise ApiError(400, f"id: at most {room} characters with this API key", "id")
         timeout = data.pop("timeout", None)
         if timeout is not None:
-            if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-                raise ApiError(400, "timeout: must be a positive number of seconds", "timeout")
-            data["deadline"] = time.time() + timeout
+            data["deadline"] = deadline_after(timeout)
         body = self.validate(data)
-        result = await self.enqueue(request, body, request_id)
+        result = await self.enqueue(request, body, rid)
         status = 202 if result.created else 200
         return json_response(
-            {"id": result.id, "status": result.status, "created": result.created}, status=status
+            {"id": client_id, "status": result.status, "created": result.created}, status=status
         )
 
+    def _not_found(self, client_id: str) -> ApiError:
+        return ApiError(404, f"id: no request {client_id!r}", "id", code="not_found")
+
     async def get_request(self, request: web.Request) -> web.Response:
-        result = await self.client.result(request.match_info["id"])
-        if result is None:
-            raise ApiError(404, f"id: no request {request.match_info['id']!r}", "id", code="not_found")
-        return json_response(result.to_dict())
+        client_id = request.match_info["id"]
+        result = await self.client.result(self.redis_id(request, client_id))
+        if result is None or not self.owns(request, result.info):
+            raise self._not_found(client_id)
+        return json_response({**result.to_dict(), "id": client_id})
 
     async def delete_request(self, request: web.Request) -> web.Response:
-        rid = request.match_info["id"]
-        outcome, status = await self.client.cancel(rid)
+        client_id = request.match_info["id"]
+        outcome, status = await self.client.cancel(self.redis_id(request, client_id), request.get(TENANT_KEY))
         if outcome == "missing":
-            raise ApiError(404, f"id: no request {rid!r}", "id", code="not_found")
-        body = {"id": rid, "status": status, "cancelled": outcome in ("cancelled", "cancelling")}
+            raise self._not_found(client_id)
+        body = {"id": client_id, "status": status, "cancelled": outcome in ("cancelled", "cancelling")}
         return json_response(body, status=202 if outcome == "cancelling" else 200)
 
     async def stream_request(self, request: web.Request) -> web.StreamResponse:
         """SSE `token` events with id "<tokens>.<chars>" (resume with Last-Event-ID), then `done`."""
-        rid = request.match_info["id"]
+        client_id = request.match_info["id"]
+        rid = self.redis_id(request, client_id)
         last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "0.0"
-        try:
-            tokens, chars = (int(x) for x in last.split(".", 1))
-        except ValueError:
-            raise ApiError(400, "Last-Event-ID: expected <tokens>.<chars>", "Last-Event-ID") from None
-        if not await self.client.info(rid) and not await self.client.r.exists(self.client.keys.out(rid)):
-            raise ApiError(404, f"id: no request {rid!r}", "id", code="not_found")
+        match = _EVENT_ID.match(last)
+        if match is None:
+            raise ApiError(
+                400, "Last-Event-ID: expected <tokens>.<chars>, two non-negative integers", "Last-Event-ID"
+            )
+        tokens, chars = int(match[1]), int(match[2])
+        info = await self.client.info(rid)
+        if info:
+            if not self.owns(request, info):
+                raise self._not_found(client_id)
+        # A raw producer's request has no status hash until a worker claims it; only an open API shows it.
+        elif request.get(TENANT_KEY) is not None or not await self.client.r.exists(self.client.keys.out(rid)):
+            raise self._not_found(client_id)
         resp = await sse_start(request)
         with contextlib.suppress(ConnectionResetError):  # the client left; it can resume later
             async with contextlib.aclosing(self.deltas(rid, tokens, chars)) as deltas:
@@ -285,7 +327,7 @@ class Api:
                         await sse_send(resp, data, "token", event_id)
                     if d.final is not None:
                         f = d.final
-                        done = {"id": rid, "status": f.status, "finish_reason": f.finish_reason}
+                        done = {"id": client_id, "status": f.status, "finish_reason": f.finish_reason}
                         done.update(usage=f.usage, error=f.error)
                         await sse_send(resp, done, "done", event_id)
         return resp

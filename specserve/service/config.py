@@ -42,8 +42,17 @@ class ServiceConfig:
     host: str = _opt("SPECSERVE_HOST", "127.0.0.1", "API bind address (0.0.0.0 in containers)")
     port: int = _opt("SPECSERVE_PORT", 8000, "API port")
     health_port: int = _opt("SPECSERVE_HEALTH_PORT", 8001, "worker's /healthz /readyz /metrics port (0: off)")
-    api_keys: str | None = _opt("SPECSERVE_API_KEYS", None, "comma-separated bearer tokens (none: no auth)")
-    api_keys_file: str | None = _opt("SPECSERVE_API_KEYS_FILE", None, "file with one bearer token a line")
+    api_keys: str | None = _opt(
+        "SPECSERVE_API_KEYS", None, "comma-separated bearer tokens, `tenant:token` or bare (none: no auth)"
+    )
+    api_keys_file: str | None = _opt(
+        "SPECSERVE_API_KEYS_FILE", None, "file with one bearer token a line (`tenant:token` or a bare token)"
+    )
+    allow_unauthenticated: bool = _opt(
+        "SPECSERVE_ALLOW_UNAUTHENTICATED",
+        False,
+        "let the API run with no keys on a non-loopback address (it refuses to otherwise)",
+    )
     drain_timeout: float = _opt(
         "SPECSERVE_DRAIN_TIMEOUT", 30.0, "seconds to finish in-flight work on SIGTERM"
     )
@@ -57,11 +66,32 @@ class ServiceConfig:
     max_deliveries: int = _opt("SPECSERVE_MAX_DELIVERIES", 3, "deliveries before the dead-letter stream")
     max_body_bytes: int = _opt("SPECSERVE_MAX_BODY_BYTES", 1 << 20, "largest request body")
     max_prompt_chars: int = _opt("SPECSERVE_MAX_PROMPT_CHARS", 200_000, "longest prompt the API accepts")
+    max_connections: int = _opt(
+        "SPECSERVE_MAX_CONNECTIONS", 1000, "open HTTP connections; more are answered 503 and closed"
+    )
+    header_timeout: float = _opt(
+        "SPECSERVE_HEADER_TIMEOUT", 15.0, "seconds for a client to send a request's headers"
+    )
+    body_timeout: float = _opt("SPECSERVE_BODY_TIMEOUT", 60.0, "seconds for a client to send a request body")
+    keepalive_timeout: float = _opt(
+        "SPECSERVE_KEEPALIVE_TIMEOUT", 75.0, "seconds an idle kept-alive HTTP connection stays open"
+    )
+    embedded_maxmemory: str = _opt(
+        "SPECSERVE_EMBEDDED_MAXMEMORY", "1gb", "embedded server's maxmemory (noeviction; 0: no limit)"
+    )
+    dead_letter_maxlen: int = _opt(
+        "SPECSERVE_DEAD_LETTER_MAXLEN", 100_000, "dead letters kept at most (oldest trimmed first)"
+    )
+    dead_letter_ttl: float = _opt("SPECSERVE_DEAD_LETTER_TTL", 7 * 86400.0, "seconds a dead letter is kept")
     worker_name: str | None = _opt("SPECSERVE_WORKER_NAME", None, "consumer name (default host-pid)")
 
     def __post_init__(self) -> None:
         if self.speculative_method in ("draft_model",) and not self.speculative_model:
             raise ValueError("--speculative-method draft_model needs --speculative-model")
+        limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
+        for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl"):
+            if not getattr(self, name) > 0:  # also false for NaN
+                raise ValueError(f"{_env_of(name)}: must be positive")
 
     @property
     def consumer_name(self) -> str:
@@ -99,6 +129,19 @@ class ServiceConfig:
         return spec
 
 
+def _env_of(name: str) -> str:
+    return next(f.metadata["env"] for f in fields(ServiceConfig) if f.name == name)
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in _TRUE | _FALSE:
+        return text.lower() in _TRUE
+    raise ValueError(text)
+
+
 def _flag(name: str, meta: dict[str, Any]) -> str:
     return meta.get("flag") or "--" + name.replace("_", "-")
 
@@ -116,7 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None)
         env = meta.get("env")
         kind = _kind(f)
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{meta['help']} [env {env}]"}
-        if kind in (int, float):
+        if kind is bool:
+            kw.update(action="store_const", const=True)
+        elif kind in (int, float):
             kw["type"] = kind
         if "choices" in meta:
             kw["choices"] = meta["choices"]
@@ -135,7 +180,10 @@ def from_args(ns: argparse.Namespace | None = None, environ: dict[str, str] | No
         elif env and environ.get(env):
             kind = _kind(f)
             try:
-                values[f.name] = kind(environ[env]) if kind in (int, float) else environ[env]
+                if kind is bool:
+                    values[f.name] = _bool(environ[env])
+                else:
+                    values[f.name] = kind(environ[env]) if kind in (int, float) else environ[env]
             except ValueError:
                 raise ValueError(f"{env}={environ[env]!r} is not a valid {f.name}") from None
     cfg = ServiceConfig(**values)

@@ -1,20 +1,35 @@
-"""HTTP plumbing shared by the API and the worker's health server: JSON errors, auth, SSE."""
+"""HTTP plumbing shared by the API and the worker's health server: JSON errors, auth and tenants, SSE, and
+the connection guard (a cap on open connections, header and body read timeouts)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
+import json
 import logging
-from collections.abc import Awaitable, Callable
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
+from redis.exceptions import OutOfMemoryError
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+BODY_TIMEOUT_KEY = web.AppKey("body_timeout_s", float)
+TENANT_KEY = web.RequestKey("tenant", str)  # set by auth_middleware when keys are configured
+# nginx's code for "the client closed the connection before the answer": not the server's failure, so it
+# must not count as a 5xx (nobody receives this response; it exists for the metrics and the access log).
+CLIENT_CLOSED = 499
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ApiError(Exception):
@@ -46,17 +61,78 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
+# `timeout` (seconds from now: the API's relative form of the wire's `deadline`) is bounded so the deadline it
+# makes stays a sane unix time: 1e308 or inf would overflow a worker's arithmetic, and a month is past any
+# reasonable wait for one generation.
+MAX_TIMEOUT_S = 30 * 86400
+
+
+def deadline_after(timeout: Any) -> float:
+    """The deadline (unix seconds) for a request's `timeout`; ApiError naming `timeout` unless it is a number
+    in (0, MAX_TIMEOUT_S]. The one check for the native and the OpenAI routes."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ApiError(
+            400, f"timeout: must be a number of seconds above 0 and at most {MAX_TIMEOUT_S}", "timeout"
+        )
+    return time.time() + timeout
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was read: not an error of ours."""
+
+
+class _NonFinite(Exception):
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+
+def _non_finite_field(raw: bytes) -> str | None:
+    """The key whose value is NaN, Infinity or a number beyond a double (1e999), if that is why orjson refused
+    the body: so the error names the field, as for any other bad value. Only for refused bodies."""
+    bad = object()
+
+    def number(text: str) -> Any:
+        value = float(text)
+        return value if math.isfinite(value) else bad
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        for key, value in items:
+            if value is bad or (isinstance(value, list) and any(v is bad for v in value)):
+                raise _NonFinite(key)
+        return dict(items)
+
     try:
-        raw = await request.read()
+        json.loads(raw, parse_constant=lambda _: bad, parse_float=number, object_pairs_hook=pairs)
+    except _NonFinite as e:
+        return e.field
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    timeout = request.app.get(BODY_TIMEOUT_KEY)
+    try:
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
         limit = request.app.get(MAX_BODY_KEY)
         raise ApiError(
             413, f"body: larger than the limit of {limit} bytes", "body", code="too_large"
         ) from None
+    except TimeoutError:
+        # A slow body holds a connection and a handler: cut it off (the connection closes after the 408).
+        raise ApiError(408, f"body: not received within {timeout:g} s", "body", code="body_timeout") from None
+    except (ConnectionError, web.RequestPayloadError):
+        if request.transport is None or request.transport.is_closing():
+            raise ClientGone() from None
+        raise ApiError(400, "body: malformed (truncated or bad chunked encoding)", "body") from None
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
+        field = _non_finite_field(raw)
+        if field is not None:
+            raise ApiError(400, f"{field}: must be a finite number", field) from None
         raise ApiError(400, f"body: not valid JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, "body: must be a JSON object", "body")
@@ -74,29 +150,72 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             raise
         reason = e.reason if e.status != 413 else "body: request body too large"
         return ApiError(e.status, reason, "body" if e.status == 413 else None).response()
+    except (ClientGone, ConnectionResetError):
+        log.debug("client left during %s %s", request.method, request.path)
+        return ApiError(CLIENT_CLOSED, "client closed the connection", code="client_closed").response()
+    except OutOfMemoryError:
+        # maxmemory reached with noeviction: Redis refused the write, so nothing was queued or changed.
+        # Say so plainly (and that it is worth retrying later) instead of a bare 500.
+        log.warning("Redis is out of memory (maxmemory); refusing %s %s", request.method, request.path)
+        err = ApiError(
+            503,
+            "the queue's Redis is out of memory (maxmemory reached); nothing was queued, retry later",
+            type="server_error",
+            code="redis_out_of_memory",
+        )
+        resp = err.response()
+        resp.headers["Retry-After"] = "5"
+        return resp
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal error").response()
 
 
-def auth_middleware(keys: list[str]):
-    """Bearer-token auth on every route but health and metrics (no keys: no auth)."""
-    encoded = [k.encode() for k in keys]
+@dataclass(frozen=True)
+class ApiKey:
+    tenant: str  # who owns the requests made with this key; recorded in Redis (the token never is)
+    token: bytes
+
+
+def parse_api_keys(entries: Iterable[str]) -> list[ApiKey]:
+    """Key entries are `name:token` (several tokens may share a name: rotation) or a bare `token`, whose
+    tenant is named after a hash of it. A bare token must not contain ':' (it would read as name:token)."""
+    keys: list[ApiKey] = []
+    seen: set[str] = set()
+    for n, entry in enumerate(entries, 1):
+        name, sep, token = entry.partition(":")
+        if not sep:
+            name, token = "key-" + hashlib.sha256(entry.encode()).hexdigest()[:16], entry
+        elif not _TENANT_NAME.match(name):
+            raise ValueError(f"API key {n}: a tenant name is 1-64 letters, digits, '_' or '-'")
+        if not token:
+            raise ValueError(f"API key {n} ({name}): empty token")
+        if token in seen:
+            raise ValueError(f"API key {n} ({name}): the same token is listed twice")
+        seen.add(token)
+        keys.append(ApiKey(name, token.encode()))
+    return keys
+
+
+def auth_middleware(keys: list[ApiKey]):
+    """Bearer-token auth on every route but health and metrics (no keys: no auth, and no tenant)."""
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if encoded and request.path not in OPEN_PATHS:
+        if keys and request.path not in OPEN_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            # Compare against every key, always, so timing does not tell which prefix matched.
-            ok = scheme.lower() == "bearer" and any([hmac.compare_digest(token.encode(), k) for k in encoded])
-            if not ok:
+            given = token.encode()
+            # Compare against every key, always, so timing does not tell which one (or which prefix) matched.
+            matches = [k.tenant for k in keys if hmac.compare_digest(given, k.token)]
+            if scheme.lower() != "bearer" or not matches:
                 err = ApiError(
                     401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
                 )
                 resp = err.response()
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return resp
+            request[TENANT_KEY] = matches[0]
         return await handler(request)
 
     return check
@@ -120,3 +239,172 @@ async def sse_send(
         lines += b"event: " + event.encode() + b"\n"
     payload = data if isinstance(data, bytes) else orjson.dumps(data)
     await resp.write(lines + b"data: " + payload + b"\n\n")
+
+
+# ---- slow clients and connection floods --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_connections: int = 1000  # open client connections; more are answered 503 and closed at once
+    header_timeout_s: float = 15.0  # connect (or a kept-alive connection's next first byte) to full headers
+    body_timeout_s: float = 60.0  # to read a whole request body
+    keepalive_timeout_s: float = 75.0  # an idle kept-alive connection; above common proxies' 60 s reuse
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be positive")
+
+
+# Unread bytes of a refused request are drained this long before closing, so the client still gets the answer
+# (closing with unread data sends a reset that can destroy it); short, since a slow client is the case here.
+LINGER_S = 2.0
+_OVER_CAPACITY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s"
+)
+_OVER_CAPACITY_BODY = orjson.dumps(
+    {
+        "error": {
+            "message": "too many open connections; retry later",
+            "type": "server_error",
+            "param": None,
+            "code": "too_many_connections",
+        }
+    }
+)
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """Wraps aiohttp's protocol for one connection: counts it, refuses it over the cap, and closes it when its
+    request headers take longer than the header timeout (aiohttp has no such timeout of its own)."""
+
+    def __init__(self, guard: ConnectionGuard, inner: asyncio.Protocol) -> None:
+        self.guard = guard
+        self.inner: Any = inner  # aiohttp's RequestHandler
+        self.refused = False
+        self.busy = False  # a request's handler is running (headers complete): no header clock
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        guard = self.guard
+        if guard.open >= guard.limits.max_connections:
+            self.refused = True
+            guard.refused += 1
+            assert isinstance(transport, asyncio.Transport)
+            transport.write(_OVER_CAPACITY % (len(_OVER_CAPACITY_BODY), _OVER_CAPACITY_BODY))
+            transport.close()
+            return
+        guard.open += 1
+        guard.connections[self.inner] = self
+        self.inner.connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        if not self.busy and self.timer is None:
+            self._arm()  # a kept-alive connection starts its next request: its headers are on the clock
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return None if self.refused else self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        if not self.refused:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if not self.refused:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.refused:
+            return
+        self._disarm()
+        self.guard.open -= 1
+        self.guard.connections.pop(self.inner, None)
+        self.inner.connection_lost(exc)
+
+    def request_started(self) -> None:
+        self.busy = True
+        self._disarm()
+
+    def request_done(self) -> None:
+        self.busy = False
+
+    def _arm(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.timer = loop.call_later(self.guard.limits.header_timeout_s, self._expire)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _expire(self) -> None:
+        self.timer = None
+        if not self.busy:
+            self.guard.timed_out += 1
+            self.inner.force_close()
+
+
+class ConnectionGuard:
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.open = 0
+        self.refused = 0  # connections turned away at the cap
+        self.timed_out = 0  # connections closed for slow headers
+        self.connections: dict[object, _GuardedConnection] = {}
+
+    def protocol_factory(self, server: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
+        return lambda: _GuardedConnection(self, server())
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        conn = self.connections.get(request.protocol)
+        if conn is None:
+            return await handler(request)
+        conn.request_started()
+        try:
+            return await handler(request)
+        finally:
+            conn.request_done()
+
+
+class _GuardedSite(web.BaseSite):
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, guard: ConnectionGuard) -> None:
+        super().__init__(runner)
+        self._host = host
+        self._port = port
+        self._guard = guard
+
+    @property
+    def name(self) -> str:
+        return f"http://{self._host}:{self._port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self._guard.protocol_factory(server), self._host, self._port, backlog=self._backlog
+        )
+
+
+async def serve(app: web.Application, host: str, port: int, limits: HttpLimits) -> web.AppRunner:
+    """Run `app` on host:port behind the connection guard and the read timeouts of `limits`."""
+    guard = ConnectionGuard(limits)
+    app.middlewares.insert(0, guard.middleware)  # outermost: the header clock stops once a handler runs
+    app[BODY_TIMEOUT_KEY] = limits.body_timeout_s
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        shutdown_timeout=5.0,
+        keepalive_timeout=limits.keepalive_timeout_s,
+        lingering_time=LINGER_S,
+    )
+    await runner.setup()
+    await _GuardedSite(runner, host, port, guard).start()
+    return runner

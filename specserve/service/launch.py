@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import signal
 import sys
@@ -18,6 +19,7 @@ from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
 from specserve.service.api import Api, ApiSettings, add_health_routes
 from specserve.service.config import ServiceConfig
+from specserve.service.http import HttpLimits, parse_api_keys, serve
 from specserve.service.telemetry import Telemetry
 
 log = logging.getLogger("specserve")
@@ -50,7 +52,7 @@ async def resolve_redis(cfg: ServiceConfig, start_embedded: bool) -> tuple[str, 
         raise SystemExit(
             "no REDIS_URL, and no embedded server running here (start one with `specserve serve`)"
         )
-    server = EmbeddedValkey(cfg.data_dir)
+    server = EmbeddedValkey(cfg.data_dir, maxmemory=cfg.embedded_maxmemory)
     await asyncio.to_thread(server.start)
     path = Path(cfg.data_dir) / URL_FILE
     path.touch(mode=0o600)
@@ -98,11 +100,43 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-async def _serve_http(app: web.Application, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+def _limits(cfg: ServiceConfig) -> HttpLimits:
+    return HttpLimits(
+        max_connections=cfg.max_connections,
+        header_timeout_s=cfg.header_timeout,
+        body_timeout_s=cfg.body_timeout,
+        keepalive_timeout_s=cfg.keepalive_timeout,
+    )
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name (or "" for every address): it may well be reachable from outside
+
+
+def check_api_exposure(cfg: ServiceConfig) -> None:
+    """An API with no keys serves anyone who can reach it: fine on loopback, refused on any other address
+    unless asked for (--allow-unauthenticated), and warned about even then. Bad key entries stop us here."""
+    try:
+        keys = parse_api_keys(cfg.keys_list())
+    except ValueError as e:
+        raise SystemExit(f"error: SPECSERVE_API_KEYS / SPECSERVE_API_KEYS_FILE: {e}") from None
+    if keys or is_loopback(cfg.host):
+        return
+    if not cfg.allow_unauthenticated:
+        raise SystemExit(
+            f"error: refusing to serve the API on {cfg.host!r} with no API keys: anyone who reaches it could "
+            "read and cancel every request. Set SPECSERVE_API_KEYS (or SPECSERVE_API_KEYS_FILE), bind "
+            "127.0.0.1, or pass --allow-unauthenticated (SPECSERVE_ALLOW_UNAUTHENTICATED=1) if something "
+            "in front of it authenticates clients."
+        )
+    log.warning(
+        "the API on %s has no API keys: anyone who reaches it can read and cancel every request", cfg.host
+    )
 
 
 def _api_settings(cfg: ServiceConfig, served: list[str]) -> ApiSettings:
@@ -124,6 +158,8 @@ def _worker_config(cfg: ServiceConfig):
 
 async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     """serve = both; `api` and `worker` one each. Returns after a drained shutdown on SIGTERM/SIGINT."""
+    if with_api:
+        check_api_exposure(cfg)
     stop = _stop_event()
     url, server = await resolve_redis(cfg, start_embedded=with_worker)
     redis = connect(url)
@@ -137,15 +173,14 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
             served = [cfg.model] if cfg.model else []
             ready = (lambda: worker is not None and worker.ready) if with_worker else None
             api = Api(client, telemetry, _api_settings(cfg, served), model_ready=ready)
-            runners.append(
-                await _serve_http(api.app(refresh_queue_stats=not with_worker), cfg.host, cfg.port)
-            )
+            app = api.app(refresh_queue_stats=not with_worker)
+            runners.append(await serve(app, cfg.host, cfg.port, _limits(cfg)))
             log.info("API on http://%s:%d", cfg.host, cfg.port)
         elif with_worker and cfg.health_port:
             health = web.Application()
             probe = Api(client, telemetry, model_ready=lambda: worker is not None and worker.ready)
             add_health_routes(health, telemetry, probe.readiness)
-            runners.append(await _serve_http(health, cfg.host, cfg.health_port))
+            runners.append(await serve(health, cfg.host, cfg.health_port, _limits(cfg)))
             log.info("worker health on http://%s:%d", cfg.host, cfg.health_port)
         if with_worker:
             from specserve.service.worker import Worker  # imports the engine: only where a worker runs

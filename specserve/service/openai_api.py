@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBody, Result
-from specserve.service.http import ApiError, json_response, read_json, sse_send, sse_start
+from specserve.service.http import (
+    ApiError,
+    deadline_after,
+    json_response,
+    read_json,
+    sse_send,
+    sse_start,
+)
 
 if TYPE_CHECKING:
     from specserve.service.api import Api
@@ -79,6 +86,9 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
     stream = data.get("stream") or False
     if not isinstance(stream, bool):
         raise ApiError(400, "stream: must be a boolean", "stream")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(400, "user: must be a string", "user")
     options = data.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise ApiError(400, "stream_options: only include_usage is supported", "stream_options")
@@ -98,11 +108,8 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
     for key in ("temperature", "top_p", "seed", "stop", *sorted(EXTENSIONS - {"timeout"})):
         if data.get(key) is not None:
             body[key] = data[key]
-    timeout = data.get("timeout")
-    if timeout is not None:
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-            raise ApiError(400, "timeout: must be a positive number of seconds", "timeout")
-        body["deadline"] = time.time() + timeout
+    if data.get("timeout") is not None:
+        body["deadline"] = deadline_after(data["timeout"])
     if not stream:
         body["stream"] = False  # we answer once, at the end: the worker need not write every step
     meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
@@ -115,8 +122,12 @@ def _raise_for(final: OutputEntry | Result) -> None:
             raise ApiError(400, final.error or "invalid request", final.error_field)
         raise ApiError(500, final.error or "generation failed")
     if final.status == EXPIRED:
+        # 408, not 504: no upstream failed. The client chose the deadline (`timeout`), and the request was not
+        # done by then: a client-side condition, so a 4xx, and the one that says "timed out". OpenAI's SDKs
+        # retry a 408, which suits a request that waited out its time in the queue (the retry's `timeout`
+        # counts afresh).
         raise ApiError(
-            504, final.error or "the deadline passed", "deadline", type="timeout", code="deadline_expired"
+            408, final.error or "the deadline passed", "timeout", type="timeout", code="deadline_expired"
         )
 
 
