@@ -33,6 +33,7 @@ from specserve.queue.connection import connect
 from specserve.queue.embedded import free_port, valkey_server_binary
 from specserve.queue.keys import Keys
 from specserve.service.config import ServiceConfig, from_args
+from specserve.service.launch import check_api_exposure
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "specserve"
@@ -587,6 +588,10 @@ def test_api_service_probes_and_keys(value_set: str) -> None:
             assert secret["stringData"][ref["key"]]
     else:
         assert "SPECSERVE_API_KEYS" not in env
+    # Auth off in values is the operator's explicit choice: the chart says so to the API, which otherwise
+    # refuses to serve listenHost (not loopback) with no keys.
+    allowed = env.get("SPECSERVE_ALLOW_UNAUTHENTICATED")
+    assert allowed == (None if values["api"]["auth"]["enabled"] else "true")
 
 
 def test_api_keys_from_values_are_comma_joined_and_roll_the_pods() -> None:
@@ -757,6 +762,7 @@ def test_service_config_parses_the_rendered_environment(value_set: str, componen
     if component == "api":
         assert cfg.port == values["api"]["port"]
         assert bool(cfg.keys_list()) == values["api"]["auth"]["enabled"]
+        check_api_exposure(cfg)  # the API starts: it would exit on a keyless public bind it was not allowed
         return
     assert cfg.health_port == values["worker"]["healthPort"]
     assert cfg.drain_timeout == values["worker"]["drainTimeoutSeconds"]
