@@ -89,3 +89,74 @@ def test_the_service_loop_is_uvloop_where_it_installs() -> None:
         return type(asyncio.get_running_loop()).__module__
 
     assert run_loop(loop_module()).startswith("uvloop")
+
+
+def test_hardening_settings_environment_names_and_defaults(tmp_path):
+    c = cfg_mod.from_args(_parse([]), environ={})
+    assert (c.allow_unauthenticated, c.max_connections, c.header_timeout, c.body_timeout) == (
+        False,
+        1000,
+        15.0,
+        60.0,
+    )
+    assert (c.keepalive_timeout, c.embedded_maxmemory) == (75.0, "1gb")
+    assert (c.dead_letter_maxlen, c.dead_letter_ttl) == (100_000, 7 * 86400.0)
+    env = {
+        "SPECSERVE_ALLOW_UNAUTHENTICATED": "true",
+        "SPECSERVE_MAX_CONNECTIONS": "50",
+        "SPECSERVE_HEADER_TIMEOUT": "2.5",
+        "SPECSERVE_BODY_TIMEOUT": "9",
+        "SPECSERVE_KEEPALIVE_TIMEOUT": "30",
+        "SPECSERVE_EMBEDDED_MAXMEMORY": "256mb",
+        "SPECSERVE_DEAD_LETTER_MAXLEN": "10",
+        "SPECSERVE_DEAD_LETTER_TTL": "60",
+    }
+    c = cfg_mod.from_args(_parse(["--max-connections", "70"]), environ=env)
+    assert (c.allow_unauthenticated, c.max_connections, c.header_timeout, c.body_timeout) == (
+        True,
+        70,
+        2.5,
+        9.0,
+    )
+    assert (c.keepalive_timeout, c.embedded_maxmemory) == (30.0, "256mb")
+    assert (c.dead_letter_maxlen, c.dead_letter_ttl) == (10, 60.0)
+    assert cfg_mod.from_args(_parse(["--allow-unauthenticated"]), environ={}).allow_unauthenticated is True
+    off = {"SPECSERVE_ALLOW_UNAUTHENTICATED": "0"}
+    assert cfg_mod.from_args(_parse([]), environ=off).allow_unauthenticated is False
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SPECSERVE_ALLOW_UNAUTHENTICATED": "maybe"},
+        {"SPECSERVE_MAX_CONNECTIONS": "0"},
+        {"SPECSERVE_HEADER_TIMEOUT": "-1"},
+        {"SPECSERVE_BODY_TIMEOUT": "nan"},
+        {"SPECSERVE_DEAD_LETTER_TTL": "0"},
+    ],
+)
+def test_bad_hardening_settings_are_refused_with_the_variable_named(env):
+    with pytest.raises(ValueError) as e:
+        cfg_mod.from_args(_parse([]), environ=env)
+    assert next(iter(env)) in str(e.value)
+
+
+def test_a_keyless_api_may_bind_loopback_only_unless_allowed(caplog):
+    from specserve.service.launch import check_api_exposure
+
+    def exposure(**env: str) -> None:
+        check_api_exposure(cfg_mod.from_args(_parse([]), environ=env))
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.5"):
+        exposure(SPECSERVE_HOST=host)
+    for host in ("0.0.0.0", "::", "10.1.2.3", "api.example.com"):
+        with pytest.raises(SystemExit) as e:
+            exposure(SPECSERVE_HOST=host)
+        assert "--allow-unauthenticated" in str(e.value) and "SPECSERVE_API_KEYS" in str(e.value)
+        exposure(SPECSERVE_HOST=host, SPECSERVE_API_KEYS="acme:tok-a")
+        with caplog.at_level("WARNING", logger="specserve"):
+            exposure(SPECSERVE_HOST=host, SPECSERVE_ALLOW_UNAUTHENTICATED="1")
+        assert "has no API keys" in caplog.text
+    with pytest.raises(SystemExit) as e:  # a malformed entry stops the start, without echoing the token
+        exposure(SPECSERVE_API_KEYS="bad name:secret-tok")
+    assert "SPECSERVE_API_KEYS" in str(e.value) and "secret-tok" not in str(e.value)
