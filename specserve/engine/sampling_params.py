@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -17,6 +18,9 @@ class InvalidParameter(ValueError):
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
+# What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
+# whole engine (every running request) down with it.
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 @dataclass
@@ -50,19 +54,21 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         check(is_int(self.max_tokens), "max_tokens", "must be an integer")
         check(1 <= self.max_tokens <= MAX_TOKENS_LIMIT, "max_tokens", f"must be in [1, {MAX_TOKENS_LIMIT}]")
-        check(is_num(self.temperature), "temperature", "must be a number")
+        check(is_num(self.temperature), "temperature", "must be a finite number")
         check(0.0 <= self.temperature <= 100.0, "temperature", "must be in [0, 100]")
-        check(is_num(self.top_p), "top_p", "must be a number")
+        check(is_num(self.top_p), "top_p", "must be a finite number")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(is_int(self.top_k), "top_k", "must be an integer")
         check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be >= 0 (0 or -1 disables it)")
         if self.top_k == -1:
             self.top_k = 0
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer or null")
+        lo, hi = SEED_RANGE
+        check(self.seed is None or lo <= self.seed <= hi, "seed", f"must be in [{lo}, {hi}]")
         check(
             isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop),
             "stop",

@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 from specserve.queue import scripts
 from specserve.queue.connection import BLOCK_MS
 from specserve.queue.keys import Keys
-from specserve.queue.resp import RespClient, fields_dict
+from specserve.queue.resp import RespClient, as_bytes, fields_dict
 from specserve.queue.wire import RequestEntry
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class ConsumerConfig:
     claim_timeout_ms: int = 30_000  # an in-flight entry idle this long belongs to a dead worker
     block_ms: int = BLOCK_MS
     dead_maxlen: int = 100_000
+    dead_ttl_ms: int = 7 * 24 * 3600 * 1000  # dead letters older than this are trimmed as new ones arrive
+    dead_body_chars: int = 65_536  # a dead letter keeps this much of the body, for a look, not a replay
 
 
 class StreamConsumer:
@@ -120,16 +122,15 @@ class StreamConsumer:
         return [RequestEntry.from_fields(eid, fields_dict(fields)) for eid, fields in items]
 
     async def reclaim(self, count: int) -> list[RequestEntry]:
-        """Take over up to `count` entries idle past the claim timeout (dead worker, or handed back)."""
+        """Take over up to `count` entries idle past the claim timeout (dead worker, or handed back).
+
+        Through the binary-safe client: one entry with bytes that are not UTF-8 failed redis-py's whole
+        reply, every time, so nothing behind it was ever reclaimed."""
         try:
-            nxt, items, _deleted = await self.r.xautoclaim(
-                self.keys.requests,
-                self.keys.group,
-                self.name,
-                min_idle_time=self.cfg.claim_timeout_ms,
-                start_id=self._autoclaim_cursor,
-                count=count,
-            )
+            nxt, items, *_deleted = await self._fast.execute(
+                "XAUTOCLAIM", self.keys.requests, self.keys.group, self.name,
+                self.cfg.claim_timeout_ms, self._autoclaim_cursor, "COUNT", count,
+            )  # fmt: skip
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -137,10 +138,29 @@ class StreamConsumer:
             return []
         self._autoclaim_cursor = nxt
         # Entries deleted from the stream come back without fields; XAUTOCLAIM already dropped them.
-        return [RequestEntry.from_fields(eid, fields) for eid, fields in items if fields is not None]
+        return [RequestEntry.from_fields(eid, fields_dict(f)) for eid, f in items if f is not None]
 
-    async def claim(self, entries: list[tuple[RequestEntry, float | None]]) -> list[Claim]:
-        """Run CLAIM for each (entry, deadline) in one round trip. Entries must carry a request id."""
+    async def pending_mine(self, count: int = 10_000) -> list[RequestEntry]:
+        """Entries delivered to this consumer and not yet acknowledged, with their fields."""
+        pending = await self._fast.execute(
+            "XPENDING", self.keys.requests, self.keys.group, "-", "+", count, self.name
+        )
+        if not pending:
+            return []
+        found = await self._fast.pipeline(
+            [("XRANGE", self.keys.requests, p[0], p[0]) for p in pending], raise_on_error=False
+        )
+        entries = []
+        for p, items in zip(pending, found):
+            fields = fields_dict(items[0][1]) if isinstance(items, list) and items else {}
+            entries.append(RequestEntry.from_fields(p[0], fields))
+        return entries
+
+    async def claim(self, entries: list[tuple[RequestEntry, float | None]]) -> list[Claim | Exception]:
+        """Run CLAIM for each (entry, deadline) in one round trip. Entries must carry a request id, and
+        deadlines must be bounded (wire.parse_body does it). An entry whose script fails (its status key
+        holds something else, say) gets its error back in its place; its batch-mates are claimed as usual.
+        A lost connection raises, for the caller to retry the whole batch."""
         commands = []
         for e, deadline in entries:
             assert e.request_id is not None
@@ -160,7 +180,8 @@ class StreamConsumer:
                     entry_ms(e.entry_id),
                 )
             )
-        return [Claim(str(a), str(d), int(n)) for a, d, n in await self._fast.pipeline(commands)]
+        replies = await self._fast.pipeline(commands, raise_on_error=False)
+        return [r if isinstance(r, Exception) else Claim(str(r[0]), str(r[1]), int(r[2])) for r in replies]
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of our in-flight entries; returns those another worker has taken."""
@@ -195,21 +216,35 @@ class StreamConsumer:
     async def ack(self, entry_id: str) -> None:
         await self.r.xack(self.keys.requests, self.keys.group, entry_id)
 
-    async def dead_letter(self, entry: RequestEntry, reason: str, deliveries: int = 0) -> None:
-        """Record an entry in the dead-letter stream and acknowledge it (its status is the caller's job)."""
-        fields = {
-            "entry": entry.entry_id,
-            "id": entry.request_id or "",
-            "body": entry.raw_body,
-            "reason": reason,
-            "deliveries": str(deliveries),
-            "worker": self.name,
-        }
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, fields, maxlen=self.cfg.dead_maxlen, approximate=True)
-        if entry.request_id is None:
-            pipe.xack(self.keys.requests, self.keys.group, entry.entry_id)
-        await pipe.execute()
+    async def dead_letter(
+        self, entry: RequestEntry, reason: str, deliveries: int = 0, ack: bool = False
+    ) -> None:
+        """Record an entry in the dead-letter stream; acknowledge it when it has no usable id or `ack` says
+        so (otherwise its status, written by the caller, acknowledges it).
+
+        The body is written back byte for byte (bytes that are not UTF-8 included), cut at dead_body_chars;
+        the stream is capped and its old letters trimmed, so a flood of bad entries cannot fill Redis."""
+        body = entry.raw_body
+        if len(body) > self.cfg.dead_body_chars:
+            body = body[: self.cfg.dead_body_chars]
+            reason += f" (body cut to {self.cfg.dead_body_chars} of {len(entry.raw_body)} characters)"
+        oldest = max(0, int(time.time() * 1000) - self.cfg.dead_ttl_ms)
+        commands: list[tuple[str | bytes | int, ...]] = [
+            ("MULTI",),
+            (
+                "XADD", self.keys.dead, "MAXLEN", "~", self.cfg.dead_maxlen, "*",
+                "entry", entry.entry_id, "id", entry.request_id or "", "body", as_bytes(body),
+                "reason", reason, "deliveries", deliveries, "worker", self.name,
+            ),
+            ("XTRIM", self.keys.dead, "MINID", "~", oldest),
+            ("PEXPIRE", self.keys.dead, self.cfg.dead_ttl_ms),
+        ]  # fmt: skip
+        if entry.request_id is None or ack:
+            commands.append(("XACK", self.keys.requests, self.keys.group, entry.entry_id))
+        commands.append(("EXEC",))
+        replies = await self._fast.pipeline(commands, raise_on_error=False)
+        if isinstance(replies[-1], Exception):
+            raise replies[-1]
 
     async def trim(self) -> int:
         """Drop request entries no group still needs (never pending ones)."""
@@ -229,7 +264,10 @@ class StreamConsumer:
         depth = int(g.get("lag") or 0)
         lag = 0.0
         if depth:
-            first = await self.r.xrange(self.keys.requests, min=f"({g['last-delivered-id']}", count=1)
+            # binary-safe: the oldest undelivered entry may be one that is not UTF-8
+            first = await self._fast.execute(
+                "XRANGE", self.keys.requests, f"({g['last-delivered-id']}", "+", "COUNT", 1
+            )
             if first:
                 lag = max(0.0, sec + usec / 1e6 - entry_ms(first[0][0]) / 1000)
         return QueueStats(depth, int(g["pending"]), lag, int(g["consumers"]))

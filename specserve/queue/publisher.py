@@ -62,7 +62,6 @@ class Publisher:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self.flushes = 0
         self._closed = False
 
     def stop(self) -> None:
@@ -121,7 +120,6 @@ class Publisher:
                 log.exception("output flush failed; dropping %d outputs", len(deltas) + len(finals))
                 results = [0] * len(finals)
             delay = 0.02
-            self.flushes += 1
             for f, ok in zip(finals, results):
                 self._expiring.discard(f.request_id)
                 if not f.done.done():

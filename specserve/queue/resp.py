@@ -13,6 +13,11 @@ The server, credentials, database and TLS context are those of the redis-py clie
 errors are redis-py's exceptions, so callers' handling of transient errors (TRANSIENT_ERRORS) is unchanged.
 A lost connection fails what was in flight with ConnectionError and the next command connects again; a
 READONLY reply (a failed-over primary) drops the connection, so the next one reaches the new primary.
+
+Binary-safe: replies are decoded as UTF-8 with surrogateescape, so bytes that are not UTF-8 (anyone can XADD
+them) come back as lone surrogates instead of failing the whole reply, and with it every command behind it
+on the connection. `as_bytes` gives the original bytes back; `is_text` tells whether a value was valid
+UTF-8. A field is checked where it is known to be text (queue/wire.py), so one bad entry fails alone.
 """
 
 from __future__ import annotations
@@ -79,7 +84,9 @@ class Endpoint:
 class _Protocol(asyncio.Protocol):
     def __init__(self, timeout: float) -> None:
         self.loop = asyncio.get_running_loop()
-        self.reader = hiredis.Reader(encoding="utf-8", replyError=_ErrorReply, notEnoughData=False)
+        self.reader = hiredis.Reader(
+            encoding="utf-8", errors="surrogateescape", replyError=_ErrorReply, notEnoughData=False
+        )
         self.waiting: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self.transport: asyncio.Transport | None = None
         self.lost: Exception | None = None
@@ -263,6 +270,22 @@ class RespClient:
             raise RedisConnectionError("the client is closed")
         self._proto = proto
         return proto
+
+
+def is_text(value: str) -> bool:
+    """Whether a decoded reply value was valid UTF-8 (it holds no escaped byte)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def as_bytes(value: str | bytes) -> bytes:
+    """A reply value's original bytes (escaped bytes restored), for writing it back to Redis unchanged."""
+    return value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
 
 
 def fields_dict(flat: list[str] | None) -> dict[str, str]:

@@ -6,12 +6,14 @@ service, so queue/ stays free of the engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from specserve.queue.keys import valid_request_id
+from specserve.queue.resp import is_text
 
 QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED = (
     "queued",
@@ -21,22 +23,13 @@ QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED = (
     "cancelled",
     "expired",
 )
-STATUSES = (QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED)
 TERMINAL = frozenset({FINISHED, FAILED, CANCELLED, EXPIRED})
 
 # Body keys that are not sampling parameters; every other key is handed to SamplingParams.from_dict.
 REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline", "stream"})
-SAMPLING_KEYS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "speculation",
-)
+# A deadline is a unix time; anything past 2100 is a mistake (or an attack: 1e308 overflowed the claim's
+# integer milliseconds). Bounded here, so every later use of it is plain arithmetic.
+MAX_DEADLINE = 4_102_444_800.0
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
 
@@ -74,9 +67,13 @@ class RequestBody:
         return orjson.dumps(body)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestEntry:
-    """One entry of the request stream as a worker reads it."""
+    """One entry of the request stream as a worker reads it.
+
+    Anyone with access to Redis can XADD anything, so nothing here is trusted: values may hold bytes that
+    are not UTF-8 (kept escaped, see queue/resp.py), and the body is parsed only by `decode_body`.
+    """
 
     entry_id: str
     request_id: str | None  # None when the entry has no usable id (it goes to the dead letters)
@@ -87,17 +84,28 @@ class RequestEntry:
     @classmethod
     def from_fields(cls, entry_id: str, fields: dict[str, str]) -> RequestEntry:
         rid = fields.get("id")
+        # W3C trace headers are ASCII; anything else would only break the tracer, so it is dropped.
+        tp, ts = fields.get("traceparent"), fields.get("tracestate")
         return cls(
             entry_id=entry_id,
             request_id=rid if valid_request_id(rid) else None,
             raw_body=fields.get("body", ""),
-            traceparent=fields.get("traceparent"),
-            tracestate=fields.get("tracestate"),
+            traceparent=tp if tp is not None and tp.isascii() else None,
+            tracestate=ts if ts is not None and ts.isascii() else None,
         )
 
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_unix_time(v: Any) -> bool:
+    return (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and 0 <= v <= MAX_DEADLINE
+    )
 
 
 def _message_text(content: Any, index: int) -> str:
@@ -161,8 +169,8 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
     if model is not None and not isinstance(model, str):
         raise WireError("model", "must be a string")
     deadline = data.get("deadline")
-    if deadline is not None and (not isinstance(deadline, (int, float)) or isinstance(deadline, bool)):
-        raise WireError("deadline", "must be a unix time in seconds")
+    if deadline is not None and not _is_unix_time(deadline):
+        raise WireError("deadline", f"must be a unix time in seconds, from 0 to {MAX_DEADLINE:.0f}")
     stream = data.get("stream", True)
     if not isinstance(stream, bool):
         raise WireError("stream", "must be a boolean")
@@ -171,7 +179,17 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
     return RequestBody(prompt, messages, model, deadline, sampling, stream)
 
 
-def decode_body(raw: str | bytes, max_prompt_chars: int | None = None) -> RequestBody:
+def decode_body(
+    raw: str | bytes, max_prompt_chars: int | None = None, max_body_chars: int | None = None
+) -> RequestBody:
+    """Parse and check a raw body; every failure is a WireError naming the field, whatever the input.
+
+    The size is checked before anything is parsed: a raw XADD does not pass the API's body limit, and a
+    50 MB prompt took a worker's loop a minute (and 9 GB) to refuse after tokenizing it."""
+    if max_body_chars is not None and len(raw) > max_body_chars:
+        raise WireError("body", f"too large: {len(raw)} characters, the limit is {max_body_chars}")
+    if isinstance(raw, str) and not is_text(raw):
+        raise WireError("body", "not valid UTF-8")
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -44,6 +44,10 @@ class WorkerConfig:
     cancel_poll_s: float = 0.1
     trim_interval_s: float = 30.0
     stats_interval_s: float = 1.0
+    # Raw XADDs skip the API's limits, so the worker applies the same ones (the API's defaults) before it
+    # parses or tokenizes anything.
+    max_body_chars: int = 1 << 20
+    max_prompt_chars: int = 200_000
 
     @property
     def heartbeat_s(self) -> float:
@@ -89,6 +93,17 @@ def _wall_ns(monotonic: float) -> int:
     return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
 
 
+# Prompts longer than this are tokenized in a thread, inside their own request's task: tokenizing takes a
+# while, and on the loop that does every request's Redis I/O it held up the pull loop and its batch-mates.
+LONG_PROMPT_CHARS = 8192
+
+
+def prompt_chars(body: RequestBody) -> int:
+    if body.messages is not None:
+        return sum(len(m["content"]) for m in body.messages)
+    return len(body.prompt) if isinstance(body.prompt, str) else 0
+
+
 def model_aliases(name: str) -> set[str]:
     base = os.path.basename(name.rstrip("/"))
     return {name, base, base.removesuffix(".gguf")}
@@ -126,7 +141,8 @@ class Worker:
         self.publisher = Publisher(redis, keys, name, ttl_ms, fast=self.fast)
         self.models = model_aliases(engine.model_name)
         self.inflight: dict[str, InFlight] = {}
-        self._admitting = 0
+        self._admitting = 0  # entries read and not yet claimed
+        self._preparing = 0  # requests claimed and being tokenized, not yet in the engine
         self._capacity = asyncio.Event()
         self._pulling: list[asyncio.Task[None]] = []
         self._background: list[asyncio.Task[None]] = []
@@ -200,19 +216,23 @@ class Worker:
             await asyncio.wait(tasks, timeout=self.consumer.cfg.block_ms / 1000 + 2)
 
     async def _hand_back_leftovers(self) -> None:
-        """Entries delivered to us that never started (a read cut short by the drain): release them now."""
-        pending = await self.r.xpending_range(
-            self.keys.requests, self.keys.group, min="-", max="+", count=10_000, consumername=self.name
-        )
-        for p in pending:
-            if p["message_id"] in self._handed_back:
+        """Entries delivered to us that never started (a read cut short by the drain): release them now.
+        One entry that cannot be handed back (no usable id, a broken key) is dead-lettered, never allowed to
+        stop the drain."""
+        pending = await self.consumer.pending_mine()
+        for entry in pending:
+            if entry.entry_id in self._handed_back:
                 continue
-            fields = await self.r.xrange(self.keys.requests, min=p["message_id"], max=p["message_id"])
-            entry = RequestEntry.from_fields(p["message_id"], fields[0][1] if fields else {})
-            if entry.request_id is None:
-                await self.consumer.dead_letter(entry, "entry has no valid id")
-            else:
-                await self.consumer.handback(entry.request_id, entry.entry_id)
+            try:
+                if entry.request_id is None:
+                    await self.consumer.dead_letter(entry, "entry has no valid id")
+                else:
+                    await self.consumer.handback(entry.request_id, entry.entry_id)
+            except TRANSIENT_ERRORS:
+                raise
+            except Exception as err:
+                log.exception("entry %s could not be handed back", entry.entry_id)
+                await self.consumer.dead_letter(entry, f"could not be handed back: {err}", ack=True)
         if not pending:  # deleting a consumer drops its pending entries: only when it has none
             await self.r.xgroup_delconsumer(self.keys.requests, self.keys.group, self.name)
 
@@ -231,7 +251,7 @@ class Worker:
     # ---- taking work ----------------------------------------------------------------------------------
 
     def _room(self) -> int:
-        return self.engine.free_capacity() - self._admitting
+        return self.engine.free_capacity() - self._admitting - self._preparing
 
     async def _pull_loop(self) -> None:
         while not self.draining:
@@ -263,71 +283,81 @@ class Worker:
                 await self._admit(entries)
 
     async def _admit(self, entries: list[RequestEntry], fresh: bool = False) -> None:
+        """Decode, claim and start a batch of entries. Every step is per entry: whatever one entry holds
+        (bytes that are not UTF-8, a body that does not parse, a number out of range, a status key of the
+        wrong type), it ends that entry alone, failed or dead-lettered with a reason."""
         if self.draining:
             return  # read as the drain began: they stay pending here and are handed back
         self._admitting += len(entries)
         try:
-            ok: list[tuple[RequestEntry, RequestBody | WireError]] = []
+            batch: list[tuple[RequestEntry, RequestBody | WireError]] = []
             for e in entries:
                 if e.request_id is None:
-                    await retry_forever(
-                        lambda e=e: self.consumer.dead_letter(e, "entry has no valid id"), what="XADD"
-                    )
+                    self._detach(self._dead_letter(e, "entry has no valid id"))
                     continue
-                if e.request_id in self.inflight:
+                running = self.inflight.get(e.request_id)
+                if running is not None and running.entry.entry_id == e.entry_id:
                     continue  # our own entry came back through XAUTOCLAIM; it is still running here
-                try:
-                    ok.append((e, wire.decode_body(e.raw_body)))
-                except WireError as err:
-                    ok.append((e, err))
-            if not ok:
+                batch.append((e, self._decode(e)))
+            if not batch:
                 return
-            for _, body in ok:
-                if isinstance(body, RequestBody) and isinstance(body.prompt, str) and len(body.prompt) > 8192:
-                    # Tokenising a long prompt takes a while: not on the loop that does everyone's Redis I/O.
-                    # (The engine's own encode of text is the same call, so results do not change.)
-                    body.prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
-            pairs = [(e, b.deadline if isinstance(b, RequestBody) else None) for e, b in ok]
+            pairs = [(e, b.deadline if isinstance(b, RequestBody) else None) for e, b in batch]
             claiming = asyncio.ensure_future(retry_forever(lambda: self.consumer.claim(pairs), what="claim"))
             early: dict[str, Early] = {}
             if fresh:
                 await asyncio.sleep(0)  # the claim goes out first; the engine starts while it is answered
-                early = self._start_early(ok)
+                early = self._start_early(batch)
             try:
                 claims = await claiming
             except BaseException:
                 for started in early.values():
                     self._drop_early(started)
                 raise
-            for (e, body), claim in zip(ok, claims):
-                self._clock_offset = claim.now_ms / 1000 - time.time()
-                self._on_claim(e, body, claim, early.pop(e.entry_id, None))
+            for (e, body), claim in zip(batch, claims):
+                begun = early.pop(e.entry_id, None)
+                try:
+                    if isinstance(claim, Exception):
+                        raise claim
+                    self._clock_offset = claim.now_ms / 1000 - time.time()
+                    self._on_claim(e, body, claim, begun)
+                except Exception as err:
+                    log.exception("entry %s (request %s) could not be taken", e.entry_id, e.request_id)
+                    if begun is not None:
+                        self._drop_early(begun)
+                    self._detach(self._dead_letter(e, f"could not be taken: {err}", ack=True))
         finally:
             self._admitting -= len(entries)
 
-    def _start_early(self, ok: list[tuple[RequestEntry, RequestBody | WireError]]) -> dict[str, Early]:
+    def _decode(self, e: RequestEntry) -> RequestBody | WireError:
+        try:
+            return wire.decode_body(e.raw_body, self.cfg.max_prompt_chars, self.cfg.max_body_chars)
+        except WireError as err:
+            return err
+        except Exception as err:  # whatever the parser chokes on is this body's problem, not the batch's
+            return WireError("body", f"could not be read ({type(err).__name__}: {err})")
+
+    def _start_early(self, batch: list[tuple[RequestEntry, RequestBody | WireError]]) -> dict[str, Early]:
         """Hand fresh requests to the engine while their claim is in flight: the claim's round trip overlaps
         tokenising and the first step instead of preceding them. Only first deliveries (never a poison
-        request's redelivery) with a valid body and no past deadline; whatever the claim then says other than
-        "run" aborts them before any output is written, within a step."""
+        request's redelivery) with a valid, short body and no past deadline; whatever the claim then says
+        other than "run" aborts them before any output is written, within a step."""
         early: dict[str, Early] = {}
         now = time.time() + self._clock_offset
-        for e, body in ok:
+        started: set[str] = set()
+        for e, body in batch:
             rid = e.request_id
-            if not isinstance(body, RequestBody) or rid is None or rid in self.inflight:
+            if not isinstance(body, RequestBody) or rid is None or rid in self.inflight or rid in started:
                 continue
             if body.deadline is not None and body.deadline <= now:
+                continue
+            if prompt_chars(body) > LONG_PROMPT_CHARS:
                 continue
             try:
                 early[e.entry_id] = self._hand_to_engine(rid, body)
             except Exception:  # the claim decides, and _start reports the error the usual way
                 continue
+            started.add(rid)
         return early
-
-    def _hand_to_engine(self, rid: str, body: RequestBody) -> Early:
-        params, prompt = self._prepare(rid, body)
-        started = time.monotonic()
-        return Early(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), started)
 
     def _drop_early(self, started: Early) -> None:
         self.engine.abort(started.request_id)
@@ -369,15 +399,6 @@ class Worker:
     def _start(self, e: RequestEntry, body: RequestBody, claim: Claim, early: Early | None = None) -> None:
         rid = e.request_id
         assert rid is not None
-        try:
-            begun = early or self._hand_to_engine(rid, body)
-        except (InvalidParameter, WireError) as err:
-            self._finish_unstarted(e, wire.FAILED, "error", str(err), err.field, claim.run)
-            return
-        except Exception as err:  # the engine refused it for a reason of its own (e.g. it has failed)
-            log.exception("request %s could not start", rid)
-            self._finish_unstarted(e, wire.FAILED, "error", str(err), None, claim.run)
-            return
         enqueued = entry_ms(e.entry_id)
         ctx = Telemetry.extract(e.traceparent, e.tracestate)
         tracer = self.telemetry.tracer
@@ -396,11 +417,65 @@ class Worker:
         )
         wait.end(end_time=self._local_ns(claim.now_ms))
         self.telemetry.queue_wait.record(max(0.0, (claim.now_ms - enqueued) / 1000))
-        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span, engine_start=begun.started)
+        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span, engine_start=time.monotonic())
         self.inflight[rid] = inf
-        inf.task = asyncio.create_task(self._drive(inf, begun.deltas), name=f"request-{rid}")
+        inf.task = asyncio.create_task(self._run(inf, body, early), name=f"request-{rid}")
 
-    def _prepare(self, rid: str, body: RequestBody) -> tuple[SamplingParams, str | list[int]]:
+    async def _run(self, inf: InFlight, body: RequestBody, early: Early | None) -> None:
+        rid = inf.request_id
+        try:
+            begun = early or await self._begin(rid, body)
+        except Exception as err:
+            field = err.field if isinstance(err, (InvalidParameter, WireError)) else None
+            if field is None:  # the engine refused it for a reason of its own (e.g. it has failed)
+                log.exception("request %s could not start", rid)
+            inf.span.set_status(Status(StatusCode.ERROR, str(err)))
+            inf.span.end()
+            self.inflight.pop(rid, None)
+            self._capacity.set()
+            self._finish_unstarted(
+                inf.entry, wire.FAILED, "error", str(err) or type(err).__name__, field, inf.run
+            )
+            return
+        inf.engine_start = begun.started
+        if inf.ended_by is not None:  # cancelled, expired or handed back while it was being tokenized
+            self.engine.abort(rid)
+        await self._drive(inf, begun.deltas)
+
+    async def _begin(self, rid: str, body: RequestBody) -> Early:
+        if prompt_chars(body) <= LONG_PROMPT_CHARS:
+            return self._hand_to_engine(rid, body)
+        self._params(rid, body)  # a bad field fails before the tokenizer runs
+        self._preparing += 1
+        try:
+            if body.messages is not None:
+                prompt = await asyncio.to_thread(self.engine.encode_chat, body.messages)
+            else:
+                # the engine's own encode of text is the same call, so results do not change
+                prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
+        finally:
+            self._preparing -= 1
+        return self._hand_to_engine(rid, body, prompt)
+
+    def _hand_to_engine(self, rid: str, body: RequestBody, prompt: str | list[int] | None = None) -> Early:
+        params, until_full = self._params(rid, body)
+        try:
+            if prompt is None:
+                prompt = self.engine.encode_chat(body.messages) if body.messages is not None else body.prompt
+            assert prompt is not None
+            if until_full:
+                if isinstance(prompt, str):
+                    prompt = self.engine.tokenizer.encode(prompt)  # as the engine would; we need the length
+                params.max_tokens = max(1, self.engine.max_model_len - len(prompt))
+            started = time.monotonic()
+            return Early(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), started)
+        except InvalidParameter as err:
+            if err.field == "prompt" and body.messages is not None:
+                raise InvalidParameter("messages", err.message) from None  # the field the client sent
+            raise
+
+    def _params(self, rid: str, body: RequestBody) -> tuple[SamplingParams, bool]:
+        """The request's sampling parameters, and whether max_tokens is to fill the context."""
         if body.model is not None and body.model not in self.models:
             raise WireError(
                 "model", f"unknown model {body.model!r}; this worker serves {self.engine.model_name!r}"
@@ -410,24 +485,14 @@ class Worker:
         if until_full:
             del sampling["max_tokens"]
         params = SamplingParams.from_dict(sampling)
-        prompt: str | list[int]
-        if body.messages is not None:
-            prompt = self.engine.encode_chat(body.messages)
-        else:
-            assert body.prompt is not None
-            prompt = body.prompt
         limit = self.engine.max_model_len
-        if until_full:
-            if isinstance(prompt, str):
-                prompt = self.engine.tokenizer.encode(prompt)  # what the engine would do; we need the length
-            params.max_tokens = max(1, limit - len(prompt))
-        elif params.max_tokens > limit:
+        if not until_full and params.max_tokens > limit:
             raise InvalidParameter(
                 "max_tokens", f"is {params.max_tokens}; this model's context is {limit} tokens"
             )
         if params.seed is None and not params.greedy:
             params.seed = stable_seed(rid)
-        return params, prompt
+        return params, until_full
 
     # ---- one request ----------------------------------------------------------------------------------
 
@@ -576,6 +641,19 @@ class Worker:
     async def _dead(self, e: RequestEntry, reason: str, deliveries: int) -> None:
         await retry_forever(lambda: self.consumer.dead_letter(e, reason, deliveries), what="dead letter")
         self._finish_unstarted(e, wire.FAILED, "error", reason)
+
+    async def _dead_letter(self, e: RequestEntry, reason: str, ack: bool = False) -> None:
+        """Dead-letter an entry that cannot be taken at all; a request behind it is told why."""
+        log.warning(
+            "entry %s (request %s): %s; moving it to %s", e.entry_id, e.request_id, reason, self.keys.dead
+        )
+        try:
+            await retry_forever(lambda: self.consumer.dead_letter(e, reason, ack=ack), what="dead letter")
+        except Exception:  # nothing more can be done here; it stays pending and a reclaim tries again
+            log.exception("entry %s could not be dead-lettered", e.entry_id)
+            return
+        if e.request_id is not None:
+            self._finish_unstarted(e, wire.FAILED, "error", reason)
 
     def _detach(self, coro) -> None:
         task = asyncio.create_task(coro)
