@@ -387,3 +387,59 @@ def test_every_number_is_bounded_before_it_is_used(fields):
         assert e.field == name
     else:
         assert name == "deadline" and fields[name] == 0.0  # -0.0 is the epoch: valid, and long past
+
+
+def test_dead_letters_are_capped_trimmed_by_age_and_expire(valkey):
+    """Data at rest: a flood of bad entries cannot fill Redis through the dead-letter stream."""
+    from specserve.queue.connection import connect
+    from specserve.queue.consumer import ConsumerConfig, StreamConsumer
+    from specserve.queue.wire import RequestEntry
+
+    async def main():
+        r = connect(valkey.url)
+        c = StreamConsumer(
+            r, KEYS, "w", ConsumerConfig(dead_maxlen=3, dead_ttl_ms=60_000, dead_body_chars=10)
+        )
+        try:
+            await c.ensure_group()
+            old = "1000-0"  # an entry id from 1970: older than any TTL
+            await r.xadd(KEYS.dead, {"entry": old}, id=old)
+            await c.dead_letter(RequestEntry("1-0", None, "x"), "no id")
+            after_one = await r.xlen(KEYS.dead)  # the old letter trimmed by age, not by the cap
+            for i in range(1, 5):
+                await c.dead_letter(RequestEntry(f"{i + 1}-0", None, "\udcff" + "b" * 20), "no id")
+            letters = await aioredis.Redis.from_url(valkey.url).xrange(KEYS.dead)
+            return after_one, letters, await r.pttl(KEYS.dead)
+        finally:
+            await c.aclose()
+            await r.aclose()
+
+    after_one, letters, ttl = run(main())
+    assert after_one == 1
+    assert [f[b"entry"] for _, f in letters] == [b"3-0", b"4-0", b"5-0"]
+    assert letters[0][1][b"body"] == b"\xff" + b"b" * 9 and b"cut to 10" in letters[0][1][b"reason"]
+    assert 0 < ttl <= 60_000
+
+
+def test_an_unreadable_output_entry_is_skipped_and_the_reader_serves_everyone_else(valkey):
+    from specserve.queue.client import QueueClient
+    from specserve.queue.connection import connect
+    from specserve.queue.wire import OutputEntry
+
+    async def main():
+        async with QueueClient(connect(valkey.url), KEYS) as c:
+            raw = aioredis.Redis.from_url(valkey.url)
+            try:
+                await raw.xadd(KEYS.out("bad"), {b"ids": b"\xff", b"text": b"x"})
+                await raw.xadd(
+                    KEYS.out("bad"), OutputEntry(1, 0, 0, [5], "a", "stop", "finished").to_fields()
+                )
+                await raw.xadd(
+                    KEYS.out("good"), OutputEntry(1, 0, 0, [7], "b", "stop", "finished").to_fields()
+                )
+                return await asyncio.gather(c.wait("bad"), c.wait("good"))
+            finally:
+                await raw.aclose()
+
+    bad, good = run(main(), timeout=20)
+    assert bad.token_ids == [5] and good.token_ids == [7] and good.status == "finished"

@@ -232,11 +232,11 @@ class StreamConsumer:
         commands: list[tuple[str | bytes | int, ...]] = [
             ("MULTI",),
             (
-                "XADD", self.keys.dead, "MAXLEN", "~", self.cfg.dead_maxlen, "*",
+                "XADD", self.keys.dead, "MAXLEN", self.cfg.dead_maxlen, "*",
                 "entry", entry.entry_id, "id", entry.request_id or "", "body", as_bytes(body),
                 "reason", reason, "deliveries", deliveries, "worker", self.name,
             ),
-            ("XTRIM", self.keys.dead, "MINID", "~", oldest),
+            ("XTRIM", self.keys.dead, "MINID", oldest),  # exact: dead letters are rare
             ("PEXPIRE", self.keys.dead, self.cfg.dead_ttl_ms),
         ]  # fmt: skip
         if entry.request_id is None or ack:

@@ -117,9 +117,20 @@ class OutputReader:
                 if key == self._wake_key:
                     self._wake_last = items[-1][0]
                     continue
+                entries = [(eid, _entry(key, eid, fields)) for eid, fields in items]
                 for sub in self._subs.get(key, []):
                     last = _id_tuple(sub.last_id)
-                    for eid, fields in items:
-                        if _id_tuple(eid) > last:
-                            sub.queue.put_nowait((eid, OutputEntry.from_fields(fields_dict(fields))))
+                    for eid, entry in entries:
+                        if entry is not None and _id_tuple(eid) > last:
+                            sub.queue.put_nowait((eid, entry))
                     sub.last_id = max(sub.last_id, items[-1][0], key=_id_tuple)
+
+
+def _entry(key: str, eid: str, fields: list[str]) -> OutputEntry | None:
+    """Only workers write output streams, but anyone with access to Redis can: an entry that does not read
+    is skipped (and logged) instead of failing, again and again, the XREAD that serves every subscriber."""
+    try:
+        return OutputEntry.from_fields(fields_dict(fields))
+    except Exception as e:
+        log.warning("output reader: skipping unreadable entry %s of %s (%s)", eid, key, e)
+        return None

@@ -48,6 +48,8 @@ class WorkerConfig:
     # parses or tokenizes anything.
     max_body_chars: int = 1 << 20
     max_prompt_chars: int = 200_000
+    dead_letter_maxlen: int = 100_000
+    dead_letter_ttl_s: float = 7 * 86400.0
 
     @property
     def heartbeat_s(self) -> float:
@@ -135,6 +137,8 @@ class Worker:
                 ttl_ms=ttl_ms,
                 max_deliveries=self.cfg.max_deliveries,
                 claim_timeout_ms=int(self.cfg.claim_timeout_s * 1000),
+                dead_maxlen=self.cfg.dead_letter_maxlen,
+                dead_ttl_ms=int(self.cfg.dead_letter_ttl_s * 1000),
             ),
             fast=self.fast,
         )
