@@ -460,6 +460,26 @@ def test_an_expired_request_is_a_408_with_openais_error_shape(valkey, tiny_model
         assert (err["param"], err["code"]) == ("timeout", "deadline_expired") and err["message"]
 
 
+def test_a_stream_that_outlives_its_timeout_ends_with_the_same_408_error(valkey, tiny_model_dir):
+    body = {"model": str(tiny_model_dir), "prompt": "Go on", "max_tokens": 1900, "ignore_eos": True}
+
+    async def main():
+        async with (
+            api_stack(valkey.url, tiny_model_dir) as (base, _w, _c),
+            aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
+        ):
+            async with http.post(
+                f"{base}/v1/completions", json={**body, "stream": True, "timeout": 1.0}
+            ) as r:
+                assert r.status == 200
+                return [line[6:] for line in (await r.read()).split(b"\n") if line.startswith(b"data: ")]
+
+    events = run(main())
+    assert events[-1] == b"[DONE]" and len(events) > 3  # it did stream before the deadline stopped it
+    err = orjson.loads(events[-2])["error"]
+    assert (err["type"], err["code"], err["param"]) == ("timeout", "deadline_expired", "timeout")
+
+
 def test_user_must_be_a_string(valkey, tiny_model_dir):
     model = str(tiny_model_dir)
     msgs = [{"role": "user", "content": "x"}]

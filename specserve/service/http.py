@@ -50,9 +50,11 @@ class ApiError(Exception):
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
         self.code = code
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return json_response(body, status=self.status)
+        return json_response(self.body(), status=self.status)
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

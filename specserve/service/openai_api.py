@@ -117,6 +117,7 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
 
 
 def _raise_for(final: OutputEntry | Result) -> None:
+    """The error a failed or expired request answers with (before any byte is sent, or as an SSE event)."""
     if final.status == FAILED:
         if final.error_field:
             raise ApiError(400, final.error or "invalid request", final.error_field)
@@ -241,12 +242,10 @@ class OpenAIRoutes:
                     break
         if final is not None:
             if final.status in (FAILED, EXPIRED):
-                err = {
-                    "message": final.error or final.status,
-                    "type": "server_error",
-                    "param": final.error_field,
-                }
-                await sse_send(resp, {"error": err})
+                try:
+                    _raise_for(final)
+                except ApiError as e:  # the same error a request that ended before streaming gets
+                    await sse_send(resp, e.body())
             else:
                 await sse_send(resp, chunk(None, final.finish_reason))
                 if meta["include_usage"]:
