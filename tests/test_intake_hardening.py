@@ -443,3 +443,30 @@ def test_an_unreadable_output_entry_is_skipped_and_the_reader_serves_everyone_el
 
     bad, good = run(main(), timeout=20)
     assert bad.token_ids == [5] and good.token_ids == [7] and good.status == "finished"
+
+
+def test_an_entry_whose_status_key_is_unusable_is_dead_lettered_once(valkey, tiny_model_dir, tiny_engines):
+    """The claim script fails for one entry (its status key holds a string): that entry alone is
+    dead-lettered and acknowledged, so no later reclaim dead-letters it again; its neighbours run."""
+    ref = _reference(tiny_engines, tiny_model_dir, VALID)
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir, claim_timeout_s=0.3) as (_worker, client):
+            raw = aioredis.Redis.from_url(valkey.url)
+            try:
+                await raw.set(KEYS.req("wrongtype"), b"not a hash")
+                await _xadd_all(
+                    raw,
+                    [{b"id": b"wrongtype", b"body": _body("x")}]
+                    + [{b"id": f"w-{i}".encode(), b"body": _body(p)} for i, p in enumerate(VALID)],
+                )
+                good = [await client.wait(f"w-{i}") for i in range(len(VALID))]
+                await wait_for(lambda: _no_pending(raw), timeout=10, what="the bad entry acknowledged")
+                await asyncio.sleep(1.0)  # a few reclaim periods: nothing comes back to be dead-lettered
+                return good, await _dead(raw)
+            finally:
+                await raw.aclose()
+
+    good, dead = run(main())
+    assert [r.token_ids for r in good] == [ref[p] for p in VALID]
+    assert [d[b"id"] for d in dead] == [b"wrongtype"] and b"WRONGTYPE" in dead[0][b"reason"]

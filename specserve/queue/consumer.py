@@ -216,11 +216,16 @@ class StreamConsumer:
     async def ack(self, entry_id: str) -> None:
         await self.r.xack(self.keys.requests, self.keys.group, entry_id)
 
-    async def dead_letter(
-        self, entry: RequestEntry, reason: str, deliveries: int = 0, ack: bool = False
-    ) -> None:
-        """Record an entry in the dead-letter stream; acknowledge it when it has no usable id or `ack` says
-        so (otherwise its status, written by the caller, acknowledges it).
+    async def ack_mine(self, entry_id: str) -> bool:
+        """Acknowledge an entry if this consumer still owns it."""
+        ok = await self._fast.execute(
+            "EVAL", scripts.ACK_MINE, 1, self.keys.requests, self.keys.group, self.name, entry_id
+        )
+        return bool(ok)
+
+    async def dead_letter(self, entry: RequestEntry, reason: str, deliveries: int = 0) -> None:
+        """Record an entry in the dead-letter stream; acknowledge it when it has no usable id (otherwise
+        its final status, written by the caller, acknowledges it).
 
         The body is written back byte for byte (bytes that are not UTF-8 included), cut at dead_body_chars;
         the stream is capped and its old letters trimmed, so a flood of bad entries cannot fill Redis."""
@@ -239,7 +244,7 @@ class StreamConsumer:
             ("XTRIM", self.keys.dead, "MINID", oldest),  # exact: dead letters are rare
             ("PEXPIRE", self.keys.dead, self.cfg.dead_ttl_ms),
         ]  # fmt: skip
-        if entry.request_id is None or ack:
+        if entry.request_id is None:
             commands.append(("XACK", self.keys.requests, self.keys.group, entry.entry_id))
         commands.append(("EXEC",))
         replies = await self._fast.pipeline(commands, raise_on_error=False)

@@ -187,3 +187,11 @@ for _, g in ipairs(groups) do
 end
 return redis.call('XTRIM', KEYS[1], 'MINID', keep)
 """
+
+# Acknowledge an entry only while this consumer still owns it (an entry another worker has taken over is
+# that worker's to acknowledge). KEYS: requests stream. ARGV: group, consumer, entry id. Returns 1 if acked.
+ACK_MINE = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+return redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+"""

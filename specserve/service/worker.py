@@ -236,7 +236,8 @@ class Worker:
                 raise
             except Exception as err:
                 log.exception("entry %s could not be handed back", entry.entry_id)
-                await self.consumer.dead_letter(entry, f"could not be handed back: {err}", ack=True)
+                await self.consumer.dead_letter(entry, f"could not be handed back: {err}")
+                await self.consumer.ack_mine(entry.entry_id)
         if not pending:  # deleting a consumer drops its pending entries: only when it has none
             await self.r.xgroup_delconsumer(self.keys.requests, self.keys.group, self.name)
 
@@ -328,7 +329,7 @@ class Worker:
                     log.exception("entry %s (request %s) could not be taken", e.entry_id, e.request_id)
                     if begun is not None:
                         self._drop_early(begun)
-                    self._detach(self._dead_letter(e, f"could not be taken: {err}", ack=True))
+                    self._detach(self._dead_letter(e, f"could not be taken: {err}"))
         finally:
             self._admitting -= len(entries)
 
@@ -631,7 +632,8 @@ class Worker:
         error: str | None = None,
         error_field: str | None = None,
         run: int = 0,
-    ) -> None:
+    ) -> asyncio.Future[bool]:
+        """Write the final entry of a request that never ran; the future says whether it was written."""
         assert e.request_id is not None
         final = OutputEntry(run, 0, 0, [], "", reason, status, None, error, error_field)
         fields = {"finish_reason": reason}
@@ -640,24 +642,24 @@ class Worker:
         if error_field:
             fields["error_field"] = error_field
         self.telemetry.requests.add(1, {"status": status})
-        self.publisher.finish(e.request_id, e.entry_id, final, fields)
+        return self.publisher.finish(e.request_id, e.entry_id, final, fields)
 
     async def _dead(self, e: RequestEntry, reason: str, deliveries: int) -> None:
         await retry_forever(lambda: self.consumer.dead_letter(e, reason, deliveries), what="dead letter")
         self._finish_unstarted(e, wire.FAILED, "error", reason)
 
-    async def _dead_letter(self, e: RequestEntry, reason: str, ack: bool = False) -> None:
-        """Dead-letter an entry that cannot be taken at all; a request behind it is told why."""
+    async def _dead_letter(self, e: RequestEntry, reason: str) -> None:
+        """Dead-letter an entry that cannot be taken at all; a request behind it is told why, if its status
+        can be written, and its entry acknowledged either way (or each reclaim would dead-letter it again)."""
         log.warning(
             "entry %s (request %s): %s; moving it to %s", e.entry_id, e.request_id, reason, self.keys.dead
         )
         try:
-            await retry_forever(lambda: self.consumer.dead_letter(e, reason, ack=ack), what="dead letter")
+            await retry_forever(lambda: self.consumer.dead_letter(e, reason), what="dead letter")
+            if e.request_id is not None and not await self._finish_unstarted(e, wire.FAILED, "error", reason):
+                await retry_forever(lambda: self.consumer.ack_mine(e.entry_id), what="XACK")
         except Exception:  # nothing more can be done here; it stays pending and a reclaim tries again
             log.exception("entry %s could not be dead-lettered", e.entry_id)
-            return
-        if e.request_id is not None:
-            self._finish_unstarted(e, wire.FAILED, "error", reason)
 
     def _detach(self, coro) -> None:
         task = asyncio.create_task(coro)
