@@ -142,6 +142,10 @@ def test_timeout_must_be_a_finite_positive_bounded_number(valkey, tiny_model_dir
 
 
 NUMERIC_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "deadline", "speculation"]
+# OpenAI's numeric fields we accept only at their neutral value (or not at all on one of the routes), and
+# stop_token_ids, whose numbers sit in a list.
+NUMERIC_FIELDS += ["n", "best_of", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs"]
+NUMERIC_FIELDS += ["max_completion_tokens", "stop_token_ids"]
 FUZZ_VALUES = ["NaN", "Infinity", "-Infinity", "1e999", "1e308", "-1e308", "-0", str(2**64), "-1", "0.5"]
 
 
@@ -154,7 +158,8 @@ def _fuzz_body(path: str, model: str, field: str, raw: str) -> str:
     else:
         base["prompt"] = "hi"
     base.pop(field, None)
-    return orjson.dumps(base).decode()[:-1] + f', "{field}": {raw}}}'
+    value = f"[{raw}]" if field == "stop_token_ids" else raw
+    return orjson.dumps(base).decode()[:-1] + f', "{field}": {value}}}'
 
 
 def test_numeric_fuzz_is_a_4xx_naming_the_field_or_a_request_that_finishes(valkey, tiny_model_dir):

@@ -116,6 +116,15 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
     return api.validate(body), meta
 
 
+def _as_sent(e: ApiError, data: dict[str, Any]) -> ApiError:
+    """Chat's max_completion_tokens travels as the wire's max_tokens; an error about it (from the API's checks
+    or the worker's) names the field the client sent."""
+    if e.param == "max_tokens" and "max_completion_tokens" in data:
+        e.param = "max_completion_tokens"
+        e.message = e.message.replace("max_tokens", "max_completion_tokens", 1)
+    return e
+
+
 def _raise_for(final: OutputEntry | Result) -> None:
     """The error a failed or expired request answers with (before any byte is sent, or as an SSE event)."""
     if final.status == FAILED:
@@ -158,6 +167,12 @@ class OpenAIRoutes:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         data = await read_json(request)
+        try:
+            return await self._answer(request, data, chat)
+        except ApiError as e:
+            raise _as_sent(e, data) from None
+
+    async def _answer(self, request: web.Request, data: dict[str, Any], chat: bool) -> web.StreamResponse:
         body, meta = _translate(self.api, data, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
