@@ -160,3 +160,17 @@ def test_a_keyless_api_may_bind_loopback_only_unless_allowed(caplog):
     with pytest.raises(SystemExit) as e:  # a malformed entry stops the start, without echoing the token
         exposure(SPECSERVE_API_KEYS="bad name:secret-tok")
     assert "SPECSERVE_API_KEYS" in str(e.value) and "secret-tok" not in str(e.value)
+
+
+def test_worker_settings_reach_the_worker():
+    from specserve.service.launch import _worker_config
+
+    env = {"SPECSERVE_DEAD_LETTER_MAXLEN": "10", "SPECSERVE_DEAD_LETTER_TTL": "60"}
+    env |= {
+        "SPECSERVE_MAX_BODY_BYTES": "4096",
+        "SPECSERVE_MAX_PROMPT_CHARS": "1000",
+        "SPECSERVE_RESULT_TTL": "30",
+    }
+    w = _worker_config(cfg_mod.from_args(_parse([]), environ=env))
+    assert (w.dead_letter_maxlen, w.dead_letter_ttl_s) == (10, 60.0)
+    assert (w.max_body_chars, w.max_prompt_chars, w.ttl_s) == (4096, 1000, 30.0)

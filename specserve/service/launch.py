@@ -152,7 +152,14 @@ def _worker_config(cfg: ServiceConfig):
     from specserve.service.worker import WorkerConfig
 
     return WorkerConfig(
-        ttl_s=cfg.result_ttl, claim_timeout_s=cfg.claim_timeout, max_deliveries=cfg.max_deliveries
+        ttl_s=cfg.result_ttl,
+        claim_timeout_s=cfg.claim_timeout,
+        max_deliveries=cfg.max_deliveries,
+        # Raw XADDs skip the API, so the worker holds them to the API's configured limits.
+        max_body_chars=cfg.max_body_bytes,
+        max_prompt_chars=cfg.max_prompt_chars,
+        dead_letter_maxlen=cfg.dead_letter_maxlen,
+        dead_letter_ttl_s=cfg.dead_letter_ttl,
     )
 
 
