@@ -1,0 +1,1 @@
+"""The red team's scenarios replayed against real processes (see docs/hardening.md)."""

@@ -1,0 +1,201 @@
+"""The server itself misbehaves mid-load: frozen (SIGSTOP) for longer than the claim timeout, then resumed;
+killed with SIGKILL and restarted from its append-only file (same port, data dir and password).
+
+Two worker processes serve concurrent producers; some requests are also followed by streaming readers.
+Every request whose enqueue was acknowledged before the fault finishes exactly once with the reference
+tokens; one whose enqueue failed is retried by its producer with the same id (enqueue is idempotent by id)
+and then finishes exactly once too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from contextlib import aclosing
+
+import pytest
+
+from specserve.queue.client import QueueClient
+from specserve.queue.connection import TRANSIENT_ERRORS, connect
+
+from .conftest import (
+    KEYS,
+    Cluster,
+    Timeline,
+    assert_no_problems,
+    finished_once_problems,
+    group_state,
+    outcomes,
+    raw_redis,
+    reference,
+    run_bounded,
+    unfinished_requests,
+    wait_for,
+    wait_terminal,
+)
+
+pytestmark = pytest.mark.chaos
+
+PARAMS = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+PROMPTS = [f"Item {i} of the load:" for i in range(8)]
+PRODUCERS, PER_PRODUCER = 4, 15
+# Shorter than the freeze below: when the server wakes up, every in-flight entry looks abandoned, and each
+# worker's reclaim may take the other's. That must still end in exactly one finished run per request.
+CLAIM = {"SPECSERVE_CLAIM_TIMEOUT": "2"}
+
+
+class Load:
+    """Producers that enqueue through QueueClient (the Lua ENQUEUE, idempotent by id), retrying a failed or
+    unanswered enqueue with the same id, and streaming readers for every fourth request."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.plan = [
+            [(f"p{p}-r{i}", PROMPTS[(p * PER_PRODUCER + i) % len(PROMPTS)]) for i in range(PER_PRODUCER)]
+            for p in range(PRODUCERS)
+        ]
+        self.prompt_of = {rid: prompt for batch in self.plan for rid, prompt in batch}
+        self.acked: dict[str, float] = {}
+        self.retries = 0
+        self.streamed: dict[str, tuple[list[int], str]] = {}
+        self._readers: list[asyncio.Task[None]] = []
+        self._clients: list[QueueClient] = []
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self.prompt_of)
+
+    async def _produce(self, batch: list[tuple[str, str]]) -> None:
+        client = QueueClient(connect(self.url), KEYS)
+        self._clients.append(client)
+        for i, (rid, prompt) in enumerate(batch):
+            while True:
+                try:
+                    await asyncio.wait_for(client.enqueue({"prompt": prompt, **PARAMS}, rid), 15)
+                    self.acked[rid] = time.monotonic()
+                    break
+                except (asyncio.TimeoutError, *TRANSIENT_ERRORS):
+                    self.retries += 1
+                    await asyncio.sleep(0.2)
+            if i % 4 == 0:
+                self._readers.append(asyncio.create_task(self._read(client, rid)))
+            await asyncio.sleep(0.1)
+
+    async def _read(self, client: QueueClient, rid: str) -> None:
+        ids, text = [], ""
+        async with aclosing(client.stream(rid)) as deltas:
+            async for d in deltas:
+                ids += d.token_ids
+                text += d.text
+        self.streamed[rid] = (ids, text)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self._produce(batch) for batch in self.plan))
+
+    async def readers_done(self, timeout: float) -> None:
+        done, pending = await asyncio.wait(self._readers, timeout=timeout)
+        for t in pending:
+            t.cancel()
+        for t in done:
+            t.result()
+        assert not pending, f"{len(pending)} streaming readers never saw their final entry"
+
+    async def aclose(self) -> None:
+        for t in self._readers:
+            t.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for c in self._clients:
+            await c.aclose()
+
+
+async def _load_through(cluster: Cluster, model_dir, fault, name: str) -> dict:
+    t = Timeline(name)
+    workers = [cluster.worker(f"w{i}", **CLAIM) for i in range(2)]
+    load = Load(cluster.valkey.url)
+    try:
+        for w in workers:
+            await w.ready()
+        t.mark("workers ready")
+        producing = asyncio.create_task(load.run())
+
+        async def a_third_acked() -> bool:
+            return len(load.acked) >= len(load.ids) // 3
+
+        await wait_for(a_third_acked, timeout=60, what="a third of the load enqueued")
+        acked_before = set(load.acked)
+        r = raw_redis(cluster.valkey)
+        try:
+            running = await _running(r, load.ids)
+        finally:
+            await r.aclose()
+        t.mark(f"fault: {len(acked_before)} enqueues acknowledged, {running} requests running")
+        await fault()
+        t.mark("fault over")
+        await asyncio.wait_for(producing, 120)
+        t.mark(f"every enqueue acknowledged ({load.retries} retried)")
+        r = raw_redis(cluster.valkey)
+        try:
+            await wait_terminal(r, load.ids, timeout=120, cluster=cluster)
+            t.mark("every request ended")
+            await load.readers_done(timeout=30)
+            refs = dict(zip(PROMPTS, reference(model_dir, PROMPTS, **PARAMS)))
+            got = await outcomes(r, load.ids)
+            problems = {rid: finished_once_problems(got[rid], *refs[load.prompt_of[rid]]) for rid in load.ids}
+            for rid, seen in load.streamed.items():
+                if seen != refs[load.prompt_of[rid]]:
+                    problems[rid].append(f"streaming reader saw {seen}")
+            assert_no_problems(problems, "requests", cluster)
+            assert await unfinished_requests(r) == {}
+            g = await group_state(r)
+            assert (g["pending"], g["lag"]) == (0, 0), g
+            reruns = sum(int(o.info["run"]) > 1 for o in got.values())
+            return {
+                "requests": len(load.ids),
+                "acked_before_fault": len(acked_before),
+                "running_at_fault": running,
+                "finished_once": len(load.ids),
+                "enqueue_retries": load.retries,
+                "reruns": reruns,
+                "streamed": len(load.streamed),
+            }
+        finally:
+            await r.aclose()
+    finally:
+        await load.aclose()
+
+
+async def _running(r, ids: list[str]) -> int:
+    pipe = r.pipeline(transaction=False)
+    for rid in ids:
+        pipe.hget(KEYS.req(rid), "status")
+    return sum(s == b"running" for s in await pipe.execute())
+
+
+def test_valkey_frozen_past_the_claim_timeout_mid_load(cluster, tiny_model_dir):
+    pid = cluster.valkey.proc.pid
+
+    async def freeze():
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(4.0)  # twice the claim timeout
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    figures = run_bounded(_load_through(cluster, tiny_model_dir, freeze, "sigstop"), timeout=220)
+    print("valkey SIGSTOP 4 s:", figures)
+
+
+def test_valkey_killed_and_restarted_from_its_aof_mid_load(cluster, tiny_model_dir):
+    server = cluster.valkey
+    port, password, data = server.port, server.password, server.data_dir
+
+    async def crash():
+        server.kill()  # SIGKILL: no shutdown, no final fsync
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(server.start)
+        assert (server.port, server.password, server.data_dir) == (port, password, data)
+
+    figures = run_bounded(_load_through(cluster, tiny_model_dir, crash, "kill9"), timeout=220)
+    print("valkey kill -9 + restart:", figures)

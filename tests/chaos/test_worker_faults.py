@@ -1,0 +1,170 @@
+"""Workers that die (SIGKILL) or drain (SIGTERM) with a poison entry pending: red-team finding F1.
+
+A worker's own blocking read takes a mixed batch (non-UTF-8 id, field name and body, and valid requests, all
+added in one MULTI) while it also runs long requests; then it is killed, or told to drain, before it handles
+that batch. Another worker process takes over. Every valid request must finish exactly once with the
+reference tokens, the poison must end alone: `failed` with `error_field` `body` where its id is usable, in the
+dead letters (by entry id, with a reason) where it is not; nothing may stay queued, running or pending.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import orjson
+import pytest
+
+from specserve.queue.client import QueueClient
+from specserve.queue.connection import connect
+
+from .conftest import (
+    KEYS,
+    Cluster,
+    Timeline,
+    assert_no_problems,
+    dead_letters,
+    deliver_to_frozen,
+    finished_once_problems,
+    non_utf8_entries,
+    outcomes,
+    poison_problems,
+    raw_redis,
+    reference,
+    run_bounded,
+    unfinished_requests,
+    wait_for,
+    wait_settled,
+    wait_terminal,
+)
+
+pytestmark = pytest.mark.chaos
+
+# Still running when the worker goes (it is frozen right after their first tokens), and, for the drain, well
+# past its 0.5 s grace period.
+LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+SHORT = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+LONG_PROMPTS = [f"Long story {i}:" for i in range(4)]
+BATCH_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
+CLAIM = {"SPECSERVE_CLAIM_TIMEOUT": "1.5"}
+
+
+def _mixed_batch(tag: str) -> tuple[list[dict[bytes, bytes]], list[str], list[tuple[str, str | None]]]:
+    """Poison and valid entries interleaved, the red team's repro first (a bad body, then valid entries)."""
+    poison = non_utf8_entries(tag)
+    valid_ids = [f"{tag}-ok{i}" for i in range(len(BATCH_PROMPTS))]
+    valid = [{b"id": rid.encode(), b"body": _body(p, SHORT)} for rid, p in zip(valid_ids, BATCH_PROMPTS)]
+    entries = [poison[0][2], valid[0], valid[1], poison[1][2], valid[2], poison[2][2]]
+    return entries, valid_ids, [(kind, rid) for kind, rid, _ in poison]
+
+
+def _body(prompt: str, params: dict) -> bytes:
+    return orjson.dumps({"prompt": prompt, **params})
+
+
+async def _start_long(client: QueueClient, r, tag: str) -> list[str]:
+    ids = [
+        (await client.enqueue({"prompt": p, **LONG}, f"{tag}-long{i}")).id for i, p in enumerate(LONG_PROMPTS)
+    ]
+
+    async def all_streaming() -> bool:
+        return all([await r.exists(KEYS.out(rid)) for rid in ids])
+
+    await wait_for(all_streaming, timeout=60, what="tokens of every long request")
+    return ids
+
+
+async def _audit(r, cluster: Cluster, model_dir, long_ids, valid_ids, entry_ids, poison) -> dict:
+    """The exactly-once audit shared by both scenarios; returns the figures."""
+    ids = long_ids + valid_ids
+    refs = reference(model_dir, LONG_PROMPTS, **LONG) + reference(model_dir, BATCH_PROMPTS, **SHORT)
+    got = await outcomes(r, ids)
+    assert_no_problems(
+        {rid: finished_once_problems(got[rid], *ref) for rid, ref in zip(ids, refs)},
+        "valid requests",
+        cluster,
+    )
+    dead = await dead_letters(r)
+    poisoned = await outcomes(r, [rid for _, rid in poison if rid is not None])
+    problems = poison_problems(poison, entry_ids, dead, poisoned)
+    assert_no_problems(problems, "poison entries", cluster)
+    assert await unfinished_requests(r) == {}
+    return {"valid": len(ids), "finished_once": len(ids), "poison": len(poison), "dead_letters": len(dead)}
+
+
+def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
+    victim = cluster.worker("victim", **CLAIM)
+    t = Timeline("kill")
+
+    async def main():
+        r = raw_redis(cluster.valkey)
+        client = QueueClient(connect(cluster.valkey.url), KEYS)
+        try:
+            await victim.ready()
+            t.mark("victim ready")
+            long_ids = await _start_long(client, r, "k")
+            t.mark("long requests streaming")
+            entries, valid_ids, poison = _mixed_batch("k")
+            # The victim reads the batch itself, and dies before handling it, mid-generation of the long ones.
+            batch_ids = await deliver_to_frozen(r, victim, entries)
+            victim.signal(signal.SIGKILL)
+            await victim.wait_exit(30)
+            t.mark("victim killed with the batch pending")
+            before = [await client.info(rid) for rid in long_ids]
+            assert all(b["status"] == "running" and b["worker"] == "victim" for b in before), before
+            rescuer = cluster.worker("rescuer", **CLAIM)
+            await rescuer.ready()
+            t.mark("rescuer ready")
+            await wait_terminal(r, long_ids + valid_ids, timeout=90, cluster=cluster)
+            t.mark("valid requests ended")
+            await wait_settled(r)
+            t.mark("nothing pending")
+            poison_entry_ids = [batch_ids[0], batch_ids[3], batch_ids[5]]
+            figures = await _audit(r, cluster, tiny_model_dir, long_ids, valid_ids, poison_entry_ids, poison)
+            infos = [await client.info(rid) for rid in long_ids]
+            assert all(i["run"] == "2" and i["worker"] == "rescuer" for i in infos), infos  # rerun there
+            return figures
+        finally:
+            await client.aclose()
+            await r.aclose()
+
+    print("kill with poison pending:", run_bounded(main(), timeout=200))
+
+
+def test_worker_drains_on_sigterm_with_a_poison_batch_pending(cluster, tiny_model_dir):
+    # A short grace period: the long requests cannot finish within it and are handed back.
+    drainer = cluster.worker("drainer", SPECSERVE_DRAIN_TIMEOUT="0.5", **CLAIM)
+    t = Timeline("drain")
+
+    async def main():
+        r = raw_redis(cluster.valkey)
+        client = QueueClient(connect(cluster.valkey.url), KEYS)
+        try:
+            await drainer.ready()
+            t.mark("drainer ready")
+            long_ids = await _start_long(client, r, "d")
+            entries, valid_ids, poison = _mixed_batch("d")
+            batch_ids = await deliver_to_frozen(r, drainer, entries)
+            # SIGTERM arrives while the batch sits unread in its socket: the drain meets it pending.
+            drainer.signal(signal.SIGTERM)
+            drainer.thaw()
+            rc = await drainer.wait_exit(60)
+            assert rc == 0, cluster.logs()
+            t.mark("drained and exited 0")
+            handed = [await client.info(rid) for rid in long_ids]
+            assert all(h["status"] == "queued" and int(h.get("handoffs", 0)) >= 1 for h in handed), handed
+            taker = cluster.worker("taker", **CLAIM)
+            await taker.ready()
+            t.mark("taker ready")
+            await wait_terminal(r, long_ids + valid_ids, timeout=90, cluster=cluster)
+            await wait_settled(r)
+            t.mark("every request ended, nothing pending")
+            poison_entry_ids = [batch_ids[0], batch_ids[3], batch_ids[5]]
+            figures = await _audit(r, cluster, tiny_model_dir, long_ids, valid_ids, poison_entry_ids, poison)
+            infos = [await client.info(rid) for rid in long_ids]
+            assert all(i["worker"] == "taker" for i in infos), infos
+            return figures
+        finally:
+            await client.aclose()
+            await r.aclose()
+
+    print("drain with poison pending:", run_bounded(main(), timeout=200))
