@@ -12,6 +12,19 @@ from typing import Any
 from specserve.queue.keys import DEFAULT_PREFIX
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """What the API's and the health server's HTTP listeners put up with (service/http.py `serve`)."""
+
+    max_connections: int = 1000  # open client connections; more are answered 503 and closed at once
+    header_timeout_s: float = 15.0  # connect (or a kept-alive connection's next first byte) to full headers
+    body_timeout_s: float = 60.0  # to read a whole request body
+    keepalive_timeout_s: float = 75.0  # an idle kept-alive connection; above common proxies' 60 s reuse
+
+
+_LIMITS = HttpLimits()
+
+
 def _opt(env: str | None, default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"env": env, "help": help, "flag": flag, **kw})
 
@@ -67,14 +80,20 @@ class ServiceConfig:
     max_body_bytes: int = _opt("SPECSERVE_MAX_BODY_BYTES", 1 << 20, "largest request body")
     max_prompt_chars: int = _opt("SPECSERVE_MAX_PROMPT_CHARS", 200_000, "longest prompt the API accepts")
     max_connections: int = _opt(
-        "SPECSERVE_MAX_CONNECTIONS", 1000, "open HTTP connections; more are answered 503 and closed"
+        "SPECSERVE_MAX_CONNECTIONS",
+        _LIMITS.max_connections,
+        "open HTTP connections; more are answered 503 and closed",
     )
     header_timeout: float = _opt(
-        "SPECSERVE_HEADER_TIMEOUT", 15.0, "seconds for a client to send a request's headers"
+        "SPECSERVE_HEADER_TIMEOUT", _LIMITS.header_timeout_s, "seconds for a client to send request headers"
     )
-    body_timeout: float = _opt("SPECSERVE_BODY_TIMEOUT", 60.0, "seconds for a client to send a request body")
+    body_timeout: float = _opt(
+        "SPECSERVE_BODY_TIMEOUT", _LIMITS.body_timeout_s, "seconds for a client to send a request body"
+    )
     keepalive_timeout: float = _opt(
-        "SPECSERVE_KEEPALIVE_TIMEOUT", 75.0, "seconds an idle kept-alive HTTP connection stays open"
+        "SPECSERVE_KEEPALIVE_TIMEOUT",
+        _LIMITS.keepalive_timeout_s,
+        "seconds an idle HTTP connection stays open",
     )
     embedded_maxmemory: str = _opt(
         "SPECSERVE_EMBEDDED_MAXMEMORY", "1gb", "embedded server's maxmemory (noeviction; 0: no limit)"
@@ -116,6 +135,14 @@ class ServiceConfig:
             text = Path(self.api_keys_file).read_text()
             keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
         return keys
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_connections=self.max_connections,
+            header_timeout_s=self.header_timeout,
+            body_timeout_s=self.body_timeout,
+            keepalive_timeout_s=self.keepalive_timeout,
+        )
 
     def speculative_config(self) -> dict[str, Any] | None:
         if self.speculative_method == "none":

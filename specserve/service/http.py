@@ -19,6 +19,8 @@ import orjson
 from aiohttp import web
 from redis.exceptions import OutOfMemoryError
 
+from specserve.service.config import HttpLimits
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -244,19 +246,6 @@ async def sse_send(
 
 
 # ---- slow clients and connection floods --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class HttpLimits:
-    max_connections: int = 1000  # open client connections; more are answered 503 and closed at once
-    header_timeout_s: float = 15.0  # connect (or a kept-alive connection's next first byte) to full headers
-    body_timeout_s: float = 60.0  # to read a whole request body
-    keepalive_timeout_s: float = 75.0  # an idle kept-alive connection; above common proxies' 60 s reuse
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: must be positive")
 
 
 # Unread bytes of a refused request are drained this long before closing, so the client still gets the answer

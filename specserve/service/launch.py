@@ -19,7 +19,7 @@ from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
 from specserve.service.api import Api, ApiSettings, add_health_routes
 from specserve.service.config import ServiceConfig
-from specserve.service.http import HttpLimits, parse_api_keys, serve
+from specserve.service.http import parse_api_keys, serve
 from specserve.service.telemetry import Telemetry
 
 log = logging.getLogger("specserve")
@@ -100,15 +100,6 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-def _limits(cfg: ServiceConfig) -> HttpLimits:
-    return HttpLimits(
-        max_connections=cfg.max_connections,
-        header_timeout_s=cfg.header_timeout,
-        body_timeout_s=cfg.body_timeout,
-        keepalive_timeout_s=cfg.keepalive_timeout,
-    )
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -181,13 +172,13 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
             ready = (lambda: worker is not None and worker.ready) if with_worker else None
             api = Api(client, telemetry, _api_settings(cfg, served), model_ready=ready)
             app = api.app(refresh_queue_stats=not with_worker)
-            runners.append(await serve(app, cfg.host, cfg.port, _limits(cfg)))
+            runners.append(await serve(app, cfg.host, cfg.port, cfg.http_limits()))
             log.info("API on http://%s:%d", cfg.host, cfg.port)
         elif with_worker and cfg.health_port:
             health = web.Application()
             probe = Api(client, telemetry, model_ready=lambda: worker is not None and worker.ready)
             add_health_routes(health, telemetry, probe.readiness)
-            runners.append(await serve(health, cfg.host, cfg.health_port, _limits(cfg)))
+            runners.append(await serve(health, cfg.host, cfg.health_port, cfg.http_limits()))
             log.info("worker health on http://%s:%d", cfg.host, cfg.health_port)
         if with_worker:
             from specserve.service.worker import Worker  # imports the engine: only where a worker runs
