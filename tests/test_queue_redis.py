@@ -109,7 +109,7 @@ def test_raw_xadd_duplicates_are_recognised_by_the_worker(valkey):
             await r.xadd(KEYS.requests, {"id": "dup", "body": '{"prompt": "x"}'})
         entries = await w.read_new(10, block_ms=100)
         claims = await w.claim([(e, None) for e in entries])
-        assert [c.action for c in claims] == ["run", "duplicate"]
+        assert [c.verdict.value for c in claims] == ["run", "duplicate"]
         info = await r.hgetall(KEYS.req("dup"))
         assert info["status"] == "running" and info["entry"] == entries[0].entry_id and info["run"] == "1"
         await r.aclose()
@@ -132,14 +132,14 @@ def test_claim_verdicts(valkey):
         entries = await w.read_new(10, block_ms=100)
         deadlines = {"late": 1.0}  # 1970: long gone
         claims = await w.claim([(e, deadlines.get(e.request_id)) for e in entries])
-        assert {e.request_id: cl.action for e, cl in zip(entries, claims)} == {
+        assert {e.request_id: cl.verdict.value for e, cl in zip(entries, claims)} == {
             "cancelled-before": "cancel",
             "late": "expire",
             "already-done": "done",
             "fine": "run",
         }
         other = _consumer(r, "w2")
-        assert [cl.action for cl in await other.claim([(entries[-1], None)])] == ["notmine"]
+        assert [cl.verdict.value for cl in await other.claim([(entries[-1], None)])] == ["notmine"]
         await r.aclose()
 
     run(main())
@@ -161,7 +161,7 @@ def test_entries_redelivered_too_often_are_declared_dead(valkey):
         live = _consumer(r, "live", claim_timeout_ms=0, max_deliveries=2)
         (entry,) = await live.reclaim(1)
         (claim,) = await live.claim([(entry, None)])
-        assert claim.action == "dead" and claim.detail == "3"
+        assert claim.verdict.value == "dead" and claim.detail == "3"
         await live.dead_letter(entry, "delivered 3 times", 3)
         ((_, dead),) = await r.xrange(KEYS.dead)
         assert dead["id"] == "p1" and dead["deliveries"] == "3" and dead["entry"] == entry.entry_id
@@ -365,7 +365,7 @@ def test_acl_user_limited_to_the_prefix_can_run_the_queue(valkey):
             await w.ensure_group()
             await c.enqueue({"prompt": "x"}, "acl")
             (entry,) = await w.read_new(1, block_ms=100)
-            assert [cl.action for cl in await w.claim([(entry, None)])] == ["run"]
+            assert [cl.verdict.value for cl in await w.claim([(entry, None)])] == ["run"]
             with pytest.raises(NoPermissionError):
                 await c.r.set("other:key", "1")
         await admin.aclose()

@@ -5,6 +5,7 @@ Knows Redis and the wire format only; the service decides what to run.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -41,17 +42,27 @@ async def ensure_group(redis: Redis, keys: Keys) -> None:
             raise
 
 
-@dataclass
-class Claim:
-    """What to do with an entry just read (the CLAIM script's verdict)."""
+class ClaimVerdict(enum.Enum):
+    """The CLAIM script's answer for an entry just read (scripts.CLAIM)."""
 
-    action: str  # run | duplicate | done | cancel | expire | dead | notmine
+    RUN = "run"  # ours to run now
+    DUPLICATE = "duplicate"  # another entry of the same id is the request: acknowledge this one
+    DONE = "done"  # the request already ended: acknowledge
+    CANCEL = "cancel"  # cancelled while queued: end it cancelled
+    EXPIRE = "expire"  # its deadline passed before it started: end it expired
+    DEAD = "dead"  # delivered too often without finishing: dead-letter it
+    NOTMINE = "notmine"  # another worker took it meanwhile: leave it
+
+
+@dataclass(frozen=True)
+class Claim:
+    verdict: ClaimVerdict
     detail: str  # run: the run number; dead: the delivery count; duplicate/done: the current status
-    now_ms: int
+    now_ms: int  # the server's clock
 
     @property
     def run(self) -> int:
-        return int(self.detail) if self.action == "run" else 0
+        return int(self.detail) if self.verdict is ClaimVerdict.RUN else 0
 
 
 @dataclass
@@ -181,7 +192,9 @@ class StreamConsumer:
                 )
             )
         replies = await self._fast.pipeline(commands, raise_on_error=False)
-        return [r if isinstance(r, Exception) else Claim(str(r[0]), str(r[1]), int(r[2])) for r in replies]
+        return [
+            r if isinstance(r, Exception) else Claim(ClaimVerdict(r[0]), str(r[1]), int(r[2])) for r in replies
+        ]
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of our in-flight entries; returns those another worker has taken."""

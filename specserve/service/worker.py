@@ -1,36 +1,42 @@
-"""The worker: one asyncio loop between the request stream and the engine.
+"""The worker: one asyncio loop between the request stream and the engine (its lifecycle and admission).
 
-Pull only what the engine can admit now (work waits in Redis, not here), start each request, publish its
-tokens as they come (batched), acknowledge after the final entry is written, keep in-flight entries fresh so
-no other worker takes them, take over entries of dead workers, and on SIGTERM drain: stop pulling, finish
-or hand back in-flight work within the grace period.
+Pull only what the engine can admit now (work waits in Redis, not here), claim and start each request
+(service/running.py runs it; service/outcome.py says how it ends), acknowledge after the final entry is
+written, keep in-flight entries fresh so no other worker takes them, take over entries of dead workers,
+and on SIGTERM drain: stop pulling, finish or hand back in-flight work within the grace period.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 from specserve.engine.async_engine import AsyncLLMEngine
-from specserve.engine.outputs import StepDelta
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.sampling_params import InvalidParameter
 from specserve.queue import wire
 from specserve.queue.connection import TRANSIENT_ERRORS, retry_forever
-from specserve.queue.consumer import Claim, ConsumerConfig, StreamConsumer, entry_ms
+from specserve.queue.consumer import Claim, ClaimVerdict, ConsumerConfig, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
 from specserve.queue.resp import RespClient
-from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError
+from specserve.queue.wire import RequestBody, RequestEntry, WireError
+from specserve.service.outcome import Ending, Final, Outcome, finalize, unstarted
+from specserve.service.running import (
+    LONG_PROMPT_CHARS,
+    RequestState,
+    Runner,
+    ServerClock,
+    Started,
+    prompt_chars,
+)
 from specserve.service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -58,57 +64,6 @@ class WorkerConfig:
     @property
     def reclaim_s(self) -> float:
         return min(5.0, self.claim_timeout_s / 2)
-
-
-@dataclass
-class InFlight:
-    entry: RequestEntry
-    request_id: str
-    run: int
-    enqueued_ms: int
-    deadline: float | None
-    span: Span
-    ended_by: str | None = None  # cancelled | expired | lost | handback: why we aborted it
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    task: asyncio.Task[None] | None = None
-    engine_start: float = 0.0  # time.monotonic() when the engine took it
-    engine_end: float | None = None  # ... and when its final output came back
-
-
-@dataclass
-class Early:
-    """A fresh request handed to the engine before its claim came back."""
-
-    request_id: str
-    deltas: AsyncIterator[StepDelta]
-    started: float  # time.monotonic()
-
-
-def stable_seed(request_id: str) -> int:
-    """Seed for a sampled request that gave none, so a rerun after a crash draws the same tokens."""
-    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
-
-
-def _wall_ns(monotonic: float) -> int:
-    """A time.monotonic() reading as the wall-clock nanoseconds that spans take."""
-    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
-
-
-# Prompts longer than this are tokenized in a thread, inside their own request's task: tokenizing takes a
-# while, and on the loop that does every request's Redis I/O it held up the pull loop and its batch-mates.
-LONG_PROMPT_CHARS = 8192
-
-
-def prompt_chars(body: RequestBody) -> int:
-    if body.messages is not None:
-        return sum(len(m["content"]) for m in body.messages)
-    return len(body.prompt) if isinstance(body.prompt, str) else 0
-
-
-def model_aliases(name: str) -> set[str]:
-    base = os.path.basename(name.rstrip("/"))
-    return {name, base, base.removesuffix(".gguf")}
 
 
 class Worker:
@@ -143,16 +98,15 @@ class Worker:
             fast=self.fast,
         )
         self.publisher = Publisher(redis, keys, name, ttl_ms, fast=self.fast)
-        self.models = model_aliases(engine.model_name)
-        self.inflight: dict[str, InFlight] = {}
+        self.clock = ServerClock()
+        self.runner = Runner(engine, self.publisher, self.telemetry, self.clock)
+        self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
-        self._preparing = 0  # requests claimed and being tokenized, not yet in the engine
         self._capacity = asyncio.Event()
         self._pulling: list[asyncio.Task[None]] = []
         self._background: list[asyncio.Task[None]] = []
-        self._detached: set[asyncio.Task[Any]] = set()
+        self._detached: set[asyncio.Task[Any]] = set()  # acks, dead letters, aborted early starts
         self._handed_back: set[str] = set()  # entry ids: still pending here, but idle for others to take
-        self._clock_offset = 0.0  # server clock - local clock, from claim replies
         self.draining = False  # stop taking work
         self._closed = False  # stop everything
         self.redis_ok = False
@@ -192,11 +146,9 @@ class Worker:
             self._capacity.clear()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._capacity.wait(), timeout=0.05)
-        for inf in list(self.inflight.values()):
-            if inf.ended_by is None:
-                inf.ended_by = "handback"
-                self.engine.abort(inf.request_id)
-        tasks = [inf.task for inf in self.inflight.values() if inf.task is not None] + list(self._detached)
+        for state in list(self.inflight.values()):
+            self._end(state, Ending.HANDBACK)
+        tasks = [s.task for s in self.inflight.values() if s.task is not None] + list(self._detached)
         if tasks:
             await asyncio.wait(tasks, timeout=10)
         with contextlib.suppress(asyncio.TimeoutError):
@@ -253,10 +205,15 @@ class Worker:
             except Exception:
                 log.exception("%s failed", getattr(fn, "__name__", fn))
 
-    # ---- taking work ----------------------------------------------------------------------------------
+    def _detach(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._detached.add(task)
+        task.add_done_callback(self._detached.discard)
+
+    # ---- admission ------------------------------------------------------------------------------------
 
     def _room(self) -> int:
-        return self.engine.free_capacity() - self._admitting - self._preparing
+        return self.engine.free_capacity() - self._admitting - self.runner.preparing
 
     async def _pull_loop(self) -> None:
         while not self.draining:
@@ -308,7 +265,7 @@ class Worker:
                 return
             pairs = [(e, b.deadline if isinstance(b, RequestBody) else None) for e, b in batch]
             claiming = asyncio.ensure_future(retry_forever(lambda: self.consumer.claim(pairs), what="claim"))
-            early: dict[str, Early] = {}
+            early: dict[str, Started] = {}
             if fresh:
                 await asyncio.sleep(0)  # the claim goes out first; the engine starts while it is answered
                 early = self._start_early(batch)
@@ -316,19 +273,19 @@ class Worker:
                 claims = await claiming
             except BaseException:
                 for started in early.values():
-                    self._drop_early(started)
+                    self._detach(self.runner.abort(started))
                 raise
             for (e, body), claim in zip(batch, claims):
                 begun = early.pop(e.entry_id, None)
                 try:
                     if isinstance(claim, Exception):
                         raise claim
-                    self._clock_offset = claim.now_ms / 1000 - time.time()
+                    self.clock.offset = claim.now_ms / 1000 - time.time()
                     self._on_claim(e, body, claim, begun)
                 except Exception as err:
                     log.exception("entry %s (request %s) could not be taken", e.entry_id, e.request_id)
                     if begun is not None:
-                        self._drop_early(begun)
+                        self._detach(self.runner.abort(begun))
                     self._detach(self._dead_letter(e, f"could not be taken: {err}"))
         finally:
             self._admitting -= len(entries)
@@ -341,13 +298,13 @@ class Worker:
         except Exception as err:  # whatever the parser chokes on is this body's problem, not the batch's
             return WireError("body", f"could not be read ({type(err).__name__}: {err})")
 
-    def _start_early(self, batch: list[tuple[RequestEntry, RequestBody | WireError]]) -> dict[str, Early]:
+    def _start_early(self, batch: list[tuple[RequestEntry, RequestBody | WireError]]) -> dict[str, Started]:
         """Hand fresh requests to the engine while their claim is in flight: the claim's round trip overlaps
         tokenising and the first step instead of preceding them. Only first deliveries (never a poison
         request's redelivery) with a valid, short body and no past deadline; whatever the claim then says
         other than "run" aborts them before any output is written, within a step."""
-        early: dict[str, Early] = {}
-        now = time.time() + self._clock_offset
+        early: dict[str, Started] = {}
+        now = self.clock.now()
         started: set[str] = set()
         for e, body in batch:
             rid = e.request_id
@@ -358,50 +315,42 @@ class Worker:
             if prompt_chars(body) > LONG_PROMPT_CHARS:
                 continue
             try:
-                early[e.entry_id] = self._hand_to_engine(rid, body)
-            except Exception:  # the claim decides, and _start reports the error the usual way
+                early[e.entry_id] = self.runner.start(rid, body)
+            except Exception:  # the claim decides, and _run reports the error the usual way
                 continue
             started.add(rid)
         return early
 
-    def _drop_early(self, started: Early) -> None:
-        self.engine.abort(started.request_id)
-
-        async def drain() -> None:  # the abort's final delta ends the stream and frees its queue
-            async for _ in started.deltas:
-                pass
-
-        self._detach(drain())
-
     def _on_claim(
-        self, e: RequestEntry, body: RequestBody | WireError, claim: Claim, early: Early | None = None
+        self, e: RequestEntry, body: RequestBody | WireError, claim: Claim, early: Started | None = None
     ) -> None:
         rid = e.request_id
         assert rid is not None
-        act = claim.action
-        if act == "notmine":
-            pass
-        elif act in ("duplicate", "done"):
-            self._detach(retry_forever(lambda: self.consumer.ack(e.entry_id), what="XACK"))
-        elif act == "cancel":
-            self._finish_unstarted(e, wire.CANCELLED, "abort")
-        elif act == "expire":
-            self._finish_unstarted(
-                e, wire.EXPIRED, "abort", "the deadline passed before it started", "deadline"
-            )
-        elif act == "dead":
-            reason = f"delivered {claim.detail} times without finishing"
-            log.warning("request %s: %s; moving it to %s", rid, reason, self.keys.dead)
-            self._detach(self._dead(e, reason, int(claim.detail)))
-        elif isinstance(body, WireError):
-            self._finish_unstarted(e, wire.FAILED, "error", str(body), body.field, claim.run)
-        else:
+        v = claim.verdict
+        if v is ClaimVerdict.RUN and isinstance(body, RequestBody):
             self._start(e, body, claim, early)
             return
         if early is not None:  # the claim said no: what began before it stops within a step
-            self._drop_early(early)
+            self._detach(self.runner.abort(early))
+        if v is ClaimVerdict.RUN:
+            assert isinstance(body, WireError)
+            self._finish_unstarted(e, unstarted(wire.FAILED, str(body), body.field, claim.run))
+        elif v in (ClaimVerdict.DUPLICATE, ClaimVerdict.DONE):
+            self._detach(retry_forever(lambda: self.consumer.ack(e.entry_id), what="XACK"))
+        elif v is ClaimVerdict.CANCEL:
+            self._finish_unstarted(e, unstarted(wire.CANCELLED))
+        elif v is ClaimVerdict.EXPIRE:
+            error = "the deadline passed before it started"
+            self._finish_unstarted(e, unstarted(wire.EXPIRED, error, "deadline"))
+        elif v is ClaimVerdict.DEAD:
+            reason = f"delivered {claim.detail} times without finishing"
+            log.warning("request %s: %s; moving it to %s", rid, reason, self.keys.dead)
+            self._detach(self._dead(e, reason, int(claim.detail)))
+        # NOTMINE: another worker took it meanwhile; it is theirs
 
-    def _start(self, e: RequestEntry, body: RequestBody, claim: Claim, early: Early | None = None) -> None:
+    # ---- running --------------------------------------------------------------------------------------
+
+    def _start(self, e: RequestEntry, body: RequestBody, claim: Claim, early: Started | None) -> None:
         rid = e.request_id
         assert rid is not None
         enqueued = entry_ms(e.entry_id)
@@ -410,7 +359,7 @@ class Worker:
         span = tracer.start_span(
             "specserve.request",
             context=ctx,
-            start_time=self._local_ns(enqueued),
+            start_time=self.clock.local_ns(enqueued),
             attributes={
                 "specserve.request_id": rid,
                 "specserve.run": claim.run,
@@ -418,235 +367,87 @@ class Worker:
             },
         )
         wait = tracer.start_span(
-            "queue_wait", context=trace.set_span_in_context(span), start_time=self._local_ns(enqueued)
+            "queue_wait", context=trace.set_span_in_context(span), start_time=self.clock.local_ns(enqueued)
         )
-        wait.end(end_time=self._local_ns(claim.now_ms))
+        wait.end(end_time=self.clock.local_ns(claim.now_ms))
         self.telemetry.queue_wait.record(max(0.0, (claim.now_ms - enqueued) / 1000))
-        inf = InFlight(e, rid, claim.run, enqueued, body.deadline, span, engine_start=time.monotonic())
-        self.inflight[rid] = inf
-        inf.task = asyncio.create_task(self._run(inf, body, early), name=f"request-{rid}")
+        state = RequestState(e, rid, body, claim.run, enqueued, span)
+        self.inflight[rid] = state
+        state.task = asyncio.create_task(self._run(state, early), name=f"request-{rid}")
 
-    async def _run(self, inf: InFlight, body: RequestBody, early: Early | None) -> None:
-        rid = inf.request_id
+    async def _run(self, state: RequestState, early: Started | None) -> None:
         try:
-            begun = early or await self._begin(rid, body)
-        except Exception as err:
-            field = err.field if isinstance(err, (InvalidParameter, WireError)) else None
-            if field is None:  # the engine refused it for a reason of its own (e.g. it has failed)
-                log.exception("request %s could not start", rid)
-            inf.span.set_status(Status(StatusCode.ERROR, str(err)))
-            inf.span.end()
-            self.inflight.pop(rid, None)
-            self._capacity.set()
-            self._finish_unstarted(
-                inf.entry, wire.FAILED, "error", str(err) or type(err).__name__, field, inf.run
-            )
-            return
-        inf.engine_start = begun.started
-        if inf.ended_by is not None:  # cancelled, expired or handed back while it was being tokenized
-            self.engine.abort(rid)
-        await self._drive(inf, begun.deltas)
-
-    async def _begin(self, rid: str, body: RequestBody) -> Early:
-        if prompt_chars(body) <= LONG_PROMPT_CHARS:
-            return self._hand_to_engine(rid, body)
-        self._params(rid, body)  # a bad field fails before the tokenizer runs
-        self._preparing += 1
-        try:
-            if body.messages is not None:
-                prompt = await asyncio.to_thread(self.engine.encode_chat, body.messages)
-            else:
-                # the engine's own encode of text is the same call, so results do not change
-                prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
+            try:
+                started = early or await self.runner.begin(state.request_id, state.body)
+            except Exception as err:
+                field = err.field if isinstance(err, (InvalidParameter, WireError)) else None
+                if field is None:  # the engine refused it for a reason of its own (e.g. it has failed)
+                    log.exception("request %s could not start", state.request_id)
+                state.span.set_status(Status(StatusCode.ERROR, str(err)))
+                state.span.end()
+                final = unstarted(wire.FAILED, str(err) or type(err).__name__, field, state.run)
+                self._finish_unstarted(state.entry, final)
+                return
+            if state.ending is not None:  # cancelled, expired or handed back while it was tokenized
+                self.engine.abort(state.request_id)
+            await self._conclude(state, await self.runner.drive(state, started))
         finally:
-            self._preparing -= 1
-        return self._hand_to_engine(rid, body, prompt)
-
-    def _hand_to_engine(self, rid: str, body: RequestBody, prompt: str | list[int] | None = None) -> Early:
-        params, until_full = self._params(rid, body)
-        try:
-            if prompt is None:
-                prompt = self.engine.encode_chat(body.messages) if body.messages is not None else body.prompt
-            assert prompt is not None
-            if until_full:
-                if isinstance(prompt, str):
-                    prompt = self.engine.tokenizer.encode(prompt)  # as the engine would; we need the length
-                params.max_tokens = max(1, self.engine.max_model_len - len(prompt))
-            started = time.monotonic()
-            return Early(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), started)
-        except InvalidParameter as err:
-            if err.field == "prompt" and body.messages is not None:
-                raise InvalidParameter("messages", err.message) from None  # the field the client sent
-            raise
-
-    def _params(self, rid: str, body: RequestBody) -> tuple[SamplingParams, bool]:
-        """The request's sampling parameters, and whether max_tokens is to fill the context."""
-        if body.model is not None and body.model not in self.models:
-            raise WireError(
-                "model", f"unknown model {body.model!r}; this worker serves {self.engine.model_name!r}"
-            )
-        sampling = dict(body.sampling)
-        until_full = "max_tokens" in sampling and sampling["max_tokens"] is None
-        if until_full:
-            del sampling["max_tokens"]
-        params = SamplingParams.from_dict(sampling)
-        limit = self.engine.max_model_len
-        if not until_full and params.max_tokens > limit:
-            raise InvalidParameter(
-                "max_tokens", f"is {params.max_tokens}; this model's context is {limit} tokens"
-            )
-        if params.seed is None and not params.greedy:
-            params.seed = stable_seed(rid)
-        return params, until_full
-
-    # ---- one request ----------------------------------------------------------------------------------
-
-    async def _drive(self, inf: InFlight, deltas) -> None:
-        rid = inf.request_id
-        tracer = self.telemetry.tracer
-        in_request = trace.set_span_in_context(inf.span)
-        phase = tracer.start_span("prefill", context=in_request)
-        text_offset = 0
-        last: StepDelta | None = None
-        error: str | None = None
-        try:
-            async with contextlib.aclosing(deltas):
-                async for d in deltas:
-                    if d.token_ids:
-                        inf.last_token_at = time.monotonic()
-                        if inf.first_token_at is None:
-                            # A final-only request's one delta says when its first token really came.
-                            inf.first_token_at = d.first_token_time or inf.last_token_at
-                            phase.end(end_time=_wall_ns(inf.first_token_at))
-                            phase = tracer.start_span(
-                                "decode", context=in_request, start_time=_wall_ns(inf.first_token_at)
-                            )
-                            since_first = time.monotonic() - inf.first_token_at
-                            ttft = self._server_now() - since_first - inf.enqueued_ms / 1000
-                            self.telemetry.ttft.record(max(0.0, ttft))
-                    if d.finished:
-                        last = d  # its tokens go out with the final entry
-                        inf.engine_end = time.monotonic()
-                    elif d.token_ids or d.text:
-                        self.publisher.push(
-                            rid, OutputEntry(inf.run, d.offset, text_offset, d.token_ids, d.text)
-                        )
-                        text_offset += len(d.text)
-        except Exception as err:
-            log.exception("request %s failed in the engine", rid)
-            error = str(err) or type(err).__name__
-        phase.end()
-        try:
-            await self._conclude(inf, last, text_offset, error)
-        finally:
-            self.inflight.pop(rid, None)
+            self.inflight.pop(state.request_id, None)
             self._capacity.set()
 
-    async def _conclude(
-        self, inf: InFlight, last: StepDelta | None, text_offset: int, error: str | None
-    ) -> None:
-        rid, entry = inf.request_id, inf.entry
-        if self.engine.error is not None and inf.ended_by is None:
-            inf.ended_by = "handback"  # the engine died, not the request: let a healthy worker run it
-        if inf.ended_by == "lost":
-            inf.span.set_status(Status(StatusCode.ERROR, "taken over by another worker"))
-            inf.span.end()
+    def _end(self, state: RequestState, ending: Ending) -> None:
+        """Stop a running request for a reason of the worker's; the first reason sticks."""
+        if state.ending is None:
+            state.ending = ending
+            self.engine.abort(state.request_id)
+
+    async def _conclude(self, state: RequestState, outcome: Outcome) -> None:
+        rid, entry_id = state.request_id, state.entry.entry_id
+        if outcome.ending is Ending.LOST:
+            state.span.set_status(Status(StatusCode.ERROR, "taken over by another worker"))
+            state.span.end()
             return
-        if inf.ended_by == "handback":
+        if outcome.ending is Ending.HANDBACK:
             await self.publisher.wait_idle()
-            await retry_forever(lambda: self.consumer.handback(rid, entry.entry_id), what="hand back")
-            self._handed_back.add(entry.entry_id)
-            inf.span.set_attribute("specserve.handed_back", True)
-            inf.span.end()
+            await retry_forever(lambda: self.consumer.handback(rid, entry_id), what="hand back")
+            self._handed_back.add(entry_id)
+            state.span.set_attribute("specserve.handed_back", True)
+            state.span.end()
             return
-        reason = last.finish_reason if last else None
-        status = wire.FINISHED
-        err_msg = None
-        if error is not None or reason == "error" or last is None:
-            status, reason, err_msg = wire.FAILED, "error", error or "the engine failed"
-        elif reason == "abort":  # we stopped it (a request that finished first keeps its own reason)
-            if inf.ended_by == "cancelled":
-                status = wire.CANCELLED
-            elif inf.ended_by == "expired":
-                status, err_msg = wire.EXPIRED, "the deadline passed while it was running"
-            else:
-                status, err_msg = wire.FAILED, "aborted by the engine"
-        usage = None
-        if last is not None and last.usage is not None:
-            u = last.usage
-            usage = {
-                "prompt_tokens": u.prompt_tokens,
-                "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "draft_proposed": u.draft_proposed,
-                "draft_accepted": u.draft_accepted,
-            }
-        ids = last.token_ids if last else []
-        final = OutputEntry(
-            inf.run,
-            last.offset if last else 0,
-            text_offset,
-            ids,
-            last.text if last else "",
-            finish_reason=reason or "stop",
-            status=status,
-            usage=usage,
-            error=err_msg,
-            error_field="deadline" if status == wire.EXPIRED else None,
+        final = finalize(outcome)
+        finish_span = self.telemetry.tracer.start_span(
+            "finish", context=trace.set_span_in_context(state.span)
         )
-        hash_fields = {"finish_reason": final.finish_reason or ""}
-        if usage:
-            hash_fields.update({k: str(v) for k, v in usage.items()})
-        if err_msg:
-            hash_fields["error"] = err_msg
-        if inf.engine_end is not None:
-            # the engine's share of the latency (tokenising, waiting for a batch slot, prefill, decode), so a
-            # client can tell it from what the queue and the transport add
-            hash_fields["engine_ms"] = f"{1000 * (inf.engine_end - inf.engine_start):.2f}"
-        finish_span = self.telemetry.tracer.start_span("finish", context=trace.set_span_in_context(inf.span))
-        written = await self.publisher.finish(rid, entry.entry_id, final, hash_fields)
+        written = await self.publisher.finish(rid, entry_id, final.entry, final.hash_fields)
         finish_span.end()
         if not written:
             log.warning("request %s was taken over by another worker before it finished here", rid)
-        self._record(inf, status, usage)
+        self._record(state, final)
 
-    def _record(self, inf: InFlight, status: str, usage: dict[str, int] | None) -> None:
+    def _record(self, state: RequestState, final: Final) -> None:
         t = self.telemetry
-        t.requests.add(1, {"status": status})
-        t.e2e.record(max(0.0, self._server_now() - inf.enqueued_ms / 1000))
+        t.requests.add(1, {"status": final.status})
+        t.e2e.record(max(0.0, self.clock.now() - state.enqueued_ms / 1000))
+        usage = final.entry.usage
         n = usage["completion_tokens"] if usage else 0
-        if inf.first_token_at is not None and inf.last_token_at is not None and n > 1:
-            t.tpot.record((inf.last_token_at - inf.first_token_at) / (n - 1))
-        inf.span.set_attribute("specserve.status", status)
+        if state.first_token_at is not None and state.last_token_at is not None and n > 1:
+            t.tpot.record((state.last_token_at - state.first_token_at) / (n - 1))
+        state.span.set_attribute("specserve.status", final.status)
         if usage:
-            inf.span.set_attribute("specserve.completion_tokens", n)
-        if status == wire.FAILED:
-            inf.span.set_status(Status(StatusCode.ERROR))
-        inf.span.end()
+            state.span.set_attribute("specserve.completion_tokens", n)
+        if final.status == wire.FAILED:
+            state.span.set_status(Status(StatusCode.ERROR))
+        state.span.end()
 
-    def _finish_unstarted(
-        self,
-        e: RequestEntry,
-        status: str,
-        reason: str,
-        error: str | None = None,
-        error_field: str | None = None,
-        run: int = 0,
-    ) -> asyncio.Future[bool]:
+    def _finish_unstarted(self, e: RequestEntry, final: Final) -> asyncio.Future[bool]:
         """Write the final entry of a request that never ran; the future says whether it was written."""
         assert e.request_id is not None
-        final = OutputEntry(run, 0, 0, [], "", reason, status, None, error, error_field)
-        fields = {"finish_reason": reason}
-        if error:
-            fields["error"] = error
-        if error_field:
-            fields["error_field"] = error_field
-        self.telemetry.requests.add(1, {"status": status})
-        return self.publisher.finish(e.request_id, e.entry_id, final, fields)
+        self.telemetry.requests.add(1, {"status": final.status})
+        return self.publisher.finish(e.request_id, e.entry_id, final.entry, final.hash_fields)
 
     async def _dead(self, e: RequestEntry, reason: str, deliveries: int) -> None:
         await retry_forever(lambda: self.consumer.dead_letter(e, reason, deliveries), what="dead letter")
-        self._finish_unstarted(e, wire.FAILED, "error", reason)
+        self._finish_unstarted(e, unstarted(wire.FAILED, reason))
 
     async def _dead_letter(self, e: RequestEntry, reason: str) -> None:
         """Dead-letter an entry that cannot be taken at all; a request behind it is told why, if its status
@@ -656,26 +457,21 @@ class Worker:
         )
         try:
             await retry_forever(lambda: self.consumer.dead_letter(e, reason), what="dead letter")
-            if e.request_id is not None and not await self._finish_unstarted(e, wire.FAILED, "error", reason):
-                await retry_forever(lambda: self.consumer.ack_mine(e.entry_id), what="XACK")
+            if e.request_id is not None:
+                if not await self._finish_unstarted(e, unstarted(wire.FAILED, reason)):
+                    await retry_forever(lambda: self.consumer.ack_mine(e.entry_id), what="XACK")
         except Exception:  # nothing more can be done here; it stays pending and a reclaim tries again
             log.exception("entry %s could not be dead-lettered", e.entry_id)
-
-    def _detach(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._detached.add(task)
-        task.add_done_callback(self._detached.discard)
 
     # ---- periodic work --------------------------------------------------------------------------------
 
     async def _heartbeat(self) -> None:
-        ids = {inf.entry.entry_id: inf for inf in self.inflight.values()}
+        ids = {state.entry.entry_id: state for state in self.inflight.values()}
         for entry_id in await self.consumer.heartbeat(list(ids)):
-            inf = ids[entry_id]
-            if inf.ended_by is None:
-                log.warning("request %s was taken over by another worker; stopping it here", inf.request_id)
-                inf.ended_by = "lost"
-                self.engine.abort(inf.request_id)
+            state = ids[entry_id]
+            if state.ending is None:
+                log.warning("request %s was taken over by another worker; stopping it here", state.request_id)
+            self._end(state, Ending.LOST)
         await self._register()
 
     async def _register(self) -> None:
@@ -684,20 +480,18 @@ class Worker:
         )
 
     async def _poll_cancellations(self) -> None:
-        live = [inf for inf in self.inflight.values() if inf.ended_by is None]
+        live = [state for state in self.inflight.values() if state.ending is None]
         if not live:
             return
-        now = time.time()
-        for inf in live:
-            if inf.deadline is not None and now + self._clock_offset > inf.deadline:
-                inf.ended_by = "expired"
-                self.engine.abort(inf.request_id)
-        live = [inf for inf in live if inf.ended_by is None]
-        flags = await self.consumer.cancel_flags([inf.request_id for inf in live])
-        for inf, cancelled in zip(live, flags):
-            if cancelled and inf.ended_by is None:
-                inf.ended_by = "cancelled"
-                self.engine.abort(inf.request_id)
+        now = self.clock.now()
+        for state in live:
+            if state.deadline is not None and now > state.deadline:
+                self._end(state, Ending.EXPIRED)
+        live = [state for state in live if state.ending is None]
+        flags = await self.consumer.cancel_flags([state.request_id for state in live])
+        for state, cancelled in zip(live, flags):
+            if cancelled:
+                self._end(state, Ending.CANCELLED)
 
     async def _refresh_stats(self) -> None:
         s = self.engine.stats()
@@ -707,11 +501,3 @@ class Worker:
         g.num_preemptions, g.last_batch_size = s.num_preemptions, s.last_batch_size
         g.draft_proposed, g.draft_accepted = s.draft_proposed, s.draft_accepted
         self.telemetry.queue = await self.consumer.stats()
-
-    # ---- clocks ---------------------------------------------------------------------------------------
-
-    def _server_now(self) -> float:
-        return time.time() + self._clock_offset
-
-    def _local_ns(self, server_ms: int) -> int:
-        return int((server_ms / 1000 - self._clock_offset) * 1e9)

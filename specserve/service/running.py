@@ -1,0 +1,224 @@
+"""Running one claimed request: its state, handing it to the engine, and its tokens out to the publisher.
+
+The worker (service/worker.py) decides which requests run; this module runs one and reports its Outcome;
+service/outcome.py turns that into the final entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from opentelemetry import trace
+from opentelemetry.trace import Span
+
+from specserve.engine.async_engine import AsyncLLMEngine
+from specserve.engine.outputs import StepDelta
+from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.queue.publisher import Publisher
+from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError
+from specserve.service.outcome import Ending, Outcome
+from specserve.service.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+# Prompts longer than this are tokenized in a thread, inside their own request's task: tokenizing takes a
+# while, and on the loop that does every request's Redis I/O it held up the pull loop and its batch-mates.
+LONG_PROMPT_CHARS = 8192
+
+
+def prompt_chars(body: RequestBody) -> int:
+    if body.messages is not None:
+        return sum(len(m["content"]) for m in body.messages)
+    return len(body.prompt) if isinstance(body.prompt, str) else 0
+
+
+def stable_seed(request_id: str) -> int:
+    """Seed for a sampled request that gave none, so a rerun after a crash draws the same tokens."""
+    return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def model_aliases(name: str) -> set[str]:
+    base = os.path.basename(name.rstrip("/"))
+    return {name, base, base.removesuffix(".gguf")}
+
+
+@dataclass
+class ServerClock:
+    """The Redis server's clock (stream ids and claim replies carry it) seen from here."""
+
+    offset: float = 0.0  # server clock - local clock, from claim replies
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+    def local_ns(self, server_ms: int) -> int:
+        return int((server_ms / 1000 - self.offset) * 1e9)
+
+
+def _wall_ns(monotonic: float) -> int:
+    """A time.monotonic() reading as the wall-clock nanoseconds that spans take."""
+    return time.time_ns() - int((time.monotonic() - monotonic) * 1e9)
+
+
+@dataclass
+class Started:
+    """A request the engine has taken: its deltas, and when it took it."""
+
+    request_id: str
+    deltas: AsyncIterator[StepDelta]
+    at: float  # time.monotonic()
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the worker knows about one request it runs: one object from claim to final entry."""
+
+    entry: RequestEntry
+    request_id: str
+    body: RequestBody
+    run: int
+    enqueued_ms: int
+    span: Span
+    ending: Ending | None = None  # set when the worker stops it itself
+    task: asyncio.Task[None] | None = None
+    engine_start: float = field(default_factory=time.monotonic)
+    engine_end: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        return self.body.deadline
+
+
+class Runner:
+    """Hands requests to the engine and drives their output to the publisher."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        publisher: Publisher,
+        telemetry: Telemetry,
+        clock: ServerClock,
+    ) -> None:
+        self.engine = engine
+        self.publisher = publisher
+        self.telemetry = telemetry
+        self.clock = clock
+        self.models = model_aliases(engine.model_name)
+        self.preparing = 0  # requests being tokenized in a thread, not yet in the engine
+
+    # ---- into the engine ------------------------------------------------------------------------------
+
+    def params(self, rid: str, body: RequestBody) -> tuple[SamplingParams, bool]:
+        """The request's sampling parameters, and whether max_tokens is to fill the context."""
+        if body.model is not None and body.model not in self.models:
+            raise WireError(
+                "model", f"unknown model {body.model!r}; this worker serves {self.engine.model_name!r}"
+            )
+        sampling = dict(body.sampling)
+        until_full = "max_tokens" in sampling and sampling["max_tokens"] is None
+        if until_full:
+            del sampling["max_tokens"]
+        params = SamplingParams.from_dict(sampling)
+        limit = self.engine.max_model_len
+        if not until_full and params.max_tokens > limit:
+            raise InvalidParameter(
+                "max_tokens", f"is {params.max_tokens}; this model's context is {limit} tokens"
+            )
+        if params.seed is None and not params.greedy:
+            params.seed = stable_seed(rid)
+        return params, until_full
+
+    def start(self, rid: str, body: RequestBody, prompt: str | list[int] | None = None) -> Started:
+        """Hand a request to the engine now (on the loop: for prompts that tokenize quickly)."""
+        params, until_full = self.params(rid, body)
+        try:
+            if prompt is None:
+                prompt = self.engine.encode_chat(body.messages) if body.messages is not None else body.prompt
+            assert prompt is not None
+            if until_full:
+                if isinstance(prompt, str):
+                    prompt = self.engine.tokenizer.encode(prompt)  # as the engine would; we need the length
+                params.max_tokens = max(1, self.engine.max_model_len - len(prompt))
+            at = time.monotonic()
+            return Started(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), at)
+        except InvalidParameter as err:
+            if err.field == "prompt" and body.messages is not None:
+                raise InvalidParameter("messages", err.message) from None  # the field the client sent
+            raise
+
+    async def begin(self, rid: str, body: RequestBody) -> Started:
+        """Hand a request to the engine, tokenizing a long prompt in a thread first."""
+        if prompt_chars(body) <= LONG_PROMPT_CHARS:
+            return self.start(rid, body)
+        self.params(rid, body)  # a bad field fails before the tokenizer runs
+        self.preparing += 1
+        try:
+            if body.messages is not None:
+                prompt = await asyncio.to_thread(self.engine.encode_chat, body.messages)
+            else:
+                # the engine's own encode of text is the same call, so results do not change
+                prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
+        finally:
+            self.preparing -= 1
+        return self.start(rid, body, prompt)
+
+    async def abort(self, started: Started) -> None:
+        """Abort a request the engine took; its final delta ends the stream, and with it its queue."""
+        self.engine.abort(started.request_id)
+        async for _ in started.deltas:
+            pass
+
+    # ---- out to the publisher -------------------------------------------------------------------------
+
+    async def drive(self, state: RequestState, started: Started) -> Outcome:
+        """Publish a running request's tokens as they come; its Outcome when the engine is done with it."""
+        rid = state.request_id
+        state.engine_start = started.at
+        tracer = self.telemetry.tracer
+        in_request = trace.set_span_in_context(state.span)
+        phase = tracer.start_span("prefill", context=in_request)
+        text_offset = 0
+        last: StepDelta | None = None
+        error: str | None = None
+        try:
+            async with contextlib.aclosing(started.deltas) as deltas:
+                async for d in deltas:
+                    if d.token_ids:
+                        state.last_token_at = time.monotonic()
+                        if state.first_token_at is None:
+                            # A final-only request's one delta says when its first token really came.
+                            state.first_token_at = d.first_token_time or state.last_token_at
+                            phase.end(end_time=_wall_ns(state.first_token_at))
+                            phase = tracer.start_span(
+                                "decode", context=in_request, start_time=_wall_ns(state.first_token_at)
+                            )
+                            since_first = time.monotonic() - state.first_token_at
+                            ttft = self.clock.now() - since_first - state.enqueued_ms / 1000
+                            self.telemetry.ttft.record(max(0.0, ttft))
+                    if d.finished:
+                        last = d  # its tokens go out with the final entry
+                        state.engine_end = time.monotonic()
+                    elif d.token_ids or d.text:
+                        self.publisher.push(
+                            rid, OutputEntry(state.run, d.offset, text_offset, d.token_ids, d.text)
+                        )
+                        text_offset += len(d.text)
+        except Exception as err:
+            log.exception("request %s failed in the engine", rid)
+            error = str(err) or type(err).__name__
+        phase.end()
+        if self.engine.error is not None and state.ending is None:
+            state.ending = Ending.HANDBACK  # the engine died, not the request: let a healthy worker run it
+        engine_ms = None
+        if state.engine_end is not None:
+            engine_ms = 1000 * (state.engine_end - state.engine_start)
+        return Outcome(state.run, state.ending, last, text_offset, error, engine_ms)
