@@ -313,6 +313,7 @@ class Result:
             "finish_reason": self.finish_reason,
             "usage": self.usage,
             "error": self.error,
+            "error_field": self.error_field,
         }
 
 
