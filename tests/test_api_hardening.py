@@ -527,11 +527,6 @@ def test_last_event_id_must_be_two_non_negative_integers(valkey, tiny_model_dir)
     run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Result.to_dict (queue/wire.py, the lead's) does not carry error_field yet; remove this marker "
-    "when it does",
-)
 def test_get_of_a_failed_request_names_the_field(valkey, tiny_model_dir):
     async def main():
         async with (
