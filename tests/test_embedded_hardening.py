@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import redis
-from valkey_helpers import run
+from valkey_helpers import run, spawn_cli
 
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.service.config import ServiceConfig
 from specserve.service.launch import URL_FILE, resolve_redis
+
+pytest_plugins = ("valkey_fixtures",)
 
 
 def _modes(root: Path) -> dict[str, int]:
@@ -84,3 +86,20 @@ def test_serve_starts_the_embedded_server_with_the_configured_cap(tmp_path: Path
         assert stat.S_IMODE((tmp_path / "data").stat().st_mode) == 0o700
     finally:
         asyncio.run(asyncio.to_thread(server.stop))
+
+
+def test_the_cli_says_plainly_that_redis_is_full(valkey, tmp_path: Path) -> None:
+    client = redis.Redis.from_url(valkey.url)
+    client.config_set("maxmemory", int(client.info("memory")["used_memory"]) + 256 * 1024)
+    try:
+        for i in range(10_000):
+            client.set(f"filler:{i}", "x" * 4096)
+    except redis.exceptions.OutOfMemoryError:
+        pass
+    log = tmp_path / "enqueue.log"
+    proc = spawn_cli(["enqueue", "hello", "--id", "full-1"], {"REDIS_URL": valkey.url}, log)
+    assert proc.wait(60) == 3
+    out = log.read_text()
+    assert "Redis is out of memory" in out and "Traceback" not in out
+    assert not client.exists("specserve:req:full-1")
+    client.close()

@@ -95,6 +95,8 @@ def _print(data: Any) -> None:
 
 
 async def _enqueue(ns: argparse.Namespace, cfg: config_mod.ServiceConfig) -> int:
+    from redis.exceptions import OutOfMemoryError
+
     from specserve.queue.wire import WireError
 
     async with await _client(cfg) as client:
@@ -103,6 +105,11 @@ async def _enqueue(ns: argparse.Namespace, cfg: config_mod.ServiceConfig) -> int
         except WireError as e:
             sys.stderr.write(f"error: {e}\n")
             return 2
+        except OutOfMemoryError:
+            sys.stderr.write(
+                "error: Redis is out of memory (maxmemory reached); nothing was queued, retry later\n"
+            )
+            return 3
         if ns.stream:
             async with aclosing(client.stream(added.id)) as deltas:
                 async for d in deltas:
