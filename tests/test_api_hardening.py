@@ -407,7 +407,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(valkey):
     run(main())
 
 
-def test_connections_over_the_cap_are_refused_and_room_comes_back(valkey):
+def test_connections_over_the_cap_are_refused_and_room_comes_back(valkey, caplog: pytest.LogCaptureFixture):
     cap = 30
     limits = HttpLimits(max_connections=cap, header_timeout_s=30)
 
@@ -433,7 +433,10 @@ def test_connections_over_the_cap_are_refused_and_room_comes_back(valkey):
                 async with http.get(f"{base}/healthz") as r:
                     assert r.status == 200
 
-    run(main())
+    with caplog.at_level(logging.WARNING, logger="specserve.service.http"):
+        run(main())
+    (warning,) = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]  # one, not 60
+    assert "30 open" in warning and "SPECSERVE_MAX_CONNECTIONS" in warning
 
 
 # ---- F9: OpenAI shapes, field types, Last-Event-ID -----------------------------------------------------

@@ -282,7 +282,7 @@ class _GuardedConnection(asyncio.Protocol):
         guard = self.guard
         if guard.open >= guard.limits.max_connections:
             self.refused = True
-            guard.refused += 1
+            guard.note_refused()
             assert isinstance(transport, asyncio.Transport)
             transport.write(_OVER_CAPACITY % (len(_OVER_CAPACITY_BODY), _OVER_CAPACITY_BODY))
             transport.close()
@@ -337,17 +337,29 @@ class _GuardedConnection(asyncio.Protocol):
     def _expire(self) -> None:
         self.timer = None
         if not self.busy:
-            self.guard.timed_out += 1
             self.inner.force_close()
 
 
 class ConnectionGuard:
+    WARN_EVERY_S = 60.0  # a flood refuses thousands of connections: one log line a minute says enough
+
     def __init__(self, limits: HttpLimits) -> None:
         self.limits = limits
         self.open = 0
-        self.refused = 0  # connections turned away at the cap
-        self.timed_out = 0  # connections closed for slow headers
         self.connections: dict[object, _GuardedConnection] = {}
+        self._refused = 0  # since the last warning
+        self._warned_at = -self.WARN_EVERY_S
+
+    def note_refused(self) -> None:
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._warned_at >= self.WARN_EVERY_S:
+            log.warning(
+                "%d connection(s) refused: %d open, the cap (SPECSERVE_MAX_CONNECTIONS)",
+                self._refused,
+                self.open,
+            )
+            self._refused, self._warned_at = 0, now
 
     def protocol_factory(self, server: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         return lambda: _GuardedConnection(self, server())
