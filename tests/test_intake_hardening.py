@@ -391,14 +391,15 @@ def test_every_number_is_bounded_before_it_is_used(fields):
 
 def test_dead_letters_are_capped_trimmed_by_age_and_expire(valkey):
     """Data at rest: a flood of bad entries cannot fill Redis through the dead-letter stream."""
-    from specserve.queue.connection import connect
+    from specserve.queue.connection import Connections, connect
     from specserve.queue.consumer import ConsumerConfig, StreamConsumer
     from specserve.queue.wire import RequestEntry
 
     async def main():
         r = connect(valkey.url)
+        conns = Connections(r)
         c = StreamConsumer(
-            r, KEYS, "w", ConsumerConfig(dead_maxlen=3, dead_ttl_ms=60_000, dead_body_chars=10)
+            conns, KEYS, "w", ConsumerConfig(dead_maxlen=3, dead_ttl_ms=60_000, dead_body_chars=10)
         )
         try:
             await c.ensure_group()
@@ -411,8 +412,7 @@ def test_dead_letters_are_capped_trimmed_by_age_and_expire(valkey):
             letters = await aioredis.Redis.from_url(valkey.url).xrange(KEYS.dead)
             return after_one, letters, await r.pttl(KEYS.dead)
         finally:
-            await c.aclose()
-            await r.aclose()
+            await conns.aclose(close_redis=True)
 
     after_one, letters, ttl = run(main())
     assert after_one == 1

@@ -12,7 +12,7 @@ from redis.exceptions import NoPermissionError
 from valkey_helpers import run
 
 from specserve.queue.client import QueueClient
-from specserve.queue.connection import connect
+from specserve.queue.connection import Connections, connect
 from specserve.queue.consumer import ConsumerConfig, StreamConsumer
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
@@ -25,7 +25,7 @@ KEYS = Keys("t")
 
 
 def _consumer(r, name: str, **cfg) -> StreamConsumer:
-    return StreamConsumer(r, KEYS, name, ConsumerConfig(**cfg))
+    return StreamConsumer(Connections(r), KEYS, name, ConsumerConfig(**cfg))
 
 
 def test_enqueue_is_idempotent_by_id(valkey):
@@ -243,7 +243,7 @@ def test_publisher_batches_deltas_and_finishes_only_what_it_owns(valkey):
         await c.enqueue({"prompt": "x"}, "mine")
         await c.enqueue({"prompt": "y"}, "theirs")
         mine, theirs = await w.read_new(2, block_ms=100)
-        pub = Publisher(r, KEYS, "w", ttl_ms=60_000)
+        pub = Publisher(Connections(r), KEYS, "w", ttl_ms=60_000)
         task = asyncio.create_task(pub.run())
         for i in range(3):  # pushed within one loop turn: one entry
             pub.push("mine", OutputEntry(1, i, i, [i], chr(65 + i)))
@@ -251,7 +251,7 @@ def test_publisher_batches_deltas_and_finishes_only_what_it_owns(valkey):
         assert [f["ids"] for _, f in await r.xrange(KEYS.out("mine"))] == ["[0,1,2]"]
         final = OutputEntry(1, 3, 3, [3], "D", "length", "finished", {"completion_tokens": 4})
         assert await pub.finish("mine", mine.entry_id, final, {"finish_reason": "length"})
-        other = Publisher(r, KEYS, "someone-else", ttl_ms=60_000)
+        other = Publisher(Connections(r), KEYS, "someone-else", ttl_ms=60_000)
         other_task = asyncio.create_task(other.run())
         assert not await other.finish("theirs", theirs.entry_id, final, {})
         res = await c.result("mine")
@@ -270,7 +270,8 @@ def test_output_reader_follows_many_streams_on_one_connection(valkey):
     async def main():
         r = connect(valkey.url)
         # A block far longer than this test's bound: a subscriber that failed to wake the reader would hang.
-        reader = OutputReader(r, KEYS, block_ms=600_000)
+        conns = Connections(r)
+        reader = OutputReader(conns, KEYS, block_ms=600_000)
         task = asyncio.create_task(reader.run())
 
         async def follow(rid: str) -> list[int]:
@@ -294,6 +295,7 @@ def test_output_reader_follows_many_streams_on_one_connection(valkey):
         late = await asyncio.wait_for(follow("r3"), timeout=30)  # a stream that already ended
         assert late == [0, 1, 2, 3, 4]
         await reader.close(task)
+        await conns.aclose()
         await r.aclose()
 
     run(main())

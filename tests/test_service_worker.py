@@ -191,7 +191,7 @@ def test_a_poison_request_goes_to_the_dead_letter_stream(valkey, tiny_model_dir)
             await client.enqueue({"prompt": "crashes every worker", "max_tokens": 3}, "poison")
             # Two workers took it and died without acknowledging it: real consumers that never come back.
             for ghost in ("ghost1", "ghost2"):
-                c = StreamConsumer(client.r, KEYS, ghost, ConsumerConfig(claim_timeout_ms=0))
+                c = StreamConsumer(client.conns, KEYS, ghost, ConsumerConfig(claim_timeout_ms=0))
                 await c.ensure_group()
                 assert await c.read_new(1, block_ms=50) or await c.reclaim(1)
             await worker.start()

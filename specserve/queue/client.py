@@ -12,11 +12,10 @@ from typing import Any
 from redis.asyncio import Redis
 
 from specserve.queue import scripts
-from specserve.queue.connection import connect
+from specserve.queue.connection import Connections, connect
 from specserve.queue.consumer import ensure_group
 from specserve.queue.keys import DEFAULT_PREFIX, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
-from specserve.queue.resp import RespClient
 from specserve.queue.wire import (
     Delta,
     OutputCursor,
@@ -48,8 +47,9 @@ class QueueClient:
         self.r = redis
         self.keys = keys or Keys()
         self.ttl_ms = ttl_ms
-        self.fast = RespClient(redis)  # enqueue and the reader's wake-ups: a round trip each per request
-        self.reader = OutputReader(redis, self.keys, fast=self.fast)
+        self.conns = Connections(redis)
+        self.fast = self.conns.fast  # enqueue and the reader's wake-ups: a round trip each per request
+        self.reader = OutputReader(self.conns, self.keys)
         self._reader_task: asyncio.Task[None] | None = None
         # The workers' group is created once per client, not on every enqueue; should the server lose it
         # later (restart without persistence), the ENQUEUE script recreates it with the stream.
@@ -78,9 +78,7 @@ class QueueClient:
         if self._reader_task is not None:
             await self.reader.close(self._reader_task)
             self._reader_task = None
-        await self.fast.aclose()
-        if close_redis:
-            await self.r.aclose()
+        await self.conns.aclose(close_redis)
 
     async def enqueue(
         self,

@@ -14,6 +14,8 @@ from redis.exceptions import BusyLoadingError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from specserve.queue.resp import RespClient
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -54,6 +56,32 @@ def connect(
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
     return Redis(connection_pool=pool)
+
+
+class Connections:
+    """The Redis connections of one part of a process (a worker, a queue client), held and closed together.
+
+    `redis` (redis-py) serves the occasional command; `fast`, the lean pipelined client, each request's own
+    round trips (a hop through Redis costs half with it, see queue/resp.py); a blocking read (XREAD BLOCK)
+    gets a lean client of its own from `blocking()`, as it would hold up everyone behind it. The parts that
+    use them (StreamConsumer, Publisher, OutputReader) never close them: their owner does, with `aclose()`.
+    """
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self.fast = RespClient(redis)
+        self._blocking: list[RespClient] = []
+
+    def blocking(self, block_ms: int) -> RespClient:
+        client = RespClient(self.redis, block_ms=block_ms)
+        self._blocking.append(client)
+        return client
+
+    async def aclose(self, close_redis: bool = False) -> None:
+        for client in [self.fast, *self._blocking]:
+            await client.aclose()
+        if close_redis:
+            await self.redis.aclose()
 
 
 async def retry_forever(

@@ -15,9 +15,9 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from specserve.queue import scripts
-from specserve.queue.connection import BLOCK_MS
+from specserve.queue.connection import BLOCK_MS, Connections
 from specserve.queue.keys import Keys
-from specserve.queue.resp import RespClient, as_bytes, fields_dict
+from specserve.queue.resp import as_bytes, fields_dict
 from specserve.queue.wire import RequestEntry
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,10 @@ class Claim:
         return int(self.detail) if self.verdict is ClaimVerdict.RUN else 0
 
 
+def _claim(reply: list[str]) -> Claim:
+    return Claim(ClaimVerdict(reply[0]), str(reply[1]), int(reply[2]))
+
+
 @dataclass
 class QueueStats:
     depth: int  # entries not yet delivered to any worker
@@ -85,31 +89,19 @@ class ConsumerConfig:
 
 
 class StreamConsumer:
-    """Reads, claims and cancellation checks (each request's own round trips) go through lean clients:
-    `fast`, shared with the caller's other per-request commands, and one of its own for the blocking read.
-    The rest uses redis-py."""
+    """Reads, claims and cancellation checks (each request's own round trips) go through the lean clients
+    of `conns` (its blocking read through one of its own); the rest through redis-py."""
 
     def __init__(
-        self,
-        redis: Redis,
-        keys: Keys,
-        name: str,
-        config: ConsumerConfig | None = None,
-        fast: RespClient | None = None,
+        self, conns: Connections, keys: Keys, name: str, config: ConsumerConfig | None = None
     ) -> None:
-        self.r = redis
+        self.r = conns.redis
         self.keys = keys
         self.name = name
         self.cfg = config or ConsumerConfig()
         self._autoclaim_cursor = "0-0"
-        self._own_fast = fast is None
-        self._fast = fast or RespClient(redis)
-        self._blocking = RespClient(redis, block_ms=self.cfg.block_ms)
-
-    async def aclose(self) -> None:
-        await self._blocking.aclose()
-        if self._own_fast:
-            await self._fast.aclose()
+        self._fast = conns.fast
+        self._blocking = conns.blocking(self.cfg.block_ms)
 
     async def ensure_group(self) -> None:
         await ensure_group(self.r, self.keys)
@@ -192,9 +184,7 @@ class StreamConsumer:
                 )
             )
         replies = await self._fast.pipeline(commands, raise_on_error=False)
-        return [
-            r if isinstance(r, Exception) else Claim(ClaimVerdict(r[0]), str(r[1]), int(r[2])) for r in replies
-        ]
+        return [r if isinstance(r, Exception) else _claim(r) for r in replies]
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of our in-flight entries; returns those another worker has taken."""

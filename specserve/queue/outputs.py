@@ -14,11 +14,9 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
-
-from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS
+from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import Keys
-from specserve.queue.resp import RespClient, fields_dict
+from specserve.queue.resp import fields_dict
 from specserve.queue.wire import OutputEntry
 
 log = logging.getLogger(__name__)
@@ -37,17 +35,14 @@ class Subscription:
 
 
 class OutputReader:
-    """`fast`: the client for wake-ups (shared with the caller's other per-request commands); the blocking
-    XREAD has a connection of its own."""
+    """Wake-ups go through the lean client of `conns` (shared with its owner's other per-request commands);
+    the blocking XREAD through one of its own, from `conns` too. The owner closes them."""
 
-    def __init__(
-        self, redis: Redis, keys: Keys, block_ms: int = BLOCK_MS, fast: RespClient | None = None
-    ) -> None:
+    def __init__(self, conns: Connections, keys: Keys, block_ms: int = BLOCK_MS) -> None:
         self.keys = keys
         self.block_ms = block_ms
-        self._own_fast = fast is None
-        self._fast = fast or RespClient(redis)
-        self._blocking = RespClient(redis, block_ms=block_ms)
+        self._fast = conns.fast
+        self._blocking = conns.blocking(block_ms)
         self._wake_key = keys.wake(uuid.uuid4().hex[:12])
         self._wake_last = "0-0"
         self._subs: dict[str, list[Subscription]] = {}
@@ -88,9 +83,6 @@ class OutputReader:
         with contextlib.suppress(*TRANSIENT_ERRORS):
             await asyncio.wait_for(self._wake(), timeout=1.0)
         await asyncio.wait({task}, timeout=self.block_ms / 1000 + 1)
-        await self._blocking.aclose()
-        if self._own_fast:
-            await self._fast.aclose()
 
     async def run(self) -> None:
         """Read until closed."""

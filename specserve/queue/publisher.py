@@ -11,12 +11,9 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from redis.asyncio import Redis
-
 from specserve.queue import scripts
-from specserve.queue.connection import TRANSIENT_ERRORS
+from specserve.queue.connection import TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import Keys
-from specserve.queue.resp import RespClient
 from specserve.queue.wire import OutputEntry
 
 log = logging.getLogger(__name__)
@@ -46,13 +43,10 @@ def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
 
 
 class Publisher:
-    """`fast`: the lean client its flushes go through (unless given, one of its own, closed as run() ends)."""
+    """Flushes go through the lean client of `conns` (its owner closes it)."""
 
-    def __init__(
-        self, redis: Redis, keys: Keys, consumer: str, ttl_ms: int, fast: RespClient | None = None
-    ) -> None:
-        self._own_fast = fast is None
-        self._fast = fast or RespClient(redis)
+    def __init__(self, conns: Connections, keys: Keys, consumer: str, ttl_ms: int) -> None:
+        self._fast = conns.fast
         self.keys = keys
         self.consumer = consumer
         self.ttl_ms = ttl_ms
@@ -89,13 +83,6 @@ class Publisher:
 
     async def run(self) -> None:
         """Flush until stopped."""
-        try:
-            await self._run()
-        finally:
-            if self._own_fast:
-                await self._fast.aclose()
-
-    async def _run(self) -> None:
         delay = 0.02
         while not self._closed:
             await self._wake.wait()

@@ -118,7 +118,7 @@ class Api:
     async def _start_stats(self, _app: web.Application) -> None:
         from specserve.queue.consumer import StreamConsumer  # the stats query lives with the consumer
 
-        consumer = StreamConsumer(self.client.r, self.client.keys, "api")
+        consumer = StreamConsumer(self.client.conns, self.client.keys, "api")
 
         async def refresh() -> None:
             while True:

@@ -22,11 +22,10 @@ from opentelemetry.trace import Status, StatusCode
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.queue import wire
-from specserve.queue.connection import TRANSIENT_ERRORS, retry_forever
+from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever
 from specserve.queue.consumer import Claim, ClaimVerdict, ConsumerConfig, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
-from specserve.queue.resp import RespClient
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.outcome import Ending, Final, Outcome, finalize, unstarted
 from specserve.service.running import (
@@ -83,9 +82,9 @@ class Worker:
         self.cfg = config or WorkerConfig()
         self.telemetry = telemetry or Telemetry()
         ttl_ms = int(self.cfg.ttl_s * 1000)
-        self.fast = RespClient(redis)  # the per-request commands: claims, cancellation checks, outputs
+        self.conns = Connections(redis)  # claims, cancellation checks, outputs: the lean client
         self.consumer = StreamConsumer(
-            redis,
+            self.conns,
             keys,
             name,
             ConsumerConfig(
@@ -95,9 +94,8 @@ class Worker:
                 dead_maxlen=self.cfg.dead_letter_maxlen,
                 dead_ttl_ms=int(self.cfg.dead_letter_ttl_s * 1000),
             ),
-            fast=self.fast,
         )
-        self.publisher = Publisher(redis, keys, name, ttl_ms, fast=self.fast)
+        self.publisher = Publisher(self.conns, keys, name, ttl_ms)
         self.clock = ServerClock()
         self.runner = Runner(engine, self.publisher, self.telemetry, self.clock)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
@@ -160,8 +158,7 @@ class Worker:
         self.draining = self._closed = True
         self.publisher.stop()
         await self._stop(self._pulling + self._background + list(self._detached))
-        await self.consumer.aclose()
-        await self.fast.aclose()
+        await self.conns.aclose()
 
     async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:
         # The loops also watch the flags: on Python 3.11 a cancel racing a Redis reply can be swallowed
