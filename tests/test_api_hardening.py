@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import redis
 from redis.exceptions import OutOfMemoryError
 from valkey_helpers import api_stack, free_port, run, service_stack, spawn_cli, wait_for
 
@@ -139,6 +140,16 @@ def test_timeout_must_be_a_finite_positive_bounded_number(valkey, tiny_model_dir
                     assert r.status == 202, await r.text()
 
     run(main())
+
+
+def test_the_clis_timeout_follows_the_same_rule(valkey, tmp_path):
+    for i, bad in enumerate(("nan", "inf", "0", "-3", "1e308")):
+        log = tmp_path / f"enqueue-{i}.log"
+        proc = spawn_cli(["enqueue", "hi", "--id", f"t{i}", "--timeout", bad], {"REDIS_URL": valkey.url}, log)
+        assert proc.wait(60) != 0
+        assert "error: --timeout: must be a number of seconds" in log.read_text(), bad
+    with redis.Redis.from_url(valkey.url) as r:
+        assert r.keys("specserve:req:*") == []  # nothing was enqueued
 
 
 NUMERIC_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "timeout", "deadline", "speculation"]

@@ -55,9 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _body(ns: argparse.Namespace) -> dict[str, Any]:
-    import time
+def _deadline(timeout: float) -> float:
+    """--timeout follows the API's rule for `timeout` (a number of seconds in (0, 30 days])."""
+    from specserve.service.http import ApiError, deadline_after
 
+    try:
+        return deadline_after(timeout)
+    except ApiError as e:
+        raise SystemExit(f"error: --{e.message}") from None
+
+
+def _body(ns: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = orjson.loads(ns.body) if ns.body else {}
     if ns.prompt is not None:
         body["prompt"] = ns.prompt
@@ -74,7 +82,7 @@ def _body(ns: argparse.Namespace) -> dict[str, Any]:
         "stop": ns.stop,
         "ignore_eos": ns.ignore_eos,
         "speculation": int(spec) if spec is not None and spec.isdigit() else spec,
-        "deadline": time.time() + ns.timeout if ns.timeout else None,
+        "deadline": _deadline(ns.timeout) if ns.timeout is not None else None,
     }
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
