@@ -557,12 +557,22 @@ def test_get_of_a_failed_request_names_the_field(valkey, tiny_model_dir):
     assert done["error_field"] == "prompt"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine's encode_chat reports a too-long chat as `prompt` (engine/llm_engine.py, the "
-    "lead's); remove this marker when it names `messages`",
+@pytest.mark.parametrize(
+    "content",
+    [
+        pytest.param("9 " * 4000, id="tokenized-on-the-loop"),  # under the worker's long-prompt threshold
+        pytest.param(
+            "word " * 3000,
+            id="tokenized-in-a-thread",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="running.py `begin` tokenizes a long chat outside the try that renames prompt to "
+                "messages (the lead's); remove this marker when it does",
+            ),
+        ),
+    ],
 )
-def test_a_chat_over_the_context_names_messages(valkey, tiny_model_dir):
+def test_a_chat_over_the_context_names_messages(valkey, tiny_model_dir, content: str):
     model = str(tiny_model_dir)
 
     async def main():
@@ -570,7 +580,7 @@ def test_a_chat_over_the_context_names_messages(valkey, tiny_model_dir):
             api_stack(valkey.url, tiny_model_dir) as (base, _w, _c),
             aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
         ):
-            long = {"role": "user", "content": "word " * 3000}
+            long = {"role": "user", "content": content}
             async with http.post(
                 f"{base}/v1/chat/completions", json={"model": model, "messages": [long], "max_tokens": 1}
             ) as r:
