@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import Keys
 from specserve.queue.resp import fields_dict
-from specserve.queue.wire import OutputEntry
+from specserve.queue.wire import OutputCursor, OutputEntry
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,23 @@ class OutputReader:
                         if entry is not None and _id_tuple(eid) > last:
                             sub.queue.put_nowait((eid, entry))
                     sub.last_id = max(sub.last_id, items[-1][0], key=_id_tuple)
+
+
+async def shown(conns: Connections, keys: Keys, request_id: str) -> tuple[list[int], str, bool]:
+    """What a reader of a request's output stream has been shown so far (the reading rule of
+    docs/wire-format.md): its token ids, its text, and whether a final entry is among them."""
+    cursor = OutputCursor()
+    ids: list[int] = []
+    parts: list[str] = []
+    for eid, fields in await conns.fast.execute("XRANGE", keys.out(request_id), "-", "+"):
+        entry = _entry(keys.out(request_id), eid, fields)
+        delta = cursor.feed(entry) if entry is not None else None
+        if delta is not None:
+            ids.extend(delta.token_ids)
+            parts.append(delta.text)
+        if cursor.done:
+            break
+    return ids, "".join(parts), cursor.done
 
 
 def _entry(key: str, eid: str, fields: list[str]) -> OutputEntry | None:

@@ -202,9 +202,9 @@ class OutputEntry:
     """One entry of a request's output stream.
 
     `offset` counts completion tokens and `text_offset` counts Unicode code points of the completion text,
-    both from the start of the run; a rerun after a crash starts again at 0 with a higher `run`. A reader
-    that remembers how many tokens and characters it has shown skips what it has already seen.
-    """
+    both from the start of the request; a rerun after a crash (a higher `run`) continues after what earlier
+    runs wrote. A reader that remembers how many tokens and characters it has shown skips anything it has
+    already seen (a rerun by an older worker restarts at 0)."""
 
     run: int
     offset: int

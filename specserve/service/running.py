@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -19,7 +20,8 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from specserve.engine.async_engine import AsyncLLMEngine
-from specserve.engine.outputs import StepDelta
+from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.outputs import StepDelta, Usage
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
 from specserve.queue.publisher import Publisher
 from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError
@@ -42,6 +44,34 @@ def prompt_chars(body: RequestBody) -> int:
 def stable_seed(request_id: str) -> int:
     """Seed for a sampled request that gave none, so a rerun after a crash draws the same tokens."""
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def resumed_seed(seed: int, tokens: int) -> int:
+    """The seed of a run that resumes after `tokens` completion tokens. Any fresh stream would do for the
+    distribution (each token is drawn from the target's distribution given the tokens before it, whatever
+    stream drew those); deriving it from the seed and the resume point makes reruns repeat each other."""
+    data = f"{seed}:{tokens}".encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
+
+
+def resume_point(tokenizer, prompt_ids: list[int], shown_ids: list[int], shown_text: str) -> tuple[int, int]:
+    """How many of the shown tokens a rerun can take as given, and the characters of text they make.
+
+    Usually all of them. But the text of the last few may not have been shown (half a UTF-8 character, or
+    text that could still become a stop string, is held back): those are generated again, so the rerun's
+    text picks up exactly where the reader's stopped. Replays the engine's own incremental detokenizer."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    ids = list(prompt_ids)
+    text = ""
+    best = (0, 0)
+    for i, token in enumerate(shown_ids, 1):
+        ids.append(token)
+        text += detok.step(ids)
+        if len(text) > len(shown_text):
+            break
+        if detok.read_offset == len(ids):  # every token so far has its text
+            best = (i, len(text))
+    return best
 
 
 def model_aliases(name: str) -> set[str]:
@@ -69,11 +99,22 @@ def _wall_ns(monotonic: float) -> int:
 
 @dataclass
 class Started:
-    """A request the engine has taken: its deltas, and when it took it."""
+    """A request the engine has taken: its deltas, and when it took it. A rerun that resumes after
+    `base_tokens` completion tokens (`base_chars` characters) numbers its output after them."""
 
     request_id: str
     deltas: AsyncIterator[StepDelta]
     at: float  # time.monotonic()
+    base_tokens: int = 0
+    base_chars: int = 0
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What readers of a rerun request have been shown by its earlier runs."""
+
+    token_ids: list[int]
+    text: str
 
 
 @dataclass(eq=False)
@@ -155,8 +196,11 @@ class Runner:
                 raise InvalidParameter("messages", err.message) from None  # the field the client sent
             raise
 
-    async def begin(self, rid: str, body: RequestBody) -> Started:
-        """Hand a request to the engine, tokenizing a long prompt in a thread first."""
+    async def begin(self, rid: str, body: RequestBody, shown: Shown | None = None) -> Started:
+        """Hand a request to the engine, tokenizing a long prompt in a thread first; a rerun whose earlier
+        runs showed tokens continues after them."""
+        if shown is not None and shown.token_ids:
+            return await self._resume(rid, body, shown)
         if prompt_chars(body) <= LONG_PROMPT_CHARS:
             return self.start(rid, body)
         self.params(rid, body)  # a bad field fails before the tokenizer runs
@@ -170,6 +214,43 @@ class Runner:
         finally:
             self.preparing -= 1
         return self.start(rid, body, prompt)
+
+    async def _resume(self, rid: str, body: RequestBody, shown: Shown) -> Started:
+        """Continue a request from the tokens a reader has been shown: the prompt grows by them, the budget
+        shrinks by them, and the output is numbered after them, so the reader sees one sequence, nothing
+        replayed (docs/wire-format.md, Reading rule)."""
+        params, until_full = self.params(rid, body)
+
+        def prepare() -> tuple[list[int], int, int]:
+            if body.messages is not None:
+                prompt = self.engine.encode_chat(body.messages)
+            elif isinstance(body.prompt, str):
+                prompt = self.engine.tokenizer.encode(body.prompt)
+            else:
+                prompt = list(body.prompt or [])
+            return (prompt, *resume_point(self.engine.tokenizer, prompt, shown.token_ids, shown.text))
+
+        self.preparing += 1
+        try:
+            prompt, n, chars = await asyncio.to_thread(prepare)
+        finally:
+            self.preparing -= 1
+        given = shown.token_ids[:n]
+        at = time.monotonic()
+        last = given[-1] if given else None
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.engine.engine.eos_token_ids)
+        if not until_full and n >= params.max_tokens or last in stop_ids:
+            # the earlier run made every token and died before its final entry: only that is left to write
+            reason = "stop" if last in stop_ids else "length"
+            return Started(rid, _ended(rid, reason, len(prompt) + n), at, n, chars)
+        if until_full:
+            params.max_tokens = max(1, self.engine.max_model_len - len(prompt) - n)
+        else:
+            params.max_tokens -= n
+        if params.seed is not None and not params.greedy:
+            params.seed = resumed_seed(params.seed, n)
+        deltas = self.engine.add_request(rid, prompt + given, params, stream=body.stream)
+        return Started(rid, deltas, at, n, chars)
 
     async def abort(self, started: Started) -> None:
         """Abort a request the engine took; its final delta ends the stream, and with it its queue."""
@@ -186,7 +267,8 @@ class Runner:
         tracer = self.telemetry.tracer
         in_request = trace.set_span_in_context(state.span)
         phase = tracer.start_span("prefill", context=in_request)
-        text_offset = 0
+        base = started.base_tokens
+        text_offset = started.base_chars
         last: StepDelta | None = None
         error: str | None = None
         try:
@@ -205,11 +287,11 @@ class Runner:
                             ttft = self.clock.now() - since_first - state.enqueued_ms / 1000
                             self.telemetry.ttft.record(max(0.0, ttft))
                     if d.finished:
-                        last = d  # its tokens go out with the final entry
+                        last = _after(d, base)  # its tokens go out with the final entry
                         state.engine_end = time.monotonic()
                     elif d.token_ids or d.text:
                         self.publisher.push(
-                            rid, OutputEntry(state.run, d.offset, text_offset, d.token_ids, d.text)
+                            rid, OutputEntry(state.run, base + d.offset, text_offset, d.token_ids, d.text)
                         )
                         text_offset += len(d.text)
         except Exception as err:
@@ -222,3 +304,24 @@ class Runner:
         if state.engine_end is not None:
             engine_ms = 1000 * (state.engine_end - state.engine_start)
         return Outcome(state.run, state.ending, last, text_offset, error, engine_ms)
+
+
+def _after(final: StepDelta, base: int) -> StepDelta:
+    """A resumed run's final delta, counted from the request's start: the `base` tokens it was given were
+    completion tokens, not prompt."""
+    if not base:
+        return final
+    u = final.usage
+    usage = (
+        None
+        if u is None
+        else dataclasses.replace(
+            u, prompt_tokens=u.prompt_tokens - base, completion_tokens=u.completion_tokens + base
+        )
+    )
+    return dataclasses.replace(final, offset=final.offset + base, usage=usage)
+
+
+async def _ended(rid: str, reason: str, tokens: int) -> AsyncIterator[StepDelta]:
+    """The final delta of a request whose tokens were all made by an earlier run."""
+    yield StepDelta(rid, 0, [], "", finished=True, finish_reason=reason, usage=Usage(tokens, 0))

@@ -21,7 +21,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.sampling_params import InvalidParameter
-from specserve.queue import wire
+from specserve.queue import outputs, wire
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever
 from specserve.queue.consumer import Claim, ClaimVerdict, ConsumerConfig, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
@@ -33,6 +33,7 @@ from specserve.service.running import (
     RequestState,
     Runner,
     ServerClock,
+    Shown,
     Started,
     prompt_chars,
 )
@@ -375,7 +376,8 @@ class Worker:
     async def _run(self, state: RequestState, early: Started | None) -> None:
         try:
             try:
-                started = early or await self.runner.begin(state.request_id, state.body)
+                shown = await self._shown(state) if early is None else None
+                started = early or await self.runner.begin(state.request_id, state.body, shown)
             except Exception as err:
                 field = err.field if isinstance(err, (InvalidParameter, WireError)) else None
                 if field is None:  # the engine refused it for a reason of its own (e.g. it has failed)
@@ -391,6 +393,15 @@ class Worker:
         finally:
             self.inflight.pop(state.request_id, None)
             self._capacity.set()
+
+    async def _shown(self, state: RequestState) -> Shown | None:
+        """A rerun's earlier output, which it continues instead of repeating (a first run has none)."""
+        if state.run <= 1 or not state.body.stream:  # a final-only request shows nothing until its end
+            return None
+        ids, text, _final = await retry_forever(
+            lambda: outputs.shown(self.conns, self.keys, state.request_id), what="XRANGE"
+        )
+        return Shown(ids, text)
 
     def _end(self, state: RequestState, ending: Ending) -> None:
         """Stop a running request for a reason of the worker's; the first reason sticks."""
