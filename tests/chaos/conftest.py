@@ -225,6 +225,17 @@ async def blocked_group_readers(r: aioredis.Redis) -> int:
     return n
 
 
+async def fresh_blocked_reader(r: aioredis.Redis) -> bool:
+    """One client is held in a blocking XREADGROUP that it sent less than a second ago (CLIENT LIST idle 0),
+    so at least a second of its 2 s block is left."""
+    readers = []
+    for line in _s(await r.execute_command("CLIENT", "LIST")).splitlines():
+        kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
+        if kv.get("cmd") == "xreadgroup" and "b" in kv.get("flags", ""):
+            readers.append(int(kv.get("idle", "9")))
+    return readers == [0]
+
+
 async def pending_of(r: aioredis.Redis, consumer: str) -> list[str]:
     items = await r.xpending_range(KEYS.requests, KEYS.group, "-", "+", 100_000, consumername=consumer)
     return [_s(p["message_id"]) for p in items]

@@ -106,7 +106,7 @@ def test_sse_clients_resume_across_api_restarts(cluster, tiny_model_dir):
                         assert p.status == 202, await p.text()
             clients = [SseClient(rid) for rid in ids]
             cut_at = []
-            for round_no, tokens in enumerate((8, 120)):
+            for round_no, tokens in enumerate((8, 60)):
                 # Each client reads some tokens; then the worker is frozen (generation stops mid-way) and the
                 # API is killed under the open streams.
                 await asyncio.gather(*(c.read(base, until_tokens=tokens) for c in clients))

@@ -1,5 +1,6 @@
-"""The server itself misbehaves mid-load: frozen (SIGSTOP) for longer than the claim timeout, then resumed;
-killed with SIGKILL and restarted from its append-only file (same port, data dir and password).
+"""The server itself misbehaves mid-load, twice in one run: frozen (SIGSTOP) for twice the claim timeout,
+then resumed; later killed with SIGKILL and restarted from its append-only file (same port, data dir and
+password).
 
 Two worker processes serve concurrent producers; some requests are also followed by streaming readers.
 Every request whose enqueue was acknowledged before the fault finishes exactly once with the reference
@@ -40,7 +41,7 @@ pytestmark = pytest.mark.chaos
 
 PARAMS = {"max_tokens": 32, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [f"Item {i} of the load:" for i in range(8)]
-PRODUCERS, PER_PRODUCER = 4, 15
+PRODUCERS, PER_PRODUCER = 4, 24
 # Shorter than the freeze below: when the server wakes up, every in-flight entry looks abandoned, and each
 # worker's reclaim may take the other's. That must still end in exactly one finished run per request.
 CLAIM = {"SPECSERVE_CLAIM_TIMEOUT": "2"}
@@ -110,29 +111,33 @@ class Load:
             await c.aclose()
 
 
-async def _load_through(cluster: Cluster, model_dir, fault, name: str) -> dict:
-    t = Timeline(name)
+async def _load_through(cluster: Cluster, model_dir, faults) -> dict:
+    """Run the load; when `fraction` of its enqueues are acknowledged, run each (name, fraction, fault)."""
+    t = Timeline("valkey")
     workers = [cluster.worker(f"w{i}", **CLAIM) for i in range(2)]
     load = Load(cluster.valkey.url)
+    refs_task = asyncio.ensure_future(asyncio.to_thread(reference, model_dir, PROMPTS, **PARAMS))  # meanwhile
+    figures: dict = {"requests": len(load.ids)}
     try:
         for w in workers:
             await w.ready()
         t.mark("workers ready")
         producing = asyncio.create_task(load.run())
+        for name, fraction, fault in faults:
 
-        async def a_third_acked() -> bool:
-            return len(load.acked) >= len(load.ids) // 3
+            async def far_enough(fraction=fraction) -> bool:
+                return len(load.acked) >= len(load.ids) * fraction
 
-        await wait_for(a_third_acked, timeout=60, what="a third of the load enqueued")
-        acked_before = set(load.acked)
-        r = raw_redis(cluster.valkey)
-        try:
-            running = await _running(r, load.ids)
-        finally:
-            await r.aclose()
-        t.mark(f"fault: {len(acked_before)} enqueues acknowledged, {running} requests running")
-        await fault()
-        t.mark("fault over")
+            await wait_for(far_enough, timeout=60, what=f"{fraction:.0%} of the load enqueued")
+            r = raw_redis(cluster.valkey)
+            try:
+                running = await _running(r, load.ids)
+            finally:
+                await r.aclose()
+            figures[name] = {"acked_before": len(load.acked), "running_at": running}
+            t.mark(f"{name}: {len(load.acked)} enqueues acknowledged, {running} requests running")
+            await fault()
+            t.mark(f"{name} over")
         await asyncio.wait_for(producing, 120)
         t.mark(f"every enqueue acknowledged ({load.retries} retried)")
         r = raw_redis(cluster.valkey)
@@ -140,7 +145,7 @@ async def _load_through(cluster: Cluster, model_dir, fault, name: str) -> dict:
             await wait_terminal(r, load.ids, timeout=120, cluster=cluster)
             t.mark("every request ended")
             await load.readers_done(timeout=30)
-            refs = dict(zip(PROMPTS, reference(model_dir, PROMPTS, **PARAMS)))
+            refs = dict(zip(PROMPTS, await refs_task))
             got = await outcomes(r, load.ids)
             problems = {rid: finished_once_problems(got[rid], *refs[load.prompt_of[rid]]) for rid in load.ids}
             for rid, seen in load.streamed.items():
@@ -150,20 +155,18 @@ async def _load_through(cluster: Cluster, model_dir, fault, name: str) -> dict:
             assert await unfinished_requests(r) == {}
             g = await group_state(r)
             assert (g["pending"], g["lag"]) == (0, 0), g
-            reruns = sum(int(o.info["run"]) > 1 for o in got.values())
-            return {
-                "requests": len(load.ids),
-                "acked_before_fault": len(acked_before),
-                "running_at_fault": running,
-                "finished_once": len(load.ids),
-                "enqueue_retries": load.retries,
-                "reruns": reruns,
-                "streamed": len(load.streamed),
-            }
+            figures.update(
+                finished_once=len(load.ids),
+                enqueue_retries=load.retries,
+                reruns=sum(int(o.info["run"]) > 1 for o in got.values()),
+                streamed=len(load.streamed),
+            )
+            return figures
         finally:
             await r.aclose()
     finally:
         await load.aclose()
+        await asyncio.wait({refs_task})
 
 
 async def _running(r, ids: list[str]) -> int:
@@ -173,23 +176,16 @@ async def _running(r, ids: list[str]) -> int:
     return sum(s == b"running" for s in await pipe.execute())
 
 
-def test_valkey_frozen_past_the_claim_timeout_mid_load(cluster, tiny_model_dir):
-    pid = cluster.valkey.proc.pid
+def test_valkey_frozen_past_the_claim_timeout_then_killed_and_restarted_from_its_aof(cluster, tiny_model_dir):
+    server = cluster.valkey
+    port, password, data = server.port, server.password, server.data_dir
 
     async def freeze():
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(server.proc.pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(4.0)  # twice the claim timeout
         finally:
-            os.kill(pid, signal.SIGCONT)
-
-    figures = run_bounded(_load_through(cluster, tiny_model_dir, freeze, "sigstop"), timeout=220)
-    print("valkey SIGSTOP 4 s:", figures)
-
-
-def test_valkey_killed_and_restarted_from_its_aof_mid_load(cluster, tiny_model_dir):
-    server = cluster.valkey
-    port, password, data = server.port, server.password, server.data_dir
+            os.kill(server.proc.pid, signal.SIGCONT)
 
     async def crash():
         server.kill()  # SIGKILL: no shutdown, no final fsync
@@ -197,5 +193,6 @@ def test_valkey_killed_and_restarted_from_its_aof_mid_load(cluster, tiny_model_d
         await asyncio.to_thread(server.start)
         assert (server.port, server.password, server.data_dir) == (port, password, data)
 
-    figures = run_bounded(_load_through(cluster, tiny_model_dir, crash, "kill9"), timeout=220)
-    print("valkey kill -9 + restart:", figures)
+    faults = [("SIGSTOP 4 s", 0.25, freeze), ("kill -9 + restart", 0.6, crash)]
+    figures = run_bounded(_load_through(cluster, tiny_model_dir, faults), timeout=220)
+    print("valkey faults:", figures)

@@ -9,6 +9,7 @@ dead letters (by entry id, with a reason) where it is not; nothing may stay queu
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import orjson
@@ -25,8 +26,11 @@ from .conftest import (
     dead_letters,
     deliver_to_frozen,
     finished_once_problems,
+    fresh_blocked_reader,
+    http_ok,
     non_utf8_entries,
     outcomes,
+    pending_of,
     poison_problems,
     raw_redis,
     reference,
@@ -35,13 +39,14 @@ from .conftest import (
     wait_for,
     wait_settled,
     wait_terminal,
+    xadd_multi,
 )
 
 pytestmark = pytest.mark.chaos
 
 # Still running when the worker goes (it is frozen right after their first tokens), and, for the drain, well
 # past its 0.5 s grace period.
-LONG = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
 SHORT = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 LONG_PROMPTS = [f"Long story {i}:" for i in range(4)]
 BATCH_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
@@ -73,10 +78,15 @@ async def _start_long(client: QueueClient, r, tag: str) -> list[str]:
     return ids
 
 
-async def _audit(r, cluster: Cluster, model_dir, long_ids, valid_ids, entry_ids, poison) -> dict:
+def _references(model_dir) -> tuple[list, list]:
+    return reference(model_dir, LONG_PROMPTS, **LONG), reference(model_dir, BATCH_PROMPTS, **SHORT)
+
+
+async def _audit(r, cluster: Cluster, refs, long_ids, valid_ids, entry_ids, poison) -> dict:
     """The exactly-once audit shared by both scenarios; returns the figures."""
     ids = long_ids + valid_ids
-    refs = reference(model_dir, LONG_PROMPTS, **LONG) + reference(model_dir, BATCH_PROMPTS, **SHORT)
+    long_refs, batch_refs = await refs
+    refs = long_refs + batch_refs * (len(valid_ids) // len(BATCH_PROMPTS))
     got = await outcomes(r, ids)
     assert_no_problems(
         {rid: finished_once_problems(got[rid], *ref) for rid, ref in zip(ids, refs)},
@@ -99,6 +109,7 @@ def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
         r = raw_redis(cluster.valkey)
         client = QueueClient(connect(cluster.valkey.url), KEYS)
         try:
+            refs = asyncio.ensure_future(asyncio.to_thread(_references, tiny_model_dir))  # meanwhile
             await victim.ready()
             t.mark("victim ready")
             long_ids = await _start_long(client, r, "k")
@@ -119,7 +130,7 @@ def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
             await wait_settled(r)
             t.mark("nothing pending")
             poison_entry_ids = [batch_ids[0], batch_ids[3], batch_ids[5]]
-            figures = await _audit(r, cluster, tiny_model_dir, long_ids, valid_ids, poison_entry_ids, poison)
+            figures = await _audit(r, cluster, refs, long_ids, valid_ids, poison_entry_ids, poison)
             infos = [await client.info(rid) for rid in long_ids]
             assert all(i["run"] == "2" and i["worker"] == "rescuer" for i in infos), infos  # rerun there
             return figures
@@ -130,7 +141,10 @@ def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
     print("kill with poison pending:", run_bounded(main(), timeout=200))
 
 
-def test_worker_drains_on_sigterm_with_a_poison_batch_pending(cluster, tiny_model_dir):
+def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_model_dir):
+    """Two batches meet the drain: one the worker read just before SIGTERM (its poison is handled on the way
+    in), and one delivered to the blocking read the drain cut short, so it is pending under the worker's name
+    and never seen by it: the drain's hand-back of leftovers meets that poison."""
     # A short grace period: the long requests cannot finish within it and are handed back.
     drainer = cluster.worker("drainer", SPECSERVE_DRAIN_TIMEOUT="0.5", **CLAIM)
     t = Timeline("drain")
@@ -139,14 +153,21 @@ def test_worker_drains_on_sigterm_with_a_poison_batch_pending(cluster, tiny_mode
         r = raw_redis(cluster.valkey)
         client = QueueClient(connect(cluster.valkey.url), KEYS)
         try:
+            refs = asyncio.ensure_future(asyncio.to_thread(_references, tiny_model_dir))  # meanwhile
             await drainer.ready()
             t.mark("drainer ready")
             long_ids = await _start_long(client, r, "d")
-            entries, valid_ids, poison = _mixed_batch("d")
-            batch_ids = await deliver_to_frozen(r, drainer, entries)
-            # SIGTERM arrives while the batch sits unread in its socket: the drain meets it pending.
-            drainer.signal(signal.SIGTERM)
+            read_batch, read_valid, read_poison = _mixed_batch("d")
+            read_ids = await deliver_to_frozen(r, drainer, read_batch)
             drainer.thaw()
+            await wait_for(lambda: fresh_blocked_reader(r), timeout=30, what="a fresh XREADGROUP")
+            drainer.signal(signal.SIGTERM)
+            await wait_for(lambda: _not_ready(drainer), timeout=30, what="the drain to begin")
+            # The drain stopped the pull loop, but the server still holds its read: this batch goes to it.
+            cut_batch, cut_valid, cut_poison = _mixed_batch("e")
+            cut_ids = await xadd_multi(r, cut_batch)
+            assert set(cut_ids) <= set(await pending_of(r, "drainer")), "the cut-short read missed the batch"
+            t.mark("SIGTERM; one batch read just before, one left in the read the drain cut short")
             rc = await drainer.wait_exit(60)
             assert rc == 0, cluster.logs()
             t.mark("drained and exited 0")
@@ -155,11 +176,14 @@ def test_worker_drains_on_sigterm_with_a_poison_batch_pending(cluster, tiny_mode
             taker = cluster.worker("taker", **CLAIM)
             await taker.ready()
             t.mark("taker ready")
+            valid_ids = read_valid + cut_valid
             await wait_terminal(r, long_ids + valid_ids, timeout=90, cluster=cluster)
             await wait_settled(r)
             t.mark("every request ended, nothing pending")
-            poison_entry_ids = [batch_ids[0], batch_ids[3], batch_ids[5]]
-            figures = await _audit(r, cluster, tiny_model_dir, long_ids, valid_ids, poison_entry_ids, poison)
+            poison_entry_ids = [ids[i] for ids in (read_ids, cut_ids) for i in (0, 3, 5)]
+            figures = await _audit(
+                r, cluster, refs, long_ids, valid_ids, poison_entry_ids, read_poison + cut_poison
+            )
             infos = [await client.info(rid) for rid in long_ids]
             assert all(i["worker"] == "taker" for i in infos), infos
             return figures
@@ -168,3 +192,7 @@ def test_worker_drains_on_sigterm_with_a_poison_batch_pending(cluster, tiny_mode
             await r.aclose()
 
     print("drain with poison pending:", run_bounded(main(), timeout=200))
+
+
+async def _not_ready(proc) -> bool:
+    return not await http_ok(f"{proc.base}/readyz")
