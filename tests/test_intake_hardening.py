@@ -253,24 +253,22 @@ def test_raw_entries_over_the_limits_fail_before_they_are_parsed_or_tokenized(
 
 
 def test_chat_over_the_context_names_messages(valkey, tiny_model_dir):
-    """F9: the prompt a chat request becomes is the worker's doing; the client sent messages."""
-    # over the tiny model's 2048-token context: 3,900 tokens in 3,900 characters (tokenized on the loop),
-    # and 7,800 in 7,800 (past the length tokenized in a thread)
-    words = "1 2 3 " * 650
+    """F9: the prompt a chat request becomes is the worker's doing; the client sent messages. Both where
+    the worker tokenizes on its loop and where a long chat is tokenized in a thread."""
+    # over the tiny model's 2048-token context: one token per character of "1 2 3 ..."
+    words = "1 2 3 " * 1500  # 9,000 characters: past the length tokenized in a thread
 
     async def main():
         async with service_stack(valkey.url, tiny_model_dir) as (_worker, client):
             short = await client.enqueue(
                 {"messages": [{"role": "user", "content": words[:3900]}], "max_tokens": 2}
             )
-            longer = await client.enqueue(
-                {"messages": [{"role": "user", "content": words * 2 + "7"}], "max_tokens": 2}
-            )
+            longer = await client.enqueue({"messages": [{"role": "user", "content": words}], "max_tokens": 2})
             return await client.wait(short.id), await client.wait(longer.id)
 
     short, longer = run(main())
     assert short.status == "failed" and short.error_field == "messages" and "tokens" in short.error
-    assert longer.status == "failed" and longer.error_field == "messages"
+    assert longer.status == "failed" and longer.error_field == "messages" and "tokens" in longer.error
 
 
 def test_a_duplicate_id_arriving_while_the_original_runs_here_is_acknowledged_at_once(valkey, tiny_model_dir):

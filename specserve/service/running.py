@@ -13,7 +13,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from opentelemetry import trace
@@ -181,7 +181,7 @@ class Runner:
     def start(self, rid: str, body: RequestBody, prompt: str | list[int] | None = None) -> Started:
         """Hand a request to the engine now (on the loop: for prompts that tokenize quickly)."""
         params, until_full = self.params(rid, body)
-        try:
+        with _as_sent(body):
             if prompt is None:
                 prompt = self.engine.encode_chat(body.messages) if body.messages is not None else body.prompt
             assert prompt is not None
@@ -191,10 +191,6 @@ class Runner:
                 params.max_tokens = max(1, self.engine.max_model_len - len(prompt))
             at = time.monotonic()
             return Started(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), at)
-        except InvalidParameter as err:
-            if err.field == "prompt" and body.messages is not None:
-                raise InvalidParameter("messages", err.message) from None  # the field the client sent
-            raise
 
     async def begin(self, rid: str, body: RequestBody, shown: Shown | None = None) -> Started:
         """Hand a request to the engine, tokenizing a long prompt in a thread first; a rerun whose earlier
@@ -204,16 +200,22 @@ class Runner:
         if prompt_chars(body) <= LONG_PROMPT_CHARS:
             return self.start(rid, body)
         self.params(rid, body)  # a bad field fails before the tokenizer runs
-        self.preparing += 1
-        try:
+        with self._preparing(), _as_sent(body):
             if body.messages is not None:
                 prompt = await asyncio.to_thread(self.engine.encode_chat, body.messages)
             else:
                 # the engine's own encode of text is the same call, so results do not change
                 prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
+        return self.start(rid, body, prompt)
+
+    @contextlib.contextmanager
+    def _preparing(self) -> Iterator[None]:
+        """Counts requests being tokenized off the loop: they hold a batch slot the engine cannot see yet."""
+        self.preparing += 1
+        try:
+            yield
         finally:
             self.preparing -= 1
-        return self.start(rid, body, prompt)
 
     async def _resume(self, rid: str, body: RequestBody, shown: Shown) -> Started:
         """Continue a request from the tokens a reader has been shown: the prompt grows by them, the budget
@@ -230,15 +232,13 @@ class Runner:
                 prompt = list(body.prompt or [])
             return (prompt, *resume_point(self.engine.tokenizer, prompt, shown.token_ids, shown.text))
 
-        self.preparing += 1
-        try:
+        with self._preparing(), _as_sent(body):
             prompt, n, chars = await asyncio.to_thread(prepare)
-        finally:
-            self.preparing -= 1
         given = shown.token_ids[:n]
         at = time.monotonic()
         last = given[-1] if given else None
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.engine.engine.eos_token_ids)
+        eos = set() if params.ignore_eos else self.engine.engine.eos_token_ids
+        stop_ids = set(params.stop_token_ids) | eos
         if not until_full and n >= params.max_tokens or last in stop_ids:
             # the earlier run made every token and died before its final entry: only that is left to write
             reason = "stop" if last in stop_ids else "length"
@@ -304,6 +304,17 @@ class Runner:
         if state.engine_end is not None:
             engine_ms = 1000 * (state.engine_end - state.engine_start)
         return Outcome(state.run, state.ending, last, text_offset, error, engine_ms)
+
+
+@contextlib.contextmanager
+def _as_sent(body: RequestBody) -> Iterator[None]:
+    """A chat request's prompt is the worker's doing: an error about it names the field the client sent."""
+    try:
+        yield
+    except InvalidParameter as err:
+        if err.field == "prompt" and body.messages is not None:
+            raise InvalidParameter("messages", err.message) from None
+        raise
 
 
 def _after(final: StepDelta, base: int) -> StepDelta:
