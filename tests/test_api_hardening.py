@@ -561,15 +561,7 @@ def test_get_of_a_failed_request_names_the_field(valkey, tiny_model_dir):
     "content",
     [
         pytest.param("9 " * 4000, id="tokenized-on-the-loop"),  # under the worker's long-prompt threshold
-        pytest.param(
-            "word " * 3000,
-            id="tokenized-in-a-thread",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="running.py `begin` tokenizes a long chat outside the try that renames prompt to "
-                "messages (the lead's); remove this marker when it does",
-            ),
-        ),
+        pytest.param("word " * 3000, id="tokenized-in-a-thread"),
     ],
 )
 def test_a_chat_over_the_context_names_messages(valkey, tiny_model_dir, content: str):

@@ -468,3 +468,47 @@ def test_an_entry_whose_status_key_is_unusable_is_dead_lettered_once(valkey, tin
     good, dead = run(main())
     assert [r.token_ids for r in good] == [ref[p] for p in VALID]
     assert [d[b"id"] for d in dead] == [b"wrongtype"] and b"WRONGTYPE" in dead[0][b"reason"]
+
+
+def test_a_full_redis_holds_outputs_and_claims_until_there_is_room(valkey, tiny_model_dir, tiny_engines):
+    """maxmemory with noeviction refuses writes (OOM): the worker's outputs, finals and claims wait for room
+    instead of being dropped or dead-lettered, and every request then finishes exactly once."""
+    ref = _reference(tiny_engines, tiny_model_dir, VALID)
+    long = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+    ref_long = tiny_engines.llm(tiny_model_dir).generate([VALID[0]], SamplingParams(**long))[0].token_ids
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir) as (worker, client):
+            raw = aioredis.Redis.from_url(valkey.url)
+            try:
+                await client.enqueue({"prompt": VALID[0], **long}, "running")
+                await wait_for(lambda: _running(worker, "running"), what="running")
+                # fill it up: the server refuses every write from now on
+                used = (await raw.info("memory"))["used_memory"]
+                await raw.config_set("maxmemory", used)
+                await raw.config_set("maxmemory-policy", "noeviction")
+                # queued behind the wall (a raw XADD over the limit would be refused too: add them first
+                # with room, then fill)
+                await raw.config_set("maxmemory", 0)
+                await _xadd_all(
+                    raw, [{b"id": f"q-{i}".encode(), b"body": _body(p)} for i, p in enumerate(VALID)]
+                )
+                used = (await raw.info("memory"))["used_memory"]
+                await raw.config_set("maxmemory", used)
+                await asyncio.sleep(1.5)  # outputs, finals and claims are refused meanwhile
+                refused = (await raw.info("stats")).get("total_error_replies", 0)
+                await raw.config_set("maxmemory", 0)
+                results = {rid: await client.wait(rid) for rid in ["running", "q-0", "q-1", "q-2"]}
+                finals = {rid: await _finals(raw, rid) for rid in results}
+                runs = {(await client.info(rid))["run"] for rid in results}
+                return results, finals, refused, await _dead(raw), runs
+            finally:
+                await raw.aclose()
+
+    results, finals, refused, dead, runs = run(main())
+    assert runs == {"1"}  # nothing had to be rerun: no write was dropped
+    assert refused > 0  # the server did refuse writes while full
+    assert results["running"].status == "finished" and results["running"].token_ids == ref_long
+    for i, p in enumerate(VALID):
+        assert results[f"q-{i}"].status == "finished" and results[f"q-{i}"].token_ids == ref[p]
+    assert set(finals.values()) == {1} and dead == []

@@ -10,7 +10,7 @@ from typing import TypeVar
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, ReadOnlyError
+from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -20,12 +20,15 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # A restarting server answers LOADING while it replays its append-only file; a failed-over primary that is
-# now a replica answers READONLY until clients reconnect to the new one. All of these are worth retrying.
+# now a replica answers READONLY until clients reconnect to the new one; a full server (maxmemory with
+# noeviction) answers OOM to writes until results expire or an operator makes room. All of these are worth
+# retrying: a worker's outputs and claims wait for the server, never dead-letter or drop a request.
 TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     BusyLoadingError,
     ReadOnlyError,
+    OutOfMemoryError,
     OSError,
 )
 

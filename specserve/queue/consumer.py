@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
 from specserve.queue import scripts
-from specserve.queue.connection import BLOCK_MS, Connections
+from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import Keys
 from specserve.queue.resp import as_bytes, fields_dict
 from specserve.queue.wire import RequestEntry
@@ -184,6 +184,9 @@ class StreamConsumer:
                 )
             )
         replies = await self._fast.pipeline(commands, raise_on_error=False)
+        for r in replies:
+            if isinstance(r, TRANSIENT_ERRORS):  # the server's state, not the entry's: retry the batch
+                raise r
         return [r if isinstance(r, Exception) else _claim(r) for r in replies]
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:

@@ -14,6 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from redis.exceptions import OutOfMemoryError
+
 from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import Keys
 from specserve.queue.resp import fields_dict
@@ -61,7 +63,8 @@ class OutputReader:
         sub = Subscription(self.keys.out(request_id), after)
         self._subs.setdefault(sub.key, []).append(sub)
         try:
-            await self._wake()
+            with contextlib.suppress(OutOfMemoryError):  # a full server: the next XREAD (<= block_ms) sees it
+                await self._wake()
             while True:
                 eid, entry = await sub.queue.get()
                 yield eid, entry

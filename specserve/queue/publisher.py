@@ -151,6 +151,11 @@ class Publisher:
                 ]
             )
         results = await self._fast.pipeline(commands, raise_on_error=False)
+        for r in results:
+            if isinstance(r, TRANSIENT_ERRORS):
+                # A full server refuses the writes (OOM) but stays connected: retry them all. Deltas that got
+                # in are written again; readers skip offsets they have shown.
+                raise r
         for rid in deltas:
             self._expiring.add(rid)
         for r in results:
