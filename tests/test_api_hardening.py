@@ -25,7 +25,8 @@ from specserve.queue.client import QueueClient
 from specserve.queue.connection import connect
 from specserve.queue.keys import Keys
 from specserve.service.api import Api, ApiSettings
-from specserve.service.http import MAX_TIMEOUT_S, HttpLimits, parse_api_keys, serve
+from specserve.service.gateway import MAX_TIMEOUT_S
+from specserve.service.http import HttpLimits, parse_api_keys, serve
 from specserve.service.telemetry import Telemetry
 
 pytest_plugins = ("valkey_fixtures",)

@@ -53,6 +53,18 @@ class RequestBody:
     # producer that waits for the whole result: it saves the worker, Redis and readers a round each step.
     stream: bool = True
 
+    @property
+    def fills_context(self) -> bool:
+        """`max_tokens: null`: generate until the context is full (OpenAI chat's default). Only a worker knows
+        the context, so the number is set there."""
+        return "max_tokens" in self.sampling and self.sampling["max_tokens"] is None
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The fields SamplingParams takes (a null max_tokens left out: see fills_context)."""
+        if self.fills_context:
+            return {k: v for k, v in self.sampling.items() if k != "max_tokens"}
+        return self.sampling
+
     def to_json(self) -> bytes:
         body: dict[str, Any] = (
             {"prompt": self.prompt} if self.messages is None else {"messages": self.messages}
@@ -93,6 +105,13 @@ class RequestEntry:
             traceparent=tp if tp is not None and tp.isascii() else None,
             tracestate=ts if ts is not None and ts.isascii() else None,
         )
+
+
+def model_aliases(name: str) -> set[str]:
+    """The names a request's `model` may give for a served model: its path or id, its last part, and that
+    without .gguf (what vLLM users type for a local file)."""
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    return {name, base, base.removesuffix(".gguf")}
 
 
 def _is_int(v: Any) -> bool:

@@ -10,28 +10,22 @@ import asyncio
 import contextlib
 import logging
 import re
-import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
-import orjson
 from aiohttp import web
-from opentelemetry import trace
 from redis.exceptions import OutOfMemoryError
 
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
-from specserve.queue.client import Enqueued, QueueClient, new_request_id
+from specserve.queue.client import QueueClient, new_request_id
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import valid_request_id
-from specserve.queue.wire import Delta, RequestBody, WireError, parse_body
 from specserve.service import openai_api
+from specserve.service.gateway import ApiSettings, Gateway, deadline_after
 from specserve.service.http import (
     MAX_BODY_KEY,
     TENANT_KEY,
     ApiError,
     auth_middleware,
-    deadline_after,
     errors_middleware,
     json_response,
     parse_api_keys,
@@ -43,23 +37,7 @@ from specserve.service.telemetry import METRICS_CONTENT_TYPE, Telemetry
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_S = 15.0
-MODEL_CACHE_S = 5.0
 _EVENT_ID = re.compile(r"^([0-9]{1,15})\.([0-9]{1,15})$")  # <tokens shown>.<characters shown>
-
-
-@dataclass
-class ApiSettings:
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 200_000
-    api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
-    served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
-    model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
-
-
-def _aliases(name: str) -> set[str]:
-    base = name.rstrip("/").rsplit("/", 1)[-1]
-    return {name, base, base.removesuffix(".gguf")}
 
 
 class Api:
@@ -75,8 +53,8 @@ class Api:
         self.settings = settings or ApiSettings()
         self.model_ready = model_ready  # in-process worker (serve): its model is loaded
         self.keys = parse_api_keys(self.settings.api_keys)
+        self.gateway = Gateway(client, telemetry, self.settings)
         self._stats_task: asyncio.Task[None] | None = None
-        self._models_ok: dict[str, float] = {}  # model name -> when a live worker last vouched for it
 
     # ---- app ------------------------------------------------------------------------------------------
 
@@ -90,7 +68,7 @@ class Api:
         app.router.add_get("/v1/requests/{id}", self.get_request)
         app.router.add_get("/v1/requests/{id}/stream", self.stream_request)
         app.router.add_delete("/v1/requests/{id}", self.delete_request)
-        openai_api.add_routes(app, self)
+        openai_api.add_routes(app, self.gateway)
         add_health_routes(app, self.telemetry, self.readiness)
         app.on_startup.append(self._ensure_group)
         if refresh_queue_stats:
@@ -141,118 +119,6 @@ class Api:
         model_ok = self.model_ready() if self.model_ready is not None else None
         return redis_ok and model_ok is not False, {"redis": redis_ok, "model": model_ok}
 
-    # ---- shared by the native and OpenAI routes -------------------------------------------------------
-
-    async def known_models(self) -> dict[str, dict[str, Any]]:
-        """Models live workers advertise, plus the ones configured here."""
-        raw = await self.client.r.hgetall(self.client.keys.models)
-        now = time.time()
-        models: dict[str, dict[str, Any]] = {}
-        for name, info in raw.items():
-            data = orjson.loads(info)
-            if now - float(data.get("seen", 0)) < self.settings.model_stale_s:
-                models[name] = data
-        for name in self.settings.served_models:
-            models.setdefault(name, {})
-        return models
-
-    async def check_model(self, model: str | None) -> None:
-        if model is None:
-            return
-        # A name seen recently skips the lookup (one round trip per request saved); misses always look.
-        if time.monotonic() - self._models_ok.get(model, -MODEL_CACHE_S) < MODEL_CACHE_S:
-            return
-        models = await self.known_models()
-        if not models:
-            return  # nobody has said what is served yet: the worker checks it
-        if any(model in _aliases(name) for name in models):
-            self._models_ok[model] = time.monotonic()
-        else:
-            raise ApiError(
-                404,
-                f"model: {model!r} is not served here; try one of {sorted(models)}",
-                "model",
-                code="model_not_found",
-            )
-
-    def validate(self, data: dict[str, Any]) -> RequestBody:
-        try:
-            body = parse_body(data, self.settings.max_prompt_chars)
-            sampling = {k: v for k, v in body.sampling.items() if not (k == "max_tokens" and v is None)}
-            SamplingParams.from_dict(sampling)
-        except (WireError, InvalidParameter) as e:
-            raise ApiError(400, str(e), e.field) from None
-        return body
-
-    # ---- tenants ----------------------------------------------------------------------------------------
-    # With API keys, every request belongs to the tenant of the key that made it. Ids on the native routes
-    # are the client's own, scoped per tenant: in Redis the request is "<tenant>:<id>" (so two tenants may
-    # use the same id, and neither can squat or read the other's), and the status hash records the tenant.
-    # Without keys there is one tenant, unnamed, and ids are used as given.
-
-    @staticmethod
-    def redis_id(request: web.Request, client_id: str) -> str:
-        tenant = request.get(TENANT_KEY)
-        return client_id if tenant is None else f"{tenant}:{client_id}"
-
-    @staticmethod
-    def owns(request: web.Request, info: dict[str, str]) -> bool:
-        tenant = request.get(TENANT_KEY)
-        return tenant is None or info.get("tenant") == tenant
-
-    async def enqueue(self, request: web.Request, body: RequestBody, request_id: str) -> Enqueued:
-        """`request_id` is the id in Redis (see redis_id)."""
-        await self.check_model(body.model)
-        parent = Telemetry.extract(request.headers.get("traceparent"), request.headers.get("tracestate"))
-        with self.telemetry.tracer.start_as_current_span("enqueue", context=parent) as span:
-            carrier = Telemetry.inject(trace.set_span_in_context(span))
-            try:
-                result = await self.client.enqueue(
-                    body,
-                    request_id,
-                    carrier.get("traceparent"),
-                    carrier.get("tracestate"),
-                    tenant=request.get(TENANT_KEY),
-                )
-            except WireError as e:
-                raise ApiError(400, str(e), e.field) from None
-            span.set_attribute("specserve.request_id", result.id)
-        return result
-
-    async def deltas(self, request_id: str, tokens: int = 0, chars: int = 0) -> AsyncIterator[Delta | None]:
-        """A request's new output; None every KEEPALIVE_S while nothing happens (time for a keep-alive)."""
-        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
-        end = asyncio.CancelledError()  # a marker: the stream is over
-
-        async def pump() -> None:
-            try:
-                async with contextlib.aclosing(self.client.stream(request_id, tokens, chars)) as stream:
-                    async for d in stream:
-                        queue.put_nowait(d)
-                queue.put_nowait(end)
-            except Exception as e:  # handed to the reader, raised there
-                queue.put_nowait(e)
-
-        async def tick() -> None:
-            while True:
-                await asyncio.sleep(KEEPALIVE_S)
-                queue.put_nowait(None)
-
-        # A ticker instead of wait_for() around every get: one timer per stream, not one per token.
-        tasks = [asyncio.create_task(pump()), asyncio.create_task(tick())]
-        try:
-            while True:
-                item = await queue.get()
-                if item is end:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     # ---- native routes --------------------------------------------------------------------------------
 
     async def post_request(self, request: web.Request) -> web.Response:
@@ -262,15 +128,15 @@ class Api:
             client_id = new_request_id()
         elif not valid_request_id(client_id):
             raise ApiError(400, "id: must be 1-200 characters of letters, digits, '_', '.', ':' or '-'", "id")
-        rid = self.redis_id(request, client_id)
+        rid = self.gateway.redis_id(request, client_id)
         if not valid_request_id(rid):  # the tenant's prefix took it past 200 characters
             room = 200 - (len(rid) - len(client_id))
             raise ApiError(400, f"id: at most {room} characters with this API key", "id")
         timeout = data.pop("timeout", None)
         if timeout is not None:
             data["deadline"] = deadline_after(timeout)
-        body = self.validate(data)
-        result = await self.enqueue(request, body, rid)
+        body = self.gateway.validate(data)
+        result = await self.gateway.enqueue(request, body, rid)
         status = 202 if result.created else 200
         return json_response(
             {"id": client_id, "status": result.status, "created": result.created}, status=status
@@ -281,14 +147,15 @@ class Api:
 
     async def get_request(self, request: web.Request) -> web.Response:
         client_id = request.match_info["id"]
-        result = await self.client.result(self.redis_id(request, client_id))
-        if result is None or not self.owns(request, result.info):
+        result = await self.client.result(self.gateway.redis_id(request, client_id))
+        if result is None or not self.gateway.owns(request, result.info):
             raise self._not_found(client_id)
         return json_response({**result.to_dict(), "id": client_id})
 
     async def delete_request(self, request: web.Request) -> web.Response:
         client_id = request.match_info["id"]
-        outcome, status = await self.client.cancel(self.redis_id(request, client_id), request.get(TENANT_KEY))
+        rid = self.gateway.redis_id(request, client_id)
+        outcome, status = await self.client.cancel(rid, request.get(TENANT_KEY))
         if outcome == "missing":
             raise self._not_found(client_id)
         body = {"id": client_id, "status": status, "cancelled": outcome in ("cancelled", "cancelling")}
@@ -297,7 +164,7 @@ class Api:
     async def stream_request(self, request: web.Request) -> web.StreamResponse:
         """SSE `token` events with id "<tokens>.<chars>" (resume with Last-Event-ID), then `done`."""
         client_id = request.match_info["id"]
-        rid = self.redis_id(request, client_id)
+        rid = self.gateway.redis_id(request, client_id)
         last = request.headers.get("Last-Event-ID") or request.query.get("last_event_id") or "0.0"
         match = _EVENT_ID.match(last)
         if match is None:
@@ -307,14 +174,14 @@ class Api:
         tokens, chars = int(match[1]), int(match[2])
         info = await self.client.info(rid)
         if info:
-            if not self.owns(request, info):
+            if not self.gateway.owns(request, info):
                 raise self._not_found(client_id)
         # A raw producer's request has no status hash until a worker claims it; only an open API shows it.
         elif request.get(TENANT_KEY) is not None or not await self.client.r.exists(self.client.keys.out(rid)):
             raise self._not_found(client_id)
         resp = await sse_start(request)
         with contextlib.suppress(ConnectionResetError):  # the client left; it can resume later
-            async with contextlib.aclosing(self.deltas(rid, tokens, chars)) as deltas:
+            async with contextlib.aclosing(self.gateway.deltas(rid, tokens, chars)) as deltas:
                 async for d in deltas:
                     if d is None:
                         await resp.write(b": keep-alive\n\n")

@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _deadline(timeout: float) -> float:
     """--timeout follows the API's rule for `timeout` (a number of seconds in (0, 30 days])."""
-    from specserve.service.http import ApiError, deadline_after
+    from specserve.service.gateway import deadline_after
+    from specserve.service.http import ApiError
 
     try:
         return deadline_after(timeout)

@@ -65,22 +65,6 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
     )
 
 
-# `timeout` (seconds from now: the API's relative form of the wire's `deadline`) is bounded so the deadline it
-# makes stays a sane unix time: 1e308 or inf would overflow a worker's arithmetic, and a month is past any
-# reasonable wait for one generation.
-MAX_TIMEOUT_S = 30 * 86400
-
-
-def deadline_after(timeout: Any) -> float:
-    """The deadline (unix seconds) for a request's `timeout`; ApiError naming `timeout` unless it is a number
-    in (0, MAX_TIMEOUT_S]. The one check for the native and the OpenAI routes."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ApiError(
-            400, f"timeout: must be a number of seconds above 0 and at most {MAX_TIMEOUT_S}", "timeout"
-        )
-    return time.time() + timeout
-
-
 class ClientGone(Exception):
     """The client closed its connection before its request was read: not an error of ours."""
 

@@ -8,22 +8,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBody, Result
+from specserve.service.gateway import Gateway, deadline_after
 from specserve.service.http import (
     ApiError,
-    deadline_after,
     json_response,
     read_json,
     sse_send,
     sse_start,
 )
-
-if TYPE_CHECKING:
-    from specserve.service.api import Api
 
 # Our extensions beyond OpenAI's fields.
 EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout"}
@@ -78,7 +75,7 @@ def _single_prompt(prompt: Any) -> Any:
     return prompt
 
 
-def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody, dict[str, Any]]:
+def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[RequestBody, dict[str, Any]]:
     _check_fields(data, CHAT_FIELDS if chat else COMPLETION_FIELDS)
     model = data.get("model")
     if not isinstance(model, str) or not model:
@@ -113,7 +110,7 @@ def _translate(api: Api, data: dict[str, Any], chat: bool) -> tuple[RequestBody,
     if not stream:
         body["stream"] = False  # we answer once, at the end: the worker need not write every step
     meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
-    return api.validate(body), meta
+    return gateway.validate(body), meta
 
 
 def _as_sent(e: ApiError, data: dict[str, Any]) -> ApiError:
@@ -142,11 +139,11 @@ def _raise_for(final: OutputEntry | Result) -> None:
 
 
 class OpenAIRoutes:
-    def __init__(self, api: Api) -> None:
-        self.api = api
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
 
     async def models(self, _request: web.Request) -> web.Response:
-        models = await self.api.known_models()
+        models = await self.gateway.known_models()
         data = [
             {
                 "id": name,
@@ -173,23 +170,23 @@ class OpenAIRoutes:
             raise _as_sent(e, data) from None
 
     async def _answer(self, request: web.Request, data: dict[str, Any], chat: bool) -> web.StreamResponse:
-        body, meta = _translate(self.api, data, chat)
+        body, meta = _translate(self.gateway, data, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if not meta["stream"]:
             # Straight from the output stream: no keep-alive ticker or pump task for an answer sent once. Its
             # subscription is made while the enqueue is in flight, not after it, where it would hold up the
             # worker's claim on the same event loop.
-            waiting = asyncio.create_task(self.api.client.wait(rid))
+            waiting = asyncio.create_task(self.gateway.client.wait(rid))
             try:
-                await self.api.enqueue(request, body, rid)
+                await self.gateway.enqueue(request, body, rid)
                 result = await waiting
             finally:
                 waiting.cancel()
             _raise_for(result)
             return self._whole(rid, created, meta, chat, result)
-        await self.api.enqueue(request, body, rid)
-        deltas = self.api.deltas(rid)
+        await self.gateway.enqueue(request, body, rid)
+        deltas = self.gateway.deltas(rid)
         try:
             first = await self._first(deltas)
             return await self._stream(request, rid, created, meta, chat, first, deltas)
@@ -224,7 +221,7 @@ class OpenAIRoutes:
         try:
             await self._send_chunks(resp, rid, created, meta, chat, first, deltas)
         except ConnectionResetError:
-            await self.api.client.cancel(rid)  # the client went away: stop spending steps on it
+            await self.gateway.client.cancel(rid)  # the client went away: stop spending steps on it
         return resp
 
     async def _send_chunks(self, resp, rid, created, meta, chat, first: Delta, deltas) -> None:
@@ -277,8 +274,8 @@ class OpenAIRoutes:
         await resp.write_eof()
 
 
-def add_routes(app: web.Application, api: Api) -> None:
-    routes = OpenAIRoutes(api)
+def add_routes(app: web.Application, gateway: Gateway) -> None:
+    routes = OpenAIRoutes(gateway)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_post("/v1/chat/completions", routes.chat)
     app.router.add_get("/v1/models", routes.models)

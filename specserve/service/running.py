@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.outputs import StepDelta, Usage
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
 from specserve.queue.publisher import Publisher
-from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError
+from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError, model_aliases
 from specserve.service.outcome import Ending, Outcome
 from specserve.service.telemetry import Telemetry
 
@@ -72,11 +71,6 @@ def resume_point(tokenizer, prompt_ids: list[int], shown_ids: list[int], shown_t
         if detok.read_offset == len(ids):  # every token so far has its text
             best = (i, len(text))
     return best
-
-
-def model_aliases(name: str) -> set[str]:
-    base = os.path.basename(name.rstrip("/"))
-    return {name, base, base.removesuffix(".gguf")}
 
 
 @dataclass
@@ -164,11 +158,8 @@ class Runner:
             raise WireError(
                 "model", f"unknown model {body.model!r}; this worker serves {self.engine.model_name!r}"
             )
-        sampling = dict(body.sampling)
-        until_full = "max_tokens" in sampling and sampling["max_tokens"] is None
-        if until_full:
-            del sampling["max_tokens"]
-        params = SamplingParams.from_dict(sampling)
+        until_full = body.fills_context
+        params = SamplingParams.from_dict(body.sampling_fields())
         limit = self.engine.max_model_len
         if not until_full and params.max_tokens > limit:
             raise InvalidParameter(

@@ -1,0 +1,179 @@
+"""The API's one way into the queue, shared by the native routes (service/api.py) and the OpenAI routes
+(service/openai_api.py): request validation, the `timeout` rule, model names, tenants, enqueue and reading
+a request's output.
+
+A body is validated here once, as the worker will read it (wire.parse_body, then SamplingParams), so a bad
+field is a 400 naming it before anything is queued; the worker validates again at its own process boundary,
+since raw producers skip this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from opentelemetry import trace
+
+from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.queue.client import Enqueued, QueueClient
+from specserve.queue.wire import Delta, RequestBody, WireError, model_aliases, parse_body
+from specserve.service.http import TENANT_KEY, ApiError
+from specserve.service.telemetry import Telemetry
+
+KEEPALIVE_S = 15.0  # a stream with nothing new for this long gets a keep-alive
+MODEL_CACHE_S = 5.0  # a model name a live worker vouched for is trusted this long without a lookup
+# `timeout` (seconds from now: the API's relative form of the wire's `deadline`) is bounded so the deadline it
+# makes stays a sane unix time: 1e308 or inf would overflow a worker's arithmetic, and a month is past any
+# reasonable wait for one generation.
+MAX_TIMEOUT_S = 30 * 86400
+
+
+@dataclass
+class ApiSettings:
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 200_000
+    api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
+    served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
+    model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
+
+
+def deadline_after(timeout: Any) -> float:
+    """The deadline (unix seconds) for a request's `timeout`; ApiError naming `timeout` unless it is a number
+    in (0, MAX_TIMEOUT_S]. The one check for the native and the OpenAI routes and the CLI."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ApiError(
+            400, f"timeout: must be a number of seconds above 0 and at most {MAX_TIMEOUT_S}", "timeout"
+        )
+    return time.time() + timeout
+
+
+def validate(data: dict[str, Any], max_prompt_chars: int | None = None) -> RequestBody:
+    """A wire body as the worker will read it; ApiError naming the field if it would fail there."""
+    try:
+        body = parse_body(data, max_prompt_chars)
+        SamplingParams.from_dict(body.sampling_fields())
+    except (WireError, InvalidParameter) as e:
+        raise ApiError(400, str(e), e.field) from None
+    return body
+
+
+class Gateway:
+    def __init__(self, client: QueueClient, telemetry: Telemetry, settings: ApiSettings) -> None:
+        self.client = client
+        self.telemetry = telemetry
+        self.settings = settings
+        self._models_ok: dict[str, float] = {}  # model name -> when a live worker last vouched for it
+
+    def validate(self, data: dict[str, Any]) -> RequestBody:
+        return validate(data, self.settings.max_prompt_chars)
+
+    # ---- models ---------------------------------------------------------------------------------------
+
+    async def known_models(self) -> dict[str, dict[str, Any]]:
+        """Models live workers advertise, plus the ones configured here."""
+        raw = await self.client.r.hgetall(self.client.keys.models)
+        now = time.time()
+        models: dict[str, dict[str, Any]] = {}
+        for name, info in raw.items():
+            data = orjson.loads(info)
+            if now - float(data.get("seen", 0)) < self.settings.model_stale_s:
+                models[name] = data
+        for name in self.settings.served_models:
+            models.setdefault(name, {})
+        return models
+
+    async def check_model(self, model: str | None) -> None:
+        if model is None:
+            return
+        # A name seen recently skips the lookup (one round trip per request saved); misses always look.
+        if time.monotonic() - self._models_ok.get(model, -MODEL_CACHE_S) < MODEL_CACHE_S:
+            return
+        models = await self.known_models()
+        if not models:
+            return  # nobody has said what is served yet: the worker checks it
+        if any(model in model_aliases(name) for name in models):
+            self._models_ok[model] = time.monotonic()
+        else:
+            raise ApiError(
+                404,
+                f"model: {model!r} is not served here; try one of {sorted(models)}",
+                "model",
+                code="model_not_found",
+            )
+
+    # ---- tenants --------------------------------------------------------------------------------------
+    # With API keys, every request belongs to the tenant of the key that made it. Ids on the native routes
+    # are the client's own, scoped per tenant: in Redis the request is "<tenant>:<id>" (so two tenants may
+    # use the same id, and neither can squat or read the other's), and the status hash records the tenant.
+    # Without keys there is one tenant, unnamed, and ids are used as given.
+
+    @staticmethod
+    def redis_id(request: web.Request, client_id: str) -> str:
+        tenant = request.get(TENANT_KEY)
+        return client_id if tenant is None else f"{tenant}:{client_id}"
+
+    @staticmethod
+    def owns(request: web.Request, info: dict[str, str]) -> bool:
+        tenant = request.get(TENANT_KEY)
+        return tenant is None or info.get("tenant") == tenant
+
+    # ---- the queue ------------------------------------------------------------------------------------
+
+    async def enqueue(self, request: web.Request, body: RequestBody, request_id: str) -> Enqueued:
+        """`request_id` is the id in Redis (see redis_id)."""
+        await self.check_model(body.model)
+        parent = Telemetry.extract(request.headers.get("traceparent"), request.headers.get("tracestate"))
+        with self.telemetry.tracer.start_as_current_span("enqueue", context=parent) as span:
+            carrier = Telemetry.inject(trace.set_span_in_context(span))
+            try:
+                result = await self.client.enqueue(
+                    body,
+                    request_id,
+                    carrier.get("traceparent"),
+                    carrier.get("tracestate"),
+                    tenant=request.get(TENANT_KEY),
+                )
+            except WireError as e:
+                raise ApiError(400, str(e), e.field) from None
+            span.set_attribute("specserve.request_id", result.id)
+        return result
+
+    async def deltas(self, request_id: str, tokens: int = 0, chars: int = 0) -> AsyncIterator[Delta | None]:
+        """A request's new output; None every KEEPALIVE_S while nothing happens (time for a keep-alive)."""
+        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+        end = asyncio.CancelledError()  # a marker: the stream is over
+
+        async def pump() -> None:
+            try:
+                async with contextlib.aclosing(self.client.stream(request_id, tokens, chars)) as stream:
+                    async for d in stream:
+                        queue.put_nowait(d)
+                queue.put_nowait(end)
+            except Exception as e:  # handed to the reader, raised there
+                queue.put_nowait(e)
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(KEEPALIVE_S)
+                queue.put_nowait(None)
+
+        # A ticker instead of wait_for() around every get: one timer per stream, not one per token.
+        tasks = [asyncio.create_task(pump()), asyncio.create_task(tick())]
+        try:
+            while True:
+                item = await queue.get()
+                if item is end:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
