@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 import redis.asyncio as aioredis
 from valkey_helpers import TINY, free_port, spawn_cli, wait_for
@@ -195,6 +196,86 @@ def run_bounded(coro, timeout: float):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
+class SseClient:
+    """Reads /v1/requests/{id}/stream as a browser's EventSource would: an event counts once its blank line
+    has arrived (a connection cut mid-event drops the partial one), Last-Event-ID is the id of the last event
+    dispatched, and a lost connection is resumed from it."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.last_id: str | None = None
+        self.done: dict | None = None
+        self.connections = 0  # answered with 200
+        self.refused = 0  # connection refused, or a 5xx (the API or its Redis away)
+
+    async def read(self, base: str, until_tokens: int | None = None) -> None:
+        """Read until the `done` event, `until_tokens` tokens in all, or the connection breaks."""
+        headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=60)
+        event: dict[str, str] = {}
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as http,
+                http.get(f"{base}/v1/requests/{self.rid}/stream", headers=headers) as resp,
+            ):
+                if resp.status >= 500:
+                    self.refused += 1
+                    return
+                assert resp.status == 200, (self.rid, resp.status, await resp.text())
+                self.connections += 1
+                async for raw in resp.content:
+                    line = raw.decode().rstrip("\r\n")
+                    if line:
+                        if not line.startswith(":"):
+                            name, _, value = line.partition(":")
+                            event[name] = value[1:] if value.startswith(" ") else value
+                        continue
+                    if event:
+                        self._dispatch(event)
+                        event = {}
+                    if self.done is not None or (
+                        until_tokens is not None and len(self.token_ids) >= until_tokens
+                    ):
+                        return
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            self.refused += 1  # the API went away; resume later from last_id
+
+    async def follow(self, base: str, timeout: float) -> SseClient:
+        """Read to the `done` event, resuming with Last-Event-ID whenever the connection is lost."""
+        deadline = time.monotonic() + timeout
+        while self.done is None:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"SSE of {self.rid}: no done event within {timeout}s")
+            before = self.connections + self.refused
+            await self.read(base)
+            if self.done is None and self.connections + self.refused > before:
+                await asyncio.sleep(0.1)
+        return self
+
+    def _dispatch(self, event: dict[str, str]) -> None:
+        data = orjson.loads(event.get("data", "{}"))
+        if "id" in event:
+            self.last_id = event["id"]
+        if event.get("event") == "token":
+            self.token_ids += data["token_ids"]
+            self.text += data["text"]
+        elif event.get("event") == "done":
+            self.done = data
+
+    def problems(self, want_ids: list[int], want_text: str) -> list[str]:
+        """Why this stream is not the reference exactly, with one `done` saying finished."""
+        p = []
+        if self.done is None or self.done.get("status") != "finished":
+            p.append(f"SSE done event {self.done}")
+        if self.token_ids != want_ids or self.text != want_text:
+            p.append(f"SSE saw {len(self.token_ids)} tokens {self.text!r}, reference {len(want_ids)}")
+        if self.done is not None and self.last_id != f"{len(want_ids)}.{len(want_text)}":
+            p.append(f"SSE last event id {self.last_id}")
+        return p
+
+
 # ---- raw Redis --------------------------------------------------------------------------------------------
 
 
@@ -351,9 +432,11 @@ def finished_once_problems(o: Outcome, want_ids: list[int], want_text: str) -> l
     """Why `o` is not one finished run with the reference output (empty: it is).
 
     Exactly once: one final entry, status finished in both the hash and the final entry, written by the
-    hash's last run. Every entry of every run (a crashed run's partial output included) carries the
-    reference's tokens and text at its offsets, each run's entries cover its tokens without a gap from 0,
-    and the reader-visible sequence (OutputCursor, via assemble) is the reference exactly.
+    hash's last run, with usage counting the whole completion. Every entry of every run (a crashed run's
+    partial output included) carries the reference's tokens and text at its offsets; in stream order the
+    entries cover the completion without a gap (a rerun continues after what earlier runs wrote, or repeats
+    part of it, docs/wire-format.md); and the reader-visible sequence (OutputCursor, via assemble) is the
+    reference exactly.
     """
     p = []
     finals = o.finals
@@ -362,9 +445,13 @@ def finished_once_problems(o: Outcome, want_ids: list[int], want_text: str) -> l
     if o.status != "finished":
         p.append(f"status {o.status!r} ({o.info.get('error_field')}: {o.info.get('error')})")
     runs = int(o.info.get("run", "0") or 0)
-    if finals and (finals[0].status != "finished" or finals[0].run != runs):
-        p.append(f"final entry status {finals[0].status!r} of run {finals[0].run}, hash run {runs}")
-    covered: dict[int, int] = {}
+    if finals:
+        f = finals[0]
+        if f.status != "finished" or f.run != runs:
+            p.append(f"final entry status {f.status!r} of run {f.run}, hash run {runs}")
+        if f.usage is not None and f.usage.get("completion_tokens") != len(want_ids):
+            p.append(f"usage {f.usage}, reference {len(want_ids)} completion tokens")
+    tokens = chars = 0
     for e in o.entries:
         if not 1 <= e.run <= runs:
             p.append(f"entry of run {e.run} (hash run {runs})")
@@ -372,9 +459,10 @@ def finished_once_problems(o: Outcome, want_ids: list[int], want_text: str) -> l
             p.append(f"run {e.run} offset {e.offset}: tokens {e.token_ids} differ from the reference")
         if e.text != want_text[e.text_offset : e.text_offset + len(e.text)]:
             p.append(f"run {e.run} text offset {e.text_offset}: text {e.text!r} differs from the reference")
-        if e.offset > covered.get(e.run, 0):
-            p.append(f"run {e.run}: gap before offset {e.offset}")
-        covered[e.run] = max(covered.get(e.run, 0), e.offset + len(e.token_ids))
+        if e.offset > tokens or e.text_offset > chars:
+            p.append(f"run {e.run}: gap before offset {e.offset}/{e.text_offset} (covered {tokens}/{chars})")
+        tokens = max(tokens, e.offset + len(e.token_ids))
+        chars = max(chars, e.text_offset + len(e.text))
     if o.token_ids != want_ids or o.text != want_text:
         p.append(f"reader sees {len(o.token_ids)} tokens {o.text!r}, reference {len(want_ids)} {want_text!r}")
     return p

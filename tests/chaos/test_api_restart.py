@@ -1,18 +1,20 @@
-"""The API process dies (SIGKILL) while clients read SSE streams, twice; each client reconnects to the
-restarted API with Last-Event-ID. The worker is frozen across each restart, so every stream is cut and
-resumed mid-generation. The concatenated tokens must equal the reference run: no gap, no duplicate."""
+"""The API process goes away while clients read SSE streams, twice (SIGTERM, then SIGKILL); each client
+reconnects to the restarted API with Last-Event-ID. The worker is frozen across each restart, so every stream
+is cut and resumed mid-generation. The concatenated tokens must equal the reference run: no gap, no
+duplicate."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import aiohttp
-import orjson
 import pytest
 
 from .conftest import (
     KEYS,
+    SseClient,
     Timeline,
     free_port,
     raw_redis,
@@ -25,61 +27,6 @@ pytestmark = pytest.mark.chaos
 
 PARAMS = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = ["First stream:", "Second stream, a longer prompt than the first:", "Third"]
-
-
-class SseClient:
-    """Reads /v1/requests/{id}/stream as a browser's EventSource would: an event counts once its blank line
-    has arrived (a connection cut mid-event drops the partial one), and Last-Event-ID is the id of the last
-    event dispatched."""
-
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.token_ids: list[int] = []
-        self.text = ""
-        self.last_id: str | None = None
-        self.done: dict | None = None
-        self.connections = 0
-        self.seen_offsets: list[int] = []
-
-    async def read(self, base: str, until_tokens: int | None = None) -> None:
-        """Read until the `done` event, `until_tokens` tokens in all, or the connection breaks."""
-        headers = {"Last-Event-ID": self.last_id} if self.last_id else {}
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=60)
-        event: dict[str, str] = {}
-        try:
-            async with (
-                aiohttp.ClientSession(timeout=timeout) as http,
-                http.get(f"{base}/v1/requests/{self.rid}/stream", headers=headers) as resp,
-            ):
-                assert resp.status == 200, await resp.text()
-                self.connections += 1
-                async for raw in resp.content:
-                    line = raw.decode().rstrip("\r\n")
-                    if line:
-                        if not line.startswith(":"):
-                            name, _, value = line.partition(":")
-                            event[name] = value[1:] if value.startswith(" ") else value
-                        continue
-                    if event:
-                        self._dispatch(event)
-                        event = {}
-                    if self.done is not None or (
-                        until_tokens is not None and len(self.token_ids) >= until_tokens
-                    ):
-                        return
-        except aiohttp.ClientError:
-            return  # the API went away; resume later from last_id
-
-    def _dispatch(self, event: dict[str, str]) -> None:
-        data = orjson.loads(event.get("data", "{}"))
-        if "id" in event:
-            self.last_id = event["id"]
-        if event.get("event") == "token":
-            self.seen_offsets.append(data["offset"])
-            self.token_ids += data["token_ids"]
-            self.text += data["text"]
-        elif event.get("event") == "done":
-            self.done = data
 
 
 def test_sse_clients_resume_across_api_restarts(cluster, tiny_model_dir):
@@ -106,9 +53,10 @@ def test_sse_clients_resume_across_api_restarts(cluster, tiny_model_dir):
                         assert p.status == 202, await p.text()
             clients = [SseClient(rid) for rid in ids]
             cut_at = []
-            for round_no, tokens in enumerate((8, 60)):
+            exits, stop_s = [], []
+            for round_no, (tokens, sig) in enumerate(((8, signal.SIGTERM), (60, signal.SIGKILL))):
                 # Each client reads some tokens; then the worker is frozen (generation stops mid-way) and the
-                # API is killed under the open streams.
+                # API is stopped under the open streams: gracefully (SIGTERM) the first time, killed the next.
                 await asyncio.gather(*(c.read(base, until_tokens=tokens) for c in clients))
                 await worker.freeze()
                 statuses = [(await r.hget(KEYS.req(rid), "status")).decode() for rid in ids]
@@ -121,11 +69,13 @@ def test_sse_clients_resume_across_api_restarts(cluster, tiny_model_dir):
 
                 await wait_for(reopened, timeout=30, what="streams reopened")
                 await asyncio.sleep(0.2)  # the reopened streams are inside the API, waiting on Redis
-                api.signal(signal.SIGKILL)
-                await api.wait_exit(30)
+                stopping = time.monotonic()
+                api.signal(sig)
+                exits.append(await api.wait_exit(30))
+                stop_s.append(round(time.monotonic() - stopping, 2))  # a figure, not asserted
                 await asyncio.wait_for(asyncio.gather(*streams), 30)
                 cut_at.append([len(c.token_ids) for c in clients])
-                t.mark(f"API killed; clients cut at {cut_at[-1]} tokens")
+                t.mark(f"API stopped ({sig.name}, rc {exits[-1]}); clients cut at {cut_at[-1]} tokens")
                 api = cluster.api("api", port=port)  # same port: clients come back to the same address
                 await api.ready()
                 t.mark("API restarted")
@@ -135,13 +85,15 @@ def test_sse_clients_resume_across_api_restarts(cluster, tiny_model_dir):
         finally:
             worker.thaw()
             await r.aclose()
-        return clients, cut_at
+        return clients, cut_at, exits, stop_s
 
-    clients, cut_at = run_bounded(main(), timeout=200)
+    clients, cut_at, exits, stop_s = run_bounded(main(), timeout=200)
+    assert exits == [0, -signal.SIGKILL], cluster.logs()  # SIGTERM: a clean exit with streams open
     for c, (want_ids, want_text) in zip(clients, refs):
         assert c.done is not None and c.done["status"] == "finished", c.done
         assert c.token_ids == want_ids, f"{c.rid}: {len(c.token_ids)} tokens, reference {len(want_ids)}"
         assert c.text == want_text
         assert c.last_id == f"{len(want_ids)}.{len(want_text)}"
         assert c.connections >= 5  # first read, reopened twice under a dying API, resumed twice
-    print("SSE across 2 API kills:", {"streams": len(clients), "cut_at": cut_at, "tokens": len(refs[0][0])})
+    figures = {"streams": len(clients), "cut_at": cut_at, "tokens": len(refs[0][0]), "api_exit_s": stop_s}
+    print("SSE across an API SIGTERM and an API SIGKILL:", figures)

@@ -19,6 +19,7 @@ import pytest
 from .conftest import (
     KEYS,
     Cluster,
+    SseClient,
     Timeline,
     assert_no_problems,
     dead_letters,
@@ -187,6 +188,10 @@ def test_400_requests_with_bad_entries_from_many_producers(cluster, tiny_model_d
                 rid: finished_once_problems(got[rid], *refs[mt][prompt])
                 for rid, (prompt, mt) in prod.valid.items()
             }
+            sampled = list(prod.valid)[::10]  # and read back as SSE through the API, to the done event
+            for sse in await asyncio.gather(*(SseClient(rid).follow(api.base, 60) for rid in sampled)):
+                prompt, mt = prod.valid[sse.rid]
+                problems[sse.rid] += sse.problems(*refs[mt][prompt])
             assert_no_problems(problems, "valid requests", cluster)
             dead = await dead_letters(r)
             bad_got = await outcomes(r, with_id)
@@ -205,6 +210,7 @@ def test_400_requests_with_bad_entries_from_many_producers(cluster, tiny_model_d
                 "requests": total,
                 "valid": len(prod.valid),
                 "valid_finished_once": sum(not v for v in problems.values()),
+                "sse_exact": len(sampled),
                 "bad": len(prod.bad),
                 "bad_failed_with_field": sum(e != "dead" for *_, e in prod.bad),
                 "bad_dead_lettered": sum(e == "dead" for *_, e in prod.bad),

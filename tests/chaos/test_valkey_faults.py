@@ -2,7 +2,9 @@
 then resumed; later killed with SIGKILL and restarted from its append-only file (same port, data dir and
 password).
 
-Two worker processes serve concurrent producers; some requests are also followed by streaming readers.
+Two worker processes and an API process serve concurrent producers; every fourth request is also followed
+as it is produced, by a QueueClient stream and by an SSE client of the API (which resumes with Last-Event-ID
+when the API loses Redis).
 Every request whose enqueue was acknowledged before the fault finishes exactly once with the reference
 tokens; one whose enqueue failed is retried by its producer with the same id (enqueue is idempotent by id)
 and then finishes exactly once too.
@@ -15,6 +17,7 @@ import os
 import signal
 import time
 from contextlib import aclosing
+from typing import Any
 
 import pytest
 
@@ -24,6 +27,7 @@ from specserve.queue.connection import TRANSIENT_ERRORS, connect
 from .conftest import (
     KEYS,
     Cluster,
+    SseClient,
     Timeline,
     assert_no_problems,
     finished_once_problems,
@@ -51,8 +55,9 @@ class Load:
     """Producers that enqueue through QueueClient (the Lua ENQUEUE, idempotent by id), retrying a failed or
     unanswered enqueue with the same id, and streaming readers for every fourth request."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, api_base: str) -> None:
         self.url = url
+        self.api = api_base
         self.plan = [
             [(f"p{p}-r{i}", PROMPTS[(p * PER_PRODUCER + i) % len(PROMPTS)]) for i in range(PER_PRODUCER)]
             for p in range(PRODUCERS)
@@ -61,7 +66,8 @@ class Load:
         self.acked: dict[str, float] = {}
         self.retries = 0
         self.streamed: dict[str, tuple[list[int], str]] = {}
-        self._readers: list[asyncio.Task[None]] = []
+        self.sse: dict[str, SseClient] = {}
+        self._readers: list[asyncio.Task[Any]] = []
         self._clients: list[QueueClient] = []
 
     @property
@@ -80,8 +86,10 @@ class Load:
                 except (asyncio.TimeoutError, *TRANSIENT_ERRORS):
                     self.retries += 1
                     await asyncio.sleep(0.2)
-            if i % 4 == 0:
+            if i % 4 == 0:  # followed as it is produced: through the client, and as SSE through the API
                 self._readers.append(asyncio.create_task(self._read(client, rid)))
+                self.sse[rid] = SseClient(rid)
+                self._readers.append(asyncio.create_task(self.sse[rid].follow(self.api, 150)))
             await asyncio.sleep(0.1)
 
     async def _read(self, client: QueueClient, rid: str) -> None:
@@ -115,13 +123,14 @@ async def _load_through(cluster: Cluster, model_dir, faults) -> dict:
     """Run the load; when `fraction` of its enqueues are acknowledged, run each (name, fraction, fault)."""
     t = Timeline("valkey")
     workers = [cluster.worker(f"w{i}", **CLAIM) for i in range(2)]
-    load = Load(cluster.valkey.url)
+    api = cluster.api()
+    load = Load(cluster.valkey.url, api.base)
     refs_task = asyncio.ensure_future(asyncio.to_thread(reference, model_dir, PROMPTS, **PARAMS))  # meanwhile
     figures: dict = {"requests": len(load.ids)}
     try:
-        for w in workers:
-            await w.ready()
-        t.mark("workers ready")
+        for proc in (*workers, api):
+            await proc.ready()
+        t.mark("workers and API ready")
         producing = asyncio.create_task(load.run())
         for name, fraction, fault in faults:
 
@@ -151,6 +160,8 @@ async def _load_through(cluster: Cluster, model_dir, faults) -> dict:
             for rid, seen in load.streamed.items():
                 if seen != refs[load.prompt_of[rid]]:
                     problems[rid].append(f"streaming reader saw {seen}")
+            for rid, sse in load.sse.items():
+                problems[rid] += sse.problems(*refs[load.prompt_of[rid]])
             assert_no_problems(problems, "requests", cluster)
             assert await unfinished_requests(r) == {}
             g = await group_state(r)
@@ -160,6 +171,8 @@ async def _load_through(cluster: Cluster, model_dir, faults) -> dict:
                 enqueue_retries=load.retries,
                 reruns=sum(int(o.info["run"]) > 1 for o in got.values()),
                 streamed=len(load.streamed),
+                sse_exact=len(load.sse),
+                sse_reconnects=sum(c.connections + c.refused - 1 for c in load.sse.values()),
             )
             return figures
         finally:

@@ -21,6 +21,7 @@ from specserve.queue.connection import connect
 from .conftest import (
     KEYS,
     Cluster,
+    SseClient,
     Timeline,
     assert_no_problems,
     dead_letters,
@@ -82,27 +83,36 @@ def _references(model_dir) -> tuple[list, list]:
     return reference(model_dir, LONG_PROMPTS, **LONG), reference(model_dir, BATCH_PROMPTS, **SHORT)
 
 
-async def _audit(r, cluster: Cluster, refs, long_ids, valid_ids, entry_ids, poison) -> dict:
-    """The exactly-once audit shared by both scenarios; returns the figures."""
+async def _audit(r, cluster: Cluster, refs, long_ids, valid_ids, entry_ids, poison, api, long_sse) -> dict:
+    """The exactly-once audit shared by both scenarios; returns the figures. `long_sse`: SSE followers of the
+    long requests through the API process, started before the worker went (they span its rerun)."""
     ids = long_ids + valid_ids
     long_refs, batch_refs = await refs
     refs = long_refs + batch_refs * (len(valid_ids) // len(BATCH_PROMPTS))
     got = await outcomes(r, ids)
-    assert_no_problems(
-        {rid: finished_once_problems(got[rid], *ref) for rid, ref in zip(ids, refs)},
-        "valid requests",
-        cluster,
-    )
+    streams = await asyncio.wait_for(asyncio.gather(*long_sse), 60)
+    streams += await asyncio.gather(*(SseClient(rid).follow(api.base, 60) for rid in valid_ids))
+    problems = {rid: finished_once_problems(got[rid], *ref) for rid, ref in zip(ids, refs)}
+    for rid, ref, sse in zip(ids, refs, streams):
+        problems[rid] += sse.problems(*ref)
+    assert_no_problems(problems, "valid requests", cluster)
     dead = await dead_letters(r)
     poisoned = await outcomes(r, [rid for _, rid in poison if rid is not None])
     problems = poison_problems(poison, entry_ids, dead, poisoned)
     assert_no_problems(problems, "poison entries", cluster)
     assert await unfinished_requests(r) == {}
-    return {"valid": len(ids), "finished_once": len(ids), "poison": len(poison), "dead_letters": len(dead)}
+    return {
+        "valid": len(ids),
+        "finished_once": len(ids),
+        "sse_exact": len(streams),
+        "poison": len(poison),
+        "dead_letters": len(dead),
+    }
 
 
 def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
     victim = cluster.worker("victim", **CLAIM)
+    api = cluster.api()
     t = Timeline("kill")
 
     async def main():
@@ -111,8 +121,10 @@ def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
         try:
             refs = asyncio.ensure_future(asyncio.to_thread(_references, tiny_model_dir))  # meanwhile
             await victim.ready()
-            t.mark("victim ready")
+            await api.ready()
+            t.mark("victim and API ready")
             long_ids = await _start_long(client, r, "k")
+            long_sse = [asyncio.ensure_future(SseClient(rid).follow(api.base, 120)) for rid in long_ids]
             t.mark("long requests streaming")
             entries, valid_ids, poison = _mixed_batch("k")
             # The victim reads the batch itself, and dies before handling it, mid-generation of the long ones.
@@ -130,7 +142,9 @@ def test_worker_killed_with_a_poison_batch_pending(cluster, tiny_model_dir):
             await wait_settled(r)
             t.mark("nothing pending")
             poison_entry_ids = [batch_ids[0], batch_ids[3], batch_ids[5]]
-            figures = await _audit(r, cluster, refs, long_ids, valid_ids, poison_entry_ids, poison)
+            figures = await _audit(
+                r, cluster, refs, long_ids, valid_ids, poison_entry_ids, poison, api, long_sse
+            )
             infos = [await client.info(rid) for rid in long_ids]
             assert all(i["run"] == "2" and i["worker"] == "rescuer" for i in infos), infos  # rerun there
             return figures
@@ -147,6 +161,7 @@ def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_mode
     and never seen by it: the drain's hand-back of leftovers meets that poison."""
     # A short grace period: the long requests cannot finish within it and are handed back.
     drainer = cluster.worker("drainer", SPECSERVE_DRAIN_TIMEOUT="0.5", **CLAIM)
+    api = cluster.api()
     t = Timeline("drain")
 
     async def main():
@@ -155,8 +170,10 @@ def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_mode
         try:
             refs = asyncio.ensure_future(asyncio.to_thread(_references, tiny_model_dir))  # meanwhile
             await drainer.ready()
-            t.mark("drainer ready")
+            await api.ready()
+            t.mark("drainer and API ready")
             long_ids = await _start_long(client, r, "d")
+            long_sse = [asyncio.ensure_future(SseClient(rid).follow(api.base, 120)) for rid in long_ids]
             read_batch, read_valid, read_poison = _mixed_batch("d")
             read_ids = await deliver_to_frozen(r, drainer, read_batch)
             drainer.thaw()
@@ -182,7 +199,15 @@ def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_mode
             t.mark("every request ended, nothing pending")
             poison_entry_ids = [ids[i] for ids in (read_ids, cut_ids) for i in (0, 3, 5)]
             figures = await _audit(
-                r, cluster, refs, long_ids, valid_ids, poison_entry_ids, read_poison + cut_poison
+                r,
+                cluster,
+                refs,
+                long_ids,
+                valid_ids,
+                poison_entry_ids,
+                read_poison + cut_poison,
+                api,
+                long_sse,
             )
             infos = [await client.info(rid) for rid in long_ids]
             assert all(i["worker"] == "taker" for i in infos), infos
