@@ -163,14 +163,79 @@ def test_a_keyless_api_may_bind_loopback_only_unless_allowed(caplog):
 
 
 def test_worker_settings_reach_the_worker():
-    from specserve.service.launch import _worker_config
-
     env = {"SPECSERVE_DEAD_LETTER_MAXLEN": "10", "SPECSERVE_DEAD_LETTER_TTL": "60"}
     env |= {
         "SPECSERVE_MAX_BODY_BYTES": "4096",
         "SPECSERVE_MAX_PROMPT_CHARS": "1000",
         "SPECSERVE_RESULT_TTL": "30",
     }
-    w = _worker_config(cfg_mod.from_args(_parse([]), environ=env))
+    w = cfg_mod.from_args(_parse([]), environ=env).worker_config()
     assert (w.dead_letter_maxlen, w.dead_letter_ttl_s) == (10, 60.0)
     assert (w.max_body_chars, w.max_prompt_chars, w.ttl_s) == (4096, 1000, 30.0)
+
+
+def test_every_engine_knob_is_a_flag_and_a_variable_and_reaches_the_engine():
+    env = {
+        "SPECSERVE_MAX_NUM_BATCHED_TOKENS": "512",
+        "SPECSERVE_BLOCK_SIZE": "32",
+        "SPECSERVE_MAX_MODEL_LEN": "1024",
+        "SPECSERVE_ENABLE_CHUNKED_PREFILL": "false",
+        "SPECSERVE_SPEC_METHOD": "ngram",
+        "SPECSERVE_NUM_SPEC_TOKENS": "6",
+        "SPECSERVE_PROMPT_LOOKUP_MAX": "3",
+        "SPECSERVE_ATTENTION_BACKEND": "torch",
+    }
+    c = cfg_mod.from_args(_parse(["--max-num-seqs", "12", "--block-size", "8"]), environ=env)
+    kw = c.engine_kwargs()
+    assert {k: kw[k] for k in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_model_len")} == {
+        "max_num_seqs": 12,
+        "max_num_batched_tokens": 512,
+        "block_size": 8,  # the flag wins over the variable
+        "max_model_len": 1024,
+    }
+    assert kw["enable_chunked_prefill"] is False and kw["attention_backend"] == "torch"
+    assert kw["speculative_config"] == {
+        "method": "ngram",
+        "num_speculative_tokens": 6,
+        "prompt_lookup_max": 3,
+    }
+    on = cfg_mod.from_args(_parse(["--enable-chunked-prefill"]), environ=env)
+    assert on.engine_kwargs()["enable_chunked_prefill"] is True
+    # unset knobs are left to the engine's own defaults, not written twice here
+    assert set(cfg_mod.from_args(_parse([]), environ={}).engine_kwargs()) == {
+        "model",
+        "dtype",
+        "device",
+        "speculative_config",
+    }
+    from specserve.engine.config import EngineConfig
+
+    EngineConfig.from_kwargs(**kw)  # every knob is one the engine takes
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"SPECSERVE_BLOCK_SIZE": "0"},
+        {"SPECSERVE_MAX_MODEL_LEN": "-5"},
+        {"SPECSERVE_ATTENTION_BACKEND": "gpu"},
+    ],
+)
+def test_bad_engine_knobs_are_refused_before_any_model_loads(env):
+    (name,) = env
+    with pytest.raises(ValueError, match=name):
+        cfg_mod.from_args(_parse([]), environ=env)
+
+
+def test_the_worker_and_api_defaults_are_the_services():
+    """One source for each default: the service's settings give the worker's, the worker's the queue's."""
+    from specserve.queue.consumer import ConsumerConfig
+
+    c = cfg_mod.from_args(_parse([]), environ={})
+    assert c.worker_config() == cfg_mod.WorkerConfig()
+    assert c.worker_config().consumer_config() == ConsumerConfig()
+    api = c.api_settings([])
+    assert (api.max_body_bytes, api.max_prompt_chars) == (
+        cfg_mod.ApiSettings().max_body_bytes,
+        cfg_mod.ApiSettings().max_prompt_chars,
+    )

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from specserve.queue import scripts
 from specserve.queue.connection import Connections, connect
 from specserve.queue.consumer import ensure_group
-from specserve.queue.keys import DEFAULT_PREFIX, Keys, valid_request_id
+from specserve.queue.keys import DEFAULT_PREFIX, DEFAULT_TTL_MS, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
 from specserve.queue.wire import (
     Delta,
@@ -26,8 +26,6 @@ from specserve.queue.wire import (
     assemble,
     parse_body,
 )
-
-DEFAULT_TTL_MS = 24 * 3600 * 1000
 
 
 @dataclass

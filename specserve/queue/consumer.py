@@ -16,7 +16,7 @@ from redis.exceptions import ResponseError
 
 from specserve.queue import scripts
 from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
-from specserve.queue.keys import Keys
+from specserve.queue.keys import DEFAULT_TTL_MS, Keys
 from specserve.queue.resp import as_bytes, fields_dict
 from specserve.queue.wire import RequestEntry
 
@@ -79,7 +79,7 @@ class QueueStats:
 
 @dataclass
 class ConsumerConfig:
-    ttl_ms: int = 24 * 3600 * 1000  # lifetime of everything per request
+    ttl_ms: int = DEFAULT_TTL_MS  # lifetime of everything per request
     max_deliveries: int = 3  # beyond this, the dead-letter stream
     claim_timeout_ms: int = 30_000  # an in-flight entry idle this long belongs to a dead worker
     block_ms: int = BLOCK_MS

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "specserve"
+DEFAULT_TTL_MS = 24 * 3600 * 1000  # how long every per-request key lives
 
 # Ids end up inside key names and log lines: keep them short and free of spaces and glob characters.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:\-]{1,200}$")

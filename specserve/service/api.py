@@ -20,7 +20,8 @@ from specserve.queue.client import QueueClient, new_request_id
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import valid_request_id
 from specserve.service import openai_api
-from specserve.service.gateway import ApiSettings, Gateway, deadline_after
+from specserve.service.config import ApiSettings
+from specserve.service.gateway import Gateway, deadline_after
 from specserve.service.http import (
     MAX_BODY_KEY,
     TENANT_KEY,

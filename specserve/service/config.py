@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from specserve.queue.consumer import ConsumerConfig
 from specserve.queue.keys import DEFAULT_PREFIX
 
 
@@ -22,7 +23,56 @@ class HttpLimits:
     keepalive_timeout_s: float = 75.0  # an idle kept-alive connection; above common proxies' 60 s reuse
 
 
-_LIMITS = HttpLimits()
+@dataclass
+class ApiSettings:
+    """What the API (service/gateway.py) needs besides its Redis client."""
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_chars: int = 200_000
+    api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
+    served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
+    model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
+
+
+_LIMITS, _API, _QUEUE = HttpLimits(), ApiSettings(), ConsumerConfig()
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the worker (service/worker.py) needs besides its engine and Redis client. The queue's settings
+    default to the queue layer's own (queue/consumer.py ConsumerConfig), the limits to the API's."""
+
+    ttl_s: float = _QUEUE.ttl_ms / 1000
+    claim_timeout_s: float = _QUEUE.claim_timeout_ms / 1000
+    max_deliveries: int = _QUEUE.max_deliveries
+    cancel_poll_s: float = 0.1
+    trim_interval_s: float = 30.0
+    stats_interval_s: float = 1.0
+    # Raw XADDs skip the API's limits, so the worker applies the same ones before it parses or tokenizes.
+    max_body_chars: int = _API.max_body_bytes
+    max_prompt_chars: int = _API.max_prompt_chars
+    dead_letter_maxlen: int = _QUEUE.dead_maxlen
+    dead_letter_ttl_s: float = _QUEUE.dead_ttl_ms / 1000
+
+    @property
+    def heartbeat_s(self) -> float:
+        return self.claim_timeout_s / 4
+
+    @property
+    def reclaim_s(self) -> float:
+        return min(5.0, self.claim_timeout_s / 2)
+
+    def consumer_config(self) -> ConsumerConfig:
+        return ConsumerConfig(
+            ttl_ms=int(self.ttl_s * 1000),
+            max_deliveries=self.max_deliveries,
+            claim_timeout_ms=int(self.claim_timeout_s * 1000),
+            dead_maxlen=self.dead_letter_maxlen,
+            dead_ttl_ms=int(self.dead_letter_ttl_s * 1000),
+        )
+
+
+_WORKER = WorkerConfig()
 
 
 def _opt(env: str | None, default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
@@ -50,8 +100,28 @@ class ServiceConfig:
     )
     speculative_model: str | None = _opt("SPECSERVE_SPEC_MODEL", None, "draft model (method draft_model)")
     num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")
-    max_num_seqs: int | None = _opt("SPECSERVE_MAX_NUM_SEQS", None, "most sequences in a batch")
-    kv_cache_bytes: int | None = _opt("SPECSERVE_KV_CACHE_BYTES", None, "KV cache size in bytes")
+    # The engine's knobs (vLLM's names); unset, the engine's own default (engine/config.py) applies.
+    max_num_seqs: int | None = _opt("SPECSERVE_MAX_NUM_SEQS", None, "most sequences in a batch", kind=int)
+    kv_cache_bytes: int | None = _opt("SPECSERVE_KV_CACHE_BYTES", None, "KV cache size in bytes", kind=int)
+    max_num_batched_tokens: int | None = _opt(
+        "SPECSERVE_MAX_NUM_BATCHED_TOKENS", None, "most tokens in one engine step (prefill chunks)", kind=int
+    )
+    block_size: int | None = _opt("SPECSERVE_BLOCK_SIZE", None, "tokens per KV cache block", kind=int)
+    max_model_len: int | None = _opt(
+        "SPECSERVE_MAX_MODEL_LEN", None, "longest sequence (prompt + output) in tokens", kind=int
+    )
+    enable_chunked_prefill: bool | None = _opt(
+        "SPECSERVE_ENABLE_CHUNKED_PREFILL", None, "split long prompts over steps (on by default)", kind=bool
+    )
+    prompt_lookup_max: int | None = _opt(
+        "SPECSERVE_PROMPT_LOOKUP_MAX", None, "longest n-gram the ngram method matches", kind=int
+    )
+    attention_backend: str | None = _opt(
+        "SPECSERVE_ATTENTION_BACKEND",
+        None,
+        "attention kernels (default auto: Triton on CUDA, the C++ kernel on CPU)",
+        choices=[None, "auto", "torch", "cpu", "triton"],
+    )
     host: str = _opt("SPECSERVE_HOST", "127.0.0.1", "API bind address (0.0.0.0 in containers)")
     port: int = _opt("SPECSERVE_PORT", 8000, "API port")
     health_port: int = _opt("SPECSERVE_HEALTH_PORT", 8001, "worker's /healthz /readyz /metrics port (0: off)")
@@ -72,13 +142,19 @@ class ServiceConfig:
     otlp_endpoint: str | None = _opt("OTEL_EXPORTER_OTLP_ENDPOINT", None, "OTLP/HTTP endpoint for traces")
     # Beyond the chart's surface: tuning with sane defaults.
     data_dir: str = _opt("SPECSERVE_DATA_DIR", ".specserve/valkey", "embedded server's data folder")
-    result_ttl: float = _opt("SPECSERVE_RESULT_TTL", 86400.0, "seconds every per-request key lives")
+    result_ttl: float = _opt("SPECSERVE_RESULT_TTL", _WORKER.ttl_s, "seconds every per-request key lives")
     claim_timeout: float = _opt(
-        "SPECSERVE_CLAIM_TIMEOUT", 30.0, "idle seconds before a dead worker's work is taken"
+        "SPECSERVE_CLAIM_TIMEOUT",
+        _WORKER.claim_timeout_s,
+        "idle seconds before a dead worker's work is taken over",
     )
-    max_deliveries: int = _opt("SPECSERVE_MAX_DELIVERIES", 3, "deliveries before the dead-letter stream")
-    max_body_bytes: int = _opt("SPECSERVE_MAX_BODY_BYTES", 1 << 20, "largest request body")
-    max_prompt_chars: int = _opt("SPECSERVE_MAX_PROMPT_CHARS", 200_000, "longest prompt the API accepts")
+    max_deliveries: int = _opt(
+        "SPECSERVE_MAX_DELIVERIES", _WORKER.max_deliveries, "deliveries before the dead-letter stream"
+    )
+    max_body_bytes: int = _opt("SPECSERVE_MAX_BODY_BYTES", _API.max_body_bytes, "largest request body")
+    max_prompt_chars: int = _opt(
+        "SPECSERVE_MAX_PROMPT_CHARS", _API.max_prompt_chars, "longest prompt the API (and a worker) accepts"
+    )
     max_connections: int = _opt(
         "SPECSERVE_MAX_CONNECTIONS",
         _LIMITS.max_connections,
@@ -99,9 +175,13 @@ class ServiceConfig:
         "SPECSERVE_EMBEDDED_MAXMEMORY", "1gb", "embedded server's maxmemory (noeviction; 0: no limit)"
     )
     dead_letter_maxlen: int = _opt(
-        "SPECSERVE_DEAD_LETTER_MAXLEN", 100_000, "dead letters kept at most (oldest trimmed first)"
+        "SPECSERVE_DEAD_LETTER_MAXLEN",
+        _WORKER.dead_letter_maxlen,
+        "dead letters kept at most (oldest trimmed first)",
     )
-    dead_letter_ttl: float = _opt("SPECSERVE_DEAD_LETTER_TTL", 7 * 86400.0, "seconds a dead letter is kept")
+    dead_letter_ttl: float = _opt(
+        "SPECSERVE_DEAD_LETTER_TTL", _WORKER.dead_letter_ttl_s, "seconds a dead letter is kept"
+    )
     worker_name: str | None = _opt("SPECSERVE_WORKER_NAME", None, "consumer name (default host-pid)")
 
     def __post_init__(self) -> None:
@@ -110,6 +190,11 @@ class ServiceConfig:
         limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
         for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl"):
             if not getattr(self, name) > 0:  # also false for NaN
+                raise ValueError(f"{_env_of(name)}: must be positive")
+        # the engine's own checks come after the model has loaded: these fail before it starts to
+        for name in (*_ENGINE_KNOBS, "prompt_lookup_max", "num_speculative_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
                 raise ValueError(f"{_env_of(name)}: must be positive")
 
     @property
@@ -123,10 +208,9 @@ class ServiceConfig:
             "device": self.device,
             "speculative_config": self.speculative_config(),
         }
-        if self.max_num_seqs:
-            kw["max_num_seqs"] = self.max_num_seqs
-        if self.kv_cache_bytes:
-            kw["kv_cache_bytes"] = self.kv_cache_bytes
+        for name in _ENGINE_KNOBS:
+            if getattr(self, name) is not None:
+                kw[name] = getattr(self, name)
         return kw
 
     def keys_list(self) -> list[str]:
@@ -135,6 +219,26 @@ class ServiceConfig:
             text = Path(self.api_keys_file).read_text()
             keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
         return keys
+
+    def api_settings(self, served_models: list[str]) -> ApiSettings:
+        return ApiSettings(
+            max_body_bytes=self.max_body_bytes,
+            max_prompt_chars=self.max_prompt_chars,
+            api_keys=self.keys_list(),
+            served_models=served_models,
+        )
+
+    def worker_config(self) -> WorkerConfig:
+        return WorkerConfig(
+            ttl_s=self.result_ttl,
+            claim_timeout_s=self.claim_timeout,
+            max_deliveries=self.max_deliveries,
+            # Raw XADDs skip the API, so the worker holds them to the API's configured limits.
+            max_body_chars=self.max_body_bytes,
+            max_prompt_chars=self.max_prompt_chars,
+            dead_letter_maxlen=self.dead_letter_maxlen,
+            dead_letter_ttl_s=self.dead_letter_ttl,
+        )
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(
@@ -153,6 +257,8 @@ class ServiceConfig:
         }
         if self.speculative_model:
             spec["model"] = self.speculative_model
+        if self.prompt_lookup_max is not None:
+            spec["prompt_lookup_max"] = self.prompt_lookup_max
         return spec
 
 
@@ -173,8 +279,19 @@ def _flag(name: str, meta: dict[str, Any]) -> str:
     return meta.get("flag") or "--" + name.replace("_", "-")
 
 
+_ENGINE_KNOBS = (
+    "max_num_seqs",
+    "kv_cache_bytes",
+    "max_num_batched_tokens",
+    "block_size",
+    "max_model_len",
+    "enable_chunked_prefill",
+    "attention_backend",
+)
+
+
 def _kind(f) -> type:
-    return int if f.name in ("max_num_seqs", "kv_cache_bytes") else type(f.default)
+    return f.metadata.get("kind") or type(f.default)
 
 
 def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
@@ -186,12 +303,14 @@ def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None)
         env = meta.get("env")
         kind = _kind(f)
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{meta['help']} [env {env}]"}
-        if kind is bool:
+        if kind is bool and f.default is None:  # unset means the engine's default: say on or off
+            kw["action"] = argparse.BooleanOptionalAction
+        elif kind is bool:
             kw.update(action="store_const", const=True)
         elif kind in (int, float):
             kw["type"] = kind
         if "choices" in meta:
-            kw["choices"] = meta["choices"]
+            kw["choices"] = [c for c in meta["choices"] if c is not None]
         parser.add_argument(_flag(f.name, meta), **kw)
 
 

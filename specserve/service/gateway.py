@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -23,6 +22,7 @@ from opentelemetry import trace
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
 from specserve.queue.client import Enqueued, QueueClient
 from specserve.queue.wire import Delta, RequestBody, WireError, model_aliases, parse_body
+from specserve.service.config import ApiSettings
 from specserve.service.http import TENANT_KEY, ApiError
 from specserve.service.telemetry import Telemetry
 
@@ -32,15 +32,6 @@ MODEL_CACHE_S = 5.0  # a model name a live worker vouched for is trusted this lo
 # makes stays a sane unix time: 1e308 or inf would overflow a worker's arithmetic, and a month is past any
 # reasonable wait for one generation.
 MAX_TIMEOUT_S = 30 * 86400
-
-
-@dataclass
-class ApiSettings:
-    max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 200_000
-    api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
-    served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
-    model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
 
 
 def deadline_after(timeout: Any) -> float:

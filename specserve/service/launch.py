@@ -17,7 +17,7 @@ from specserve.queue.client import QueueClient
 from specserve.queue.connection import TRANSIENT_ERRORS, connect
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
-from specserve.service.api import Api, ApiSettings, add_health_routes
+from specserve.service.api import Api, add_health_routes
 from specserve.service.config import ServiceConfig
 from specserve.service.http import parse_api_keys, serve
 from specserve.service.telemetry import Telemetry
@@ -130,30 +130,6 @@ def check_api_exposure(cfg: ServiceConfig) -> None:
     )
 
 
-def _api_settings(cfg: ServiceConfig, served: list[str]) -> ApiSettings:
-    return ApiSettings(
-        max_body_bytes=cfg.max_body_bytes,
-        max_prompt_chars=cfg.max_prompt_chars,
-        api_keys=cfg.keys_list(),
-        served_models=served,
-    )
-
-
-def _worker_config(cfg: ServiceConfig):
-    from specserve.service.worker import WorkerConfig
-
-    return WorkerConfig(
-        ttl_s=cfg.result_ttl,
-        claim_timeout_s=cfg.claim_timeout,
-        max_deliveries=cfg.max_deliveries,
-        # Raw XADDs skip the API, so the worker holds them to the API's configured limits.
-        max_body_chars=cfg.max_body_bytes,
-        max_prompt_chars=cfg.max_prompt_chars,
-        dead_letter_maxlen=cfg.dead_letter_maxlen,
-        dead_letter_ttl_s=cfg.dead_letter_ttl,
-    )
-
-
 async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     """serve = both; `api` and `worker` one each. Returns after a drained shutdown on SIGTERM/SIGINT."""
     if with_api:
@@ -170,7 +146,7 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
         if with_api:
             served = [cfg.model] if cfg.model else []
             ready = (lambda: worker is not None and worker.ready) if with_worker else None
-            api = Api(client, telemetry, _api_settings(cfg, served), model_ready=ready)
+            api = Api(client, telemetry, cfg.api_settings(served), model_ready=ready)
             app = api.app(refresh_queue_stats=not with_worker)
             runners.append(await serve(app, cfg.host, cfg.port, cfg.http_limits()))
             log.info("API on http://%s:%d", cfg.host, cfg.port)
@@ -185,7 +161,7 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
 
             engine = await load_engine(cfg)
             await engine.start()
-            worker = Worker(engine, redis, keys, cfg.consumer_name, _worker_config(cfg), telemetry)
+            worker = Worker(engine, redis, keys, cfg.consumer_name, cfg.worker_config(), telemetry)
             await worker.start()
         await stop.wait()
         log.info("stopping")

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -23,10 +22,11 @@ from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.queue import outputs, wire
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever
-from specserve.queue.consumer import Claim, ClaimVerdict, ConsumerConfig, StreamConsumer, entry_ms
+from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
+from specserve.service.config import WorkerConfig
 from specserve.service.outcome import Ending, Final, Outcome, finalize, unstarted
 from specserve.service.running import (
     LONG_PROMPT_CHARS,
@@ -40,30 +40,6 @@ from specserve.service.running import (
 from specserve.service.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WorkerConfig:
-    ttl_s: float = 86400.0
-    claim_timeout_s: float = 30.0
-    max_deliveries: int = 3
-    cancel_poll_s: float = 0.1
-    trim_interval_s: float = 30.0
-    stats_interval_s: float = 1.0
-    # Raw XADDs skip the API's limits, so the worker applies the same ones (the API's defaults) before it
-    # parses or tokenizes anything.
-    max_body_chars: int = 1 << 20
-    max_prompt_chars: int = 200_000
-    dead_letter_maxlen: int = 100_000
-    dead_letter_ttl_s: float = 7 * 86400.0
-
-    @property
-    def heartbeat_s(self) -> float:
-        return self.claim_timeout_s / 4
-
-    @property
-    def reclaim_s(self) -> float:
-        return min(5.0, self.claim_timeout_s / 2)
 
 
 class Worker:
@@ -88,13 +64,7 @@ class Worker:
             self.conns,
             keys,
             name,
-            ConsumerConfig(
-                ttl_ms=ttl_ms,
-                max_deliveries=self.cfg.max_deliveries,
-                claim_timeout_ms=int(self.cfg.claim_timeout_s * 1000),
-                dead_maxlen=self.cfg.dead_letter_maxlen,
-                dead_ttl_ms=int(self.cfg.dead_letter_ttl_s * 1000),
-            ),
+            self.cfg.consumer_config(),
         )
         self.publisher = Publisher(self.conns, keys, name, ttl_ms)
         self.clock = ServerClock()
