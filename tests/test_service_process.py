@@ -38,6 +38,8 @@ def _log(path: Path) -> str:
 
 
 def test_a_worker_killed_mid_generation_loses_nothing(valkey, tiny_model_dir, tiny_engines, tmp_path):
+    """... and its requests continue where their readers are (token-preserving recovery): the rescuer
+    numbers its output after what the victim wrote, and no token is generated twice."""
     params = {"max_tokens": 120, "temperature": 0.0, "ignore_eos": True}
     prompts = [f"Story {i} begins:" for i in range(6)]
     ref = tiny_engines.llm(tiny_model_dir).generate(prompts, SamplingParams(**params))
@@ -92,12 +94,13 @@ def test_a_worker_killed_mid_generation_loses_nothing(valkey, tiny_model_dir, ti
             async with service_stack(valkey.url, tiny_model_dir, name="rescuer", claim_timeout_s=1.5):
                 streamed = await asyncio.gather(*streams)
                 after = [await client.result(i) for i in ids]
-            return before, streamed, after
+                entries = [[f for _, f in await client.r.xrange(KEYS.out(i))] for i in ids]
+            return before, streamed, after, entries
         finally:
             await client.aclose()
 
     try:
-        before, streamed, after = run(main(), timeout=300)
+        before, streamed, after, entries = run(main(), timeout=300)
     finally:
         for proc in (victim, api):
             if proc.poll() is None:
@@ -106,11 +109,23 @@ def test_a_worker_killed_mid_generation_loses_nothing(valkey, tiny_model_dir, ti
     # Killed mid-generation: requests the victim had not finished are rerun by the rescuer.
     interrupted = [b["status"] == "running" and b["worker"] == "victim" for b in before]
     assert any(interrupted), _log(log)
-    for (seen, text), res, want, was_running in zip(streamed, after, ref, interrupted):
+    resumed = 0
+    for (seen, text), res, want, was_running, stream in zip(streamed, after, ref, interrupted, entries):
         assert res.status == "finished" and res.token_ids == want.token_ids and res.text == want.text
         if was_running:
             assert res.info["worker"] == "rescuer" and res.info["run"] == "2"
         assert seen == want.token_ids and text == want.text  # the streaming reader saw every token once
+        assert res.usage["completion_tokens"] == params["max_tokens"]
+        assert res.usage["prompt_tokens"] == len(want.prompt_token_ids)
+        # nothing generated twice: the entries' tokens add up to the output, each run after the last
+        assert sum(len(orjson.loads(f["ids"])) for f in stream) == params["max_tokens"]
+        runs = [int(f["run"]) for f in stream]
+        assert runs == sorted(runs)
+        if runs[0] == 1 and runs[-1] == 2:
+            resumed += 1
+            written_by_victim = sum(len(orjson.loads(f["ids"])) for f in stream if f["run"] == "1")
+            assert int(next(f for f in stream if f["run"] == "2")["offset"]) == written_by_victim
+    assert resumed, "no request was interrupted after the victim wrote some of its tokens"
 
 
 async def _all_have_output(client, ids) -> bool:
