@@ -83,23 +83,21 @@ class Proc:
 
     async def freeze(self) -> None:
         self.signal(signal.SIGSTOP)
-        await wait_for(lambda: _true(self.stopped()), timeout=10, what=f"{self.name} stopped", interval=0.01)
+
+        async def stopped() -> bool:
+            return self.stopped()
+
+        await wait_for(stopped, timeout=10, what=f"{self.name} stopped", interval=0.01)
 
     def thaw(self) -> None:
         self.signal(signal.SIGCONT)
 
     def kill(self) -> None:
         if self.alive():
-            self.popen.send_signal(
-                signal.SIGCONT
-            )  # a stopped process dies of SIGKILL too; this is for wait()
+            self.popen.send_signal(signal.SIGCONT)  # not needed for SIGKILL; harmless, and tidy for logs
             self.popen.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=30)
-
-
-async def _true(v: bool) -> bool:
-    return v
 
 
 async def http_ok(url: str) -> bool:
@@ -296,25 +294,25 @@ async def xadd_multi(r: aioredis.Redis, entries: list[dict[bytes, bytes]]) -> li
     return [_s(eid) for eid in await pipe.execute()]
 
 
-async def blocked_group_readers(r: aioredis.Redis) -> int:
-    """Clients the server holds in a blocking XREADGROUP right now (CLIENT LIST, flag b)."""
-    n = 0
+async def _group_reads_held(r: aioredis.Redis) -> list[int]:
+    """Seconds since each client the server holds in a blocking XREADGROUP sent it (CLIENT LIST, flag b)."""
+    idle = []
     for line in _s(await r.execute_command("CLIENT", "LIST")).splitlines():
         kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
         if kv.get("cmd") == "xreadgroup" and "b" in kv.get("flags", ""):
-            n += 1
-    return n
+            idle.append(int(kv.get("idle", "9")))
+    return idle
+
+
+async def blocked_group_readers(r: aioredis.Redis) -> int:
+    """Clients the server holds in a blocking XREADGROUP right now."""
+    return len(await _group_reads_held(r))
 
 
 async def fresh_blocked_reader(r: aioredis.Redis) -> bool:
     """One client is held in a blocking XREADGROUP that it sent less than a second ago (CLIENT LIST idle 0),
     so at least a second of its 2 s block is left."""
-    readers = []
-    for line in _s(await r.execute_command("CLIENT", "LIST")).splitlines():
-        kv = dict(part.split("=", 1) for part in line.split() if "=" in part)
-        if kv.get("cmd") == "xreadgroup" and "b" in kv.get("flags", ""):
-            readers.append(int(kv.get("idle", "9")))
-    return readers == [0]
+    return await _group_reads_held(r) == [0]
 
 
 async def pending_of(r: aioredis.Redis, consumer: str) -> list[str]:
@@ -540,16 +538,21 @@ async def wait_settled(r: aioredis.Redis, timeout: float = 30) -> None:
 
 
 def poison_problems(
-    poison: list[tuple[str, str | None]],
+    poison: list[tuple[str, str | None, dict[bytes, bytes]]],
     entry_ids: list[str],
     dead: dict[str, dict[str, str]],
     got: dict[str, Outcome],
 ) -> dict[str, list[str]]:
+    """Each poison entry (non_utf8_entries) ended alone: `failed` once naming `body` where its id is usable;
+    otherwise a dead letter for its entry id with a reason and the entry's body byte for byte."""
     problems = {}
-    for (kind, rid), entry_id in zip(poison, entry_ids):
+    for (kind, rid, fields), entry_id in zip(poison, entry_ids):
         if rid is None:
-            ok = dead.get(entry_id, {}).get("reason")
-            problems[kind] = [] if ok else [f"entry {entry_id} not in {KEYS.dead} with a reason"]
+            letter = dead.get(entry_id, {})
+            p = [] if letter.get("reason") else [f"entry {entry_id} not in {KEYS.dead} with a reason"]
+            if letter and letter.get("body") != _s(fields.get(b"body", b"")):
+                p.append(f"dead letter body {letter.get('body')!r}, entry's {fields.get(b'body')!r}")
+            problems[kind] = p
         else:
             problems[kind] = failed_once_problems(got[rid], "body")
     return problems

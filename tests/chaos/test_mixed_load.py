@@ -196,10 +196,12 @@ def test_400_requests_with_bad_entries_from_many_producers(cluster, tiny_model_d
             dead = await dead_letters(r)
             bad_got = await outcomes(r, with_id)
             bad_problems = {}
-            for j, (kind, rid, _, expect) in enumerate(prod.bad):
+            for j, (kind, rid, fields, expect) in enumerate(prod.bad):
                 if expect == "dead":
-                    ok = dead.get(prod.bad_entry_ids[j], {}).get("reason")
-                    p = [] if ok else ["not in the dead letters with a reason"]
+                    letter = dead.get(prod.bad_entry_ids[j], {})
+                    p = [] if letter.get("reason") else ["not in the dead letters with a reason"]
+                    if letter and letter.get("body") != fields[b"body"].decode():
+                        p.append(f"dead letter body {letter.get('body')!r}")
                 else:
                     p = failed_once_problems(bad_got[rid], expect)
                 bad_problems[f"{kind} ({rid or prod.bad_entry_ids[j]})"] = p

@@ -54,13 +54,13 @@ BATCH_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
 CLAIM = {"SPECSERVE_CLAIM_TIMEOUT": "1.5"}
 
 
-def _mixed_batch(tag: str) -> tuple[list[dict[bytes, bytes]], list[str], list[tuple[str, str | None]]]:
+def _mixed_batch(tag: str) -> tuple[list[dict[bytes, bytes]], list[str], list]:
     """Poison and valid entries interleaved, the red team's repro first (a bad body, then valid entries)."""
     poison = non_utf8_entries(tag)
     valid_ids = [f"{tag}-ok{i}" for i in range(len(BATCH_PROMPTS))]
     valid = [{b"id": rid.encode(), b"body": _body(p, SHORT)} for rid, p in zip(valid_ids, BATCH_PROMPTS)]
     entries = [poison[0][2], valid[0], valid[1], poison[1][2], valid[2], poison[2][2]]
-    return entries, valid_ids, [(kind, rid) for kind, rid, _ in poison]
+    return entries, valid_ids, poison
 
 
 def _body(prompt: str, params: dict) -> bytes:
@@ -97,7 +97,7 @@ async def _audit(r, cluster: Cluster, refs, long_ids, valid_ids, entry_ids, pois
         problems[rid] += sse.problems(*ref)
     assert_no_problems(problems, "valid requests", cluster)
     dead = await dead_letters(r)
-    poisoned = await outcomes(r, [rid for _, rid in poison if rid is not None])
+    poisoned = await outcomes(r, [rid for _, rid, _ in poison if rid is not None])
     problems = poison_problems(poison, entry_ids, dead, poisoned)
     assert_no_problems(problems, "poison entries", cluster)
     assert await unfinished_requests(r) == {}
