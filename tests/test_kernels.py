@@ -194,20 +194,123 @@ def test_cpu_kernel_matches_dense(layout: int, dtype) -> None:
         assert_close(out, dense_attention(batch), tolerance(dtype))
 
 
-def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit() -> None:
-    """The C++ rope + KV write (bfloat16) against LlamaModel's torch ops: rotation, then write_kv."""
-    from specserve.kernels import cpu_paged_attention
+def _variant(monkeypatch, isa: str):
+    """cpu_paged_attention with the library of one build variant loaded in place of the native one."""
+    from specserve.kernels import cpu_paged_attention as cpa
 
-    if cpu_paged_attention.load() is None:
+    if cpa.load() is None:
         pytest.skip("no C++ compiler")
+    if isa not in cpa.available_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    lib = cpa.build_variant(isa)
+    monkeypatch.setattr(cpa, "_lib", lib)
+    monkeypatch.setattr(cpa, "_paths", int(lib.specserve_paths()))
+    return cpa
+
+
+# Layouts for the ISA variants: decode over many lengths, verify-sized queries, and prefill chunks of
+# several query tiles over long contexts (query tiles of 16 tokens, key tiles of 8, blocks of 8 to 64).
+VARIANT_LAYOUTS = [
+    *LAYOUTS,
+    ([1] * 9, [0, 7, 8, 15, 16, 63, 64, 255, 1000]),
+    ([5, 3, 5], [700, 3, 40]),
+    ([256], [512]),
+    ([33, 1, 48], [0, 511, 7]),
+]
+# (group, head_dim, block_size): SmolLM2's 3, Llama's 4 and 8, MHA; 80 and block 12 take the generic loops
+VARIANT_SHAPES = [(1, 64, 8), (3, 64, 16), (4, 128, 32), (8, 64, 64), (3, 128, 16), (2, 80, 16), (3, 64, 12)]
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "head_dim", "block_size"), VARIANT_SHAPES)
+def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_dim, block_size) -> None:
+    """Every build variant this CPU runs, through the engine's path (the plan routes prefill chunks to the
+    kernel where supports_long says so), against float64 dense attention."""
+    cpa = _variant(monkeypatch, isa)
+    backend = select_backend("cpu", "cpu")
+    paths = cpa.fast_paths()
+    if isa == "portable":
+        assert paths == []
+    import platform
+
+    if isa != "portable" and platform.machine() in ("x86_64", "AMD64") and "avx2" in cpa.available_isas():
+        assert "float32" in paths
+    long_here = cpa.supports_long(dtype, head_dim, block_size)
+    assert long_here == (
+        str(dtype).removeprefix("torch.") in paths
+        and head_dim in (64, 128)
+        and block_size % (8 if dtype == torch.float32 else 16) == 0
+    )
+    for n, (query_lens, context_lens) in enumerate(VARIANT_LAYOUTS):
+        batch = make_batch(
+            query_lens,
+            context_lens,
+            num_kv_heads=2,
+            group=group,
+            head_dim=head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            seed=100 * n + group,
+        )
+        tables, lens = batch.block_tables.tolist(), batch.seq_lens.tolist()
+        plan = backend.build_plan(tables, lens, query_lens, block_size)
+        out = torch.full_like(batch.q, float("nan"))
+        backend.paged_attention(
+            batch.q,
+            batch.k_cache,
+            batch.v_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.scale,
+            plan=plan,
+            out=out,
+        )
+        assert_close(out, dense_attention(batch), tolerance(dtype))
+        if long_here:  # every query, prefill chunks too, from the kernel alone
+            out2 = torch.full_like(batch.q, float("nan"))
+            nat = plan.native
+            cpa.paged_attention_short(
+                batch.q, batch.k_cache, batch.v_cache, nat.block_tables, nat.seq_lens,
+                nat.query_start_loc, nat.all_ids, batch.scale, out2,
+            )  # fmt: skip
+            assert torch.equal(out2, out)
+
+
+def test_kernel_isa_env_selects_the_build(monkeypatch, tmp_path) -> None:
+    from specserve.kernels import cpu_paged_attention as cpa
+
+    if cpa.load() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpa, "_lib", None)
+    monkeypatch.setattr(cpa, "_failed", False)
+    monkeypatch.setattr(cpa, "_paths", 0)
+    monkeypatch.setenv(cpa.ISA_ENV, "portable")
+    assert cpa.load() is not None and cpa.fast_paths() == []
+    assert [p.name.split("-")[1] for p in (tmp_path / "kernels").glob("*.so")] == ["portable"]
+    monkeypatch.setattr(cpa, "_lib", None)
+    monkeypatch.setenv(cpa.ISA_ENV, "avx512-please")
+    assert cpa.load() is None  # an unknown variant warns and falls back, as a missing compiler does
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 20])
+def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dtype, dim) -> None:
+    """The C++ rope + KV write against LlamaModel's torch ops: rotation, then write_kv. Dim 20 takes the
+    float32 vector loop's scalar tail."""
+    cpa = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, dim, tokens, block_size = 9, 3, 64, 37, 16
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(torch.bfloat16)
+    heads, kv_heads, tokens, block_size = 9, 3, 70, 16  # 70 tokens: the threaded loop
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     freqs = torch.arange(200, dtype=torch.float32)[:, None] * torch.rand(dim // 2, generator=gen)[None]
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(torch.bfloat16)[:, None, :], emb.sin().to(torch.bfloat16)[:, None, :]
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
     positions = torch.randint(0, 200, (tokens,), generator=gen)
     slots = torch.randperm(8 * block_size, generator=gen)[:tokens]
+    slots[[4, 50]] = -1  # not cached
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         half = dim // 2
@@ -215,19 +318,18 @@ def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit() -> None:
 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     want_q, want_k = rotate(q.view(tokens, heads, dim)), rotate(k.view(tokens, kv_heads, dim))
-    want_kc = torch.zeros(8, block_size, kv_heads, dim, dtype=torch.bfloat16)
+    want_kc = torch.zeros(8, block_size, kv_heads, dim, dtype=dtype)
     want_vc = torch.zeros_like(want_kc)
     reference.write_kv(want_k, v.view(tokens, kv_heads, dim), want_kc, want_vc, slots)
 
     k_cache, v_cache = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
     fused = qkv.clone()
-    cpu_paged_attention.rope_write_kv(fused, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+    cpa.rope_write_kv(fused, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
     assert torch.equal(fused[:, : heads * dim].view(tokens, heads, dim), want_q)
+    assert torch.equal(fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim), want_k)
     assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
-    with pytest.raises(ValueError, match="bfloat16"):
-        cpu_paged_attention.rope_write_kv(
-            qkv.float(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots
-        )
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpa.rope_write_kv(qkv.half(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
 
 def test_triton_backend_without_triton_names_the_extra(monkeypatch) -> None:

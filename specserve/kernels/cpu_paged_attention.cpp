@@ -17,7 +17,7 @@
 #include <vector>
 
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -101,6 +101,13 @@ inline void softmax_row(float* sr, int64_t n, int64_t n_pad) {
   __m512 m = _mm512_set1_ps(-3.0e38f);
   for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + p));
   float mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-3.0e38f);
+  for (; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sr + p));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  float mx = _mm_cvtss_f32(m4);
 #else
   float lanes[16];
   for (int j = 0; j < 16; ++j) lanes[j] = -3.0e38f;
@@ -340,6 +347,193 @@ void run_bf16(const Args& a, int num_threads) {
 #endif
 
 
+#if defined(__AVX2__) && defined(__FMA__)
+// float32 caches on CPUs with AVX2 + FMA (Haswell, Zen and later; AVX-512 machines too), for queries of any
+// length: decode, speculative verify and prefill chunks. The same plan as the bfloat16 kernel in 8-lane
+// registers: keys are taken 8 tokens at a time and transposed, so a row's 8 scores are HD FMAs against
+// broadcast query elements with no horizontal sums, and the transpose is shared by every row of the task.
+// PV keeps a tile of rows' accumulators for a slice of the head in registers (16 ymm: 3 rows x 4 vectors
+// + 4 for V). Long queries are cut into tiles of kQueryTileF32 tokens, each its own task.
+constexpr int64_t kQueryTileF32 = 16;
+constexpr int64_t kPrefetchAheadF32 = 4;
+
+// 8 tokens' slices [8 x 8 floats] at rows p, p + stride, ...: out[j] = element j of every token. The
+// 128-bit halves come in by loads (a port of their own), leaving 16 in-lane shuffles instead of 24.
+inline void transpose8_load(const float* p, int64_t stride, __m256* out) {
+  __m256 r[8];
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + i * stride)),
+                                _mm_loadu_ps(p + (i + 4) * stride), 1);
+    r[i + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + i * stride + 4)),
+                                    _mm_loadu_ps(p + (i + 4) * stride + 4), 1);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[h], r[h + 1]), t1 = _mm256_unpackhi_ps(r[h], r[h + 1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[h + 2], r[h + 3]), t3 = _mm256_unpackhi_ps(r[h + 2], r[h + 3]);
+    out[h] = _mm256_shuffle_ps(t0, t2, 0x44);
+    out[h + 1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    out[h + 2] = _mm256_shuffle_ps(t1, t3, 0x44);
+    out[h + 3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+  }
+}
+
+// NR rows' scores against one transposed 8-token tile; two accumulators a row hide the FMA latency.
+template <int NR, int HD>
+inline void qk_rows_f32(const float* q, const __m256* kt, float* dst, int64_t stride) {
+  __m256 acc0[NR], acc1[NR];
+  for (int i = 0; i < NR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+  for (int d = 0; d < HD; d += 2)
+    for (int i = 0; i < NR; ++i) {
+      acc0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i * HD + d), kt[d], acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i * HD + d + 1), kt[d + 1], acc1[i]);
+    }
+  for (int i = 0; i < NR; ++i) _mm256_storeu_ps(dst + i * stride, _mm256_add_ps(acc0[i], acc1[i]));
+}
+
+// acc[rows][32-float slice dc] += p * v over the tokens [0, n_pad) of the rows' softmaxed scores.
+template <int NR, int HD>
+inline void pv_rows_f32(const float* scores, int64_t stride, const float* vp, const int32_t* table, int64_t BS,
+                        int64_t row, int64_t hoff, int64_t n_pad, float* const* dst) {
+  for (int dc = 0; dc < HD; dc += 32) {
+    __m256 acc[NR][4];
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
+    const int64_t nb = (n_pad + BS - 1) / BS;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
+      const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
+      const float* pt = scores + base;
+      for (int64_t t = 0; t < nt; ++t) {
+        __m256 v[4];
+        for (int c = 0; c < 4; ++c) v[c] = _mm256_loadu_ps(vb + t * row + 8 * c);
+        for (int i = 0; i < NR; ++i) {
+          const __m256 w = _mm256_broadcast_ss(pt + i * stride + t);
+          for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_fmadd_ps(w, v[c], acc[i][c]);
+        }
+      }
+    }
+    for (int i = 0; i < NR; ++i)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(dst[i] + dc + 8 * c, acc[i][c]);
+  }
+}
+
+struct TaskF32 {
+  int64_t seq;     // index into seq_ids
+  int64_t h0, h1;  // KV heads [h0, h1)
+  int64_t i0, i1;  // query tokens [i0, i1) of the sequence
+};
+
+template <int HD>
+void run_f32(const Args& a, int num_threads) {
+  static_assert(HD % 32 == 0, "whole 4-vector slices in PV");
+  const float* qp = static_cast<const float*>(a.q);
+  const float* kp = static_cast<const float*>(a.k_cache);
+  const float* vp = static_cast<const float*>(a.v_cache);
+  float* op = static_cast<float*>(a.out);
+  const int64_t BS = a.block_size, group = a.num_heads / a.num_kv_heads, KVH = a.num_kv_heads;
+  const int64_t row = KVH * HD;
+  const int64_t block_bytes = BS * row * 4;
+
+  // As in the bfloat16 kernel: short queries one task per sequence (all heads, the first prefetching whole
+  // blocks) when there are enough sequences, else per head; long ones per head and query tile, latest
+  // tiles (the most keys) first.
+  std::vector<TaskF32> tasks;
+  const bool all_heads = a.num_seqs >= 4 * num_threads;
+  for (int64_t n = 0; n < a.num_seqs; ++n) {
+    const int64_t s = a.seq_ids[n];
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    if (q_len <= kQueryTileF32) {
+      if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
+      else
+        for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
+      continue;
+    }
+    for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTileF32)
+      for (int64_t h = 0; h < KVH; ++h)
+        tasks.push_back({n, h, h + 1, i1 > kQueryTileF32 ? i1 - kQueryTileF32 : 0, i1});
+  }
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> scores, qs;
+    std::vector<int64_t> limit;
+    std::vector<float*> dst;
+    alignas(32) __m256 kt[HD];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t ti = 0; ti < num_tasks; ++ti) {
+      const TaskF32& task = tasks[ti];
+      const int64_t s = a.seq_ids[task.seq];
+      const int64_t q0 = a.query_start_loc[s], q_len = a.query_start_loc[s + 1] - q0;
+      const int64_t len = a.seq_lens[s];
+      const int32_t* table = a.block_tables + s * a.table_stride;
+      const int64_t R = (task.i1 - task.i0) * group;  // row (i - i0) * group + g: query token i, head g
+      const int64_t end = len - q_len + task.i1;      // the last row sees positions before this
+      const int64_t num_tiles = (end + 7) / 8;
+      const int64_t stride = num_tiles * 8;
+      scores.resize(R * stride);
+      qs.resize(R * HD);
+      limit.resize(R);
+      dst.resize(R);
+      for (int64_t h = task.h0; h < task.h1; ++h) {
+        const bool prefetcher = h == task.h0;
+        const int64_t fetch = task.h1 - task.h0 > 1 ? block_bytes : HD * 4;
+        auto prefetch_block = [&](const float* cache, int64_t b) {
+          const float* start = cache + static_cast<int64_t>(table[b]) * BS * row;
+          if (fetch == block_bytes) return prefetch(start, block_bytes);
+          for (int64_t t = 0; t < BS; ++t) prefetch(start + t * row + h * HD, fetch);
+        };
+        for (int64_t i = task.i0; i < task.i1; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t r = (i - task.i0) * group + g;
+            const float* src = qp + (q0 + i) * a.q_tok + (h * group + g) * a.q_head;
+            for (int d = 0; d < HD; ++d) qs[r * HD + d] = src[d] * a.scale;
+            limit[r] = len - q_len + i + 1;
+            dst[r] = op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head;
+          }
+
+        const int64_t num_blocks = (end + BS - 1) / BS;
+        if (prefetcher)
+          for (int64_t b = 0; b < kPrefetchAheadF32 && b < num_blocks; ++b) prefetch_block(kp, b);
+        for (int64_t u = 0; u < num_tiles; ++u) {
+          const int64_t p0 = u * 8, b = p0 / BS;
+          if (prefetcher && p0 % BS == 0) {
+            if (b + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b + kPrefetchAheadF32);
+            prefetch_block(vp, b);
+          }
+          // 8 tokens' head slices; the tile's tail past `end` is read (inside the block) but never used
+          const float* k0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + h * HD;
+          for (int c = 0; c < HD / 8; ++c) transpose8_load(k0 + 8 * c, row, kt + 8 * c);
+          int64_t r = 0;
+          while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
+          float* out = scores.data() + p0;
+          for (; r + 4 <= R; r += 4) qk_rows_f32<4, HD>(qs.data() + r * HD, kt, out + r * stride, stride);
+          switch (R - r) {
+            case 3: qk_rows_f32<3, HD>(qs.data() + r * HD, kt, out + r * stride, stride); break;
+            case 2: qk_rows_f32<2, HD>(qs.data() + r * HD, kt, out + r * stride, stride); break;
+            case 1: qk_rows_f32<1, HD>(qs.data() + r * HD, kt, out + r * stride, stride); break;
+            default: break;
+          }
+        }
+
+        // softmax and PV, three rows at a time (a shorter row's tail up to the tile's longest is zero)
+        for (int64_t r0 = 0; r0 < R; r0 += 3) {
+          const int64_t nr = R - r0 < 3 ? R - r0 : 3;
+          const int64_t n_pad = limit[r0 + nr - 1];
+          for (int64_t r = r0; r < r0 + nr; ++r) softmax_row(scores.data() + r * stride, limit[r], n_pad);
+          const float* sc = scores.data() + r0 * stride;
+          if (nr == 3) pv_rows_f32<3, HD>(sc, stride, vp, table, BS, row, h * HD, n_pad, dst.data() + r0);
+          else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, vp, table, BS, row, h * HD, n_pad, dst.data() + r0);
+          else pv_rows_f32<1, HD>(sc, stride, vp, table, BS, row, h * HD, n_pad, dst.data() + r0);
+        }
+      }
+    }
+  }
+}
+#define SPECSERVE_F32_PATH 1
+#endif
+
+
 template <typename T, int HD>
 void run(const Args& a, int num_threads) {
   const T* qp = static_cast<const T*>(a.q);
@@ -420,13 +614,17 @@ void run(const Args& a, int num_threads) {
 
 }  // namespace
 
-// 1 when the bfloat16 kernel for queries of any length (prefill chunks too) is compiled in.
-extern "C" int specserve_has_bf16_path() {
-#ifdef SPECSERVE_BF16_PATH
-  return 1;
-#else
-  return 0;
+// Which fast paths this build holds (a bitmask), so Python can route queries of any length to them:
+// 1, the float32 AVX2 + FMA kernel; 2, the bfloat16 AVX512-BF16 kernel. 0 is the portable build.
+extern "C" int specserve_paths() {
+  int paths = 0;
+#ifdef SPECSERVE_F32_PATH
+  paths |= 1;
 #endif
+#ifdef SPECSERVE_BF16_PATH
+  paths |= 2;
+#endif
+  return paths;
 }
 
 extern "C" int specserve_paged_attention_short(
@@ -441,6 +639,10 @@ extern "C" int specserve_paged_attention_short(
                block_size, scale, out, o_tok, o_head};
   // Head sizes known at compile time let the compiler unroll the dot products into whole registers.
   if (dtype == 0) {
+#ifdef SPECSERVE_F32_PATH
+    if (block_size % 8 == 0 && head_dim == 64) return run_f32<64>(a, num_threads), 0;
+    if (block_size % 8 == 0 && head_dim == 128) return run_f32<128>(a, num_threads), 0;
+#endif
     if (head_dim == 64) run<float, 64>(a, num_threads);
     else if (head_dim == 128) run<float, 128>(a, num_threads);
     else run<float, 0>(a, num_threads);
@@ -458,23 +660,84 @@ extern "C" int specserve_paged_attention_short(
   return 0;
 }
 
+namespace {
+
+// Keeps a product in a register of its own, so that with -ffast-math the compiler cannot fuse it with the
+// following add into an FMA (one rounding instead of torch's two): float32 rope must match torch bit for bit.
+template <typename V>
+inline V rounded(V v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#else
+  volatile V keep = v;
+  v = keep;
+#endif
+  return v;
+}
+
+// x [head_dim] rotated in place: lo = x1 c - x2 s, hi = x2 c' + x1 s', each product rounded, then the sum,
+// as torch's x * cos + rotate_half(x) * sin computes them.
+inline void rope_f32(float* x, const float* c, const float* s, int64_t half) {
+  int64_t d = 0;
+#if defined(__AVX2__)
+  for (; d + 8 <= half; d += 8) {
+    const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + d + half);
+    const __m256 lo = _mm256_sub_ps(rounded(_mm256_mul_ps(x1, _mm256_loadu_ps(c + d))),
+                                    rounded(_mm256_mul_ps(x2, _mm256_loadu_ps(s + d))));
+    const __m256 hi = _mm256_add_ps(rounded(_mm256_mul_ps(x2, _mm256_loadu_ps(c + d + half))),
+                                    rounded(_mm256_mul_ps(x1, _mm256_loadu_ps(s + d + half))));
+    _mm256_storeu_ps(x + d, lo);
+    _mm256_storeu_ps(x + d + half, hi);
+  }
+#endif
+  for (; d < half; ++d) {
+    const float x1 = x[d], x2 = x[d + half];
+    const float lo = rounded(x1 * c[d]) - rounded(x2 * s[d]);
+    const float hi = rounded(x2 * c[d + half]) + rounded(x1 * s[d + half]);
+    x[d] = lo;
+    x[d + half] = hi;
+  }
+}
+
+}  // namespace
+
 // Rotary embedding of the q and k parts of a fused qkv projection, in place, and the new tokens' K and V
 // written into the cache: what a layer does between its qkv matmul and attention, one call instead of
-// a score of small torch ops. bfloat16 only; each product and the sum are rounded to bfloat16 as torch's
-// own bfloat16 ops round them, so the results are those of x * cos + rotate_half(x) * sin in torch.
+// a score of small torch ops. Results are those of x * cos + rotate_half(x) * sin in torch, bit for bit:
+// in bfloat16 each product and the sum are rounded to bfloat16 as torch's own bfloat16 ops round them; in
+// float32 each is rounded once, without FMA. Tokens with a negative slot are rotated but not cached.
 //   qkv [tokens, tok_stride]: q heads, then k heads, then v heads, head_dim each
 //   cos, sin [max_position, head_dim]; positions, slots int64 [tokens]
 extern "C" int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t num_tokens,
                                        const int64_t* positions, const void* cos, const void* sin,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, void* k_cache,
                                        void* v_cache, const int64_t* slots, int dtype, int num_threads) {
-  if (dtype != 1 || head_dim % 2 != 0 || head_dim > 512) return 2;
+  if ((dtype != 0 && dtype != 1) || head_dim % 2 != 0 || head_dim > 512) return 2;
+  const int64_t half = head_dim / 2, kv = num_kv_heads * head_dim;
+  if (dtype == 0) {
+    float* base = static_cast<float*>(qkv);
+    const float* cp = static_cast<const float*>(cos);
+    const float* sp = static_cast<const float*>(sin);
+    float* kc = static_cast<float*>(k_cache);
+    float* vc = static_cast<float*>(v_cache);
+#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      float* row = base + i * tok_stride;
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
+        rope_f32(row + h * head_dim, cp + positions[i] * head_dim, sp + positions[i] * head_dim, half);
+      if (slots[i] < 0) continue;
+      std::memcpy(kc + slots[i] * kv, row + num_heads * head_dim, kv * sizeof(float));
+      std::memcpy(vc + slots[i] * kv, row + (num_heads + num_kv_heads) * head_dim, kv * sizeof(float));
+    }
+    return 0;
+  }
   uint16_t* base = static_cast<uint16_t*>(qkv);
   const uint16_t* cp = static_cast<const uint16_t*>(cos);
   const uint16_t* sp = static_cast<const uint16_t*>(sin);
   uint16_t* kc = static_cast<uint16_t*>(k_cache);
   uint16_t* vc = static_cast<uint16_t*>(v_cache);
-  const int64_t half = head_dim / 2, kv = num_kv_heads * head_dim;
   auto round_bf16 = [](float v) {
     uint16_t b;
     store(&b, 0, v);
@@ -495,6 +758,7 @@ extern "C" int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t nu
         store(x, d + half, hi);
       }
     }
+    if (slots[i] < 0) continue;
     std::memcpy(kc + slots[i] * kv, row + num_heads * head_dim, kv * sizeof(uint16_t));
     std::memcpy(vc + slots[i] * kv, row + (num_heads + num_kv_heads) * head_dim, kv * sizeof(uint16_t));
   }

@@ -1,12 +1,17 @@
-"""A C++ paged attention for short queries (decode, speculative verify) on CPU, loaded through ctypes.
+"""A C++ paged attention on CPU, loaded through ctypes: decode, speculative verify and, where the CPU has
+a fast path for the dtype, prefill chunks; and a fused rotary embedding + KV write.
 
 The torch reference must gather every sequence's K/V into a padded tensor before SDPA can read it: per layer
 that copies the whole KV of the batch and reads it twice more. This kernel (cpu_paged_attention.cpp) walks
 the block tables and reads each cached K and V row once, in float32 accumulation.
 
 It is compiled on first use with the system C++ compiler (about a second: no torch headers) into a cache
-directory keyed by the source, the compiler and the CPU, so later processes load it at once. Without a
-compiler, or for a dtype it does not handle (float16), callers fall back to the reference's gather + SDPA.
+directory keyed by the source, the flags, the compiler and the CPU, so later processes load it at once. The
+instruction set is chosen at build time: -march=native, and the source compiles the fast paths the CPU's
+macros allow (AVX2 + FMA: float32 for queries of any length; AVX512-BF16: bfloat16 likewise), which the
+library reports (specserve_paths) so Python routes prefill chunks to it. SPECSERVE_KERNEL_ISA=avx2 or
+=portable builds a narrower variant instead (tests and benchmarks compare them). Without a compiler, or for
+a dtype it does not handle (float16), callers fall back to the reference's gather + SDPA.
 """
 
 from __future__ import annotations
@@ -27,13 +32,20 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_paged_attention.cpp")
 # -ffast-math is safe here: masking is by loop bounds, so no inf or NaN is ever computed on purpose.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# Build variants, by the instruction set they may use. native: everything this CPU has. avx2: no AVX-512
+# (what an AVX2 machine runs, testable on an AVX-512 one). portable: the compiler's baseline target, so no
+# fast path is compiled in and the generic loops run: the code a CPU without AVX2 gets from native.
+ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "portable": []}
+ISA_ENV = "SPECSERVE_KERNEL_ISA"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# specserve_paths() bits: the fast kernels that take queries of any length (prefill chunks too)
+PATH_F32, PATH_BF16 = 1, 2
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
-_has_bf16_path = False  # the AVX512-BF16 kernel, which takes prefill chunks too, is compiled in
+_paths = 0  # specserve_paths() of the loaded library
 
 
 def cache_dir() -> Path:
@@ -56,13 +68,22 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str) -> Path:
+def available_isas() -> list[str]:
+    """The build variants this CPU can run: native and portable always, avx2 where it has AVX2 + FMA."""
+    flags = set(_cpu_signature().split())
+    return ["native", *(["avx2"] if {"avx2", "fma"} <= flags else []), "portable"]
+
+
+def _build(compiler: str, isa: str = "native") -> Path:
+    if isa not in ISA_FLAGS:
+        raise RuntimeError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, not {isa!r}")
+    flags = [*CFLAGS, *ISA_FLAGS[isa]]
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(), _cpu_signature().encode()])
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_signature().encode()])
     ).hexdigest()[:16]
-    target = cache_dir() / f"cpu_paged_attention-{key}.so"
+    target = cache_dir() / f"cpu_paged_attention-{isa}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +91,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=True
+            [compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, check=True
         )
         os.replace(built, target)
     return target
@@ -85,21 +106,27 @@ def _bind(lib: ctypes.CDLL, name: str, signature: str) -> None:
     fn.restype = ctypes.c_int
 
 
+def build_variant(isa: str) -> ctypes.CDLL:
+    """The library built for one ISA variant, its functions bound (raises where it cannot be built)."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found")
+    lib = ctypes.CDLL(str(_build(compiler, isa)))
+    # p: pointer, i: int64, f: float, c: int (every function returns an int status)
+    _bind(lib, "specserve_paged_attention_short", "p i i p p p i p p p i i i i i f p i i c c")
+    _bind(lib, "specserve_rope_write_kv", "p i i p p p i i i p p p c c")
+    _bind(lib, "specserve_paths", "")
+    return lib
+
+
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None when it cannot be built here (the caller falls back)."""
-    global _lib, _failed, _has_bf16_path
+    global _lib, _failed, _paths
     with _lock:
         if _lib is None and not _failed:
-            compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
             try:
-                if compiler is None:
-                    raise RuntimeError("no C++ compiler found")
-                lib = ctypes.CDLL(str(_build(compiler)))
-                # p: pointer, i: int64, f: float, c: int (every function returns an int status)
-                _bind(lib, "specserve_paged_attention_short", "p i i p p p i p p p i i i i i f p i i c c")
-                _bind(lib, "specserve_rope_write_kv", "p i i p p p i i i p p p c c")
-                _bind(lib, "specserve_has_bf16_path", "")
-                _has_bf16_path = bool(lib.specserve_has_bf16_path())
+                lib = build_variant(os.environ.get(ISA_ENV) or "native")
+                _paths = int(lib.specserve_paths())
                 _lib = lib
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                 detail = getattr(exc, "stderr", "") or exc
@@ -108,20 +135,24 @@ def load() -> ctypes.CDLL | None:
         return _lib
 
 
+def fast_paths() -> list[str]:
+    """The loaded library's kernels for queries of any length, by dtype ([] before load or when portable)."""
+    return [name for bit, name in ((PATH_F32, "float32"), (PATH_BF16, "bfloat16")) if _paths & bit]
+
+
 def supports(dtype: torch.dtype, block_size: int) -> bool:
     return dtype in DTYPES and block_size <= 256
 
 
 def supports_long(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-    """Whether prefill chunks run here too: the bfloat16 AVX512-BF16 path, 3-5x faster than gather +
-    SDPA on them. Float32 keeps SDPA for long queries (its results are what the HF oracle tests compare)."""
-    return (
-        _has_bf16_path
-        and dtype == torch.bfloat16
-        and head_dim in (64, 128)
-        and block_size % 16 == 0
-        and block_size <= 256
-    )
+    """Whether prefill chunks run here too: the float32 AVX2 + FMA path and the bfloat16 AVX512-BF16 one.
+    On a 2-core AVX2 EPYC (SmolLM2 shapes, a 256-token chunk over 512 cached tokens) the float32 kernel
+    took the chunk in a fraction of gather + SDPA's time (bench/kernels.py); the bf16 one is 3-5x faster."""
+    if head_dim not in (64, 128) or block_size > 256:
+        return False
+    if dtype == torch.float32:
+        return bool(_paths & PATH_F32) and block_size % 8 == 0
+    return dtype == torch.bfloat16 and bool(_paths & PATH_BF16) and block_size % 16 == 0
 
 
 def paged_attention_short(
@@ -182,6 +213,10 @@ def paged_attention_short(
         raise ValueError(f"paged_attention_short refused its arguments (code {rc})")
 
 
+# The dtypes rope_write_kv takes (each in every build variant).
+ROPE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def rope_write_kv(
     qkv: torch.Tensor,
     positions: torch.Tensor,
@@ -193,14 +228,22 @@ def rope_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Rotary embedding of qkv's q and k heads in place, then the new K and V into the cache (bfloat16).
+    """Rotary embedding of qkv's q and k heads in place, then the new K and V into the cache (float32 or
+    bfloat16; tokens with a negative slot are not cached).
 
     qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows (q, k, v heads); cos/sin [max_pos, ...,
     head_dim] contiguous; positions and slot_mapping int64. Bit for bit what LlamaModel's torch path does.
     """
     head_dim = k_cache.shape[-1]
-    if qkv.dtype != torch.bfloat16 or qkv.stride(1) != 1 or cos.dtype != qkv.dtype or sin.dtype != qkv.dtype:
-        raise ValueError("rope_write_kv takes bfloat16 qkv rows and rotary tables")
+    if (
+        qkv.dtype not in ROPE_DTYPES
+        or qkv.stride(1) != 1
+        or cos.dtype != qkv.dtype
+        or sin.dtype != qkv.dtype
+        or k_cache.dtype != qkv.dtype
+        or v_cache.dtype != qkv.dtype
+    ):
+        raise ValueError("rope_write_kv takes float32 or bfloat16 qkv rows, rotary tables and caches alike")
     if not (
         cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     ):
