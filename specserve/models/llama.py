@@ -94,8 +94,8 @@ class LlamaModel:
         self.norm = sd["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
         self.linear = F.linear
-        # bfloat16 only: float32 keeps the torch ops whose results the HF oracle tests compare bit for bit
-        self._fused_rope = self.backend.rope_write_kv is not None and dtype == torch.bfloat16
+        # bit for bit the torch ops in both dtypes (tests/test_kernels.py), so the HF oracle tests still hold
+        self._fused_rope = self.backend.rope_write_kv is not None and dtype in (torch.float32, torch.bfloat16)
         if prepacked_linear_available(self.device, dtype):
             self._prepack()
         self.q_size = cfg.num_heads * cfg.head_dim
