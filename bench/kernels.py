@@ -1,18 +1,27 @@
-"""Benchmark the Triton paged-attention kernels on a CUDA GPU (not a test).
+"""Benchmark the paged-attention kernels (not a test): Triton on a CUDA GPU, the C++ kernel on CPU.
 
-For decode (1 new token), speculative verify (k+1) and a prefill chunk over a paged cache with shuffled
+CUDA: for decode (1 new token), speculative verify (k+1) and a prefill chunk over a paged cache with shuffled
 blocks, times specserve's Triton kernel with triton.testing.do_bench next to torch SDPA on K/V already
 gathered into dense tensors (the best a gather-based path can do) and gather + SDPA, and prints the memory
 bandwidth achieved against the device's peak. Decode attention is bandwidth-bound: the target is >= 70% of
-peak at batch 64, context 2,048. On a machine without CUDA it says so and exits cleanly.
+peak at batch 64, context 2,048.
+
+CPU (--device cpu, the default without CUDA; SmolLM2-135M's shapes, float32): the same cases per layer call
+through the engine's path (backend "cpu": the C++ kernel where it takes the queries, gather + SDPA where it
+does not), through each build variant of the kernel this CPU runs (native, avx2, portable), and through the
+torch backend's gather + SDPA; then rotary embedding + KV write, fused against the torch ops. Best of
+repeated calls (the machines are shared: the least disturbed call is the kernel's own cost). Runs against
+an older checkout too (PYTHONPATH=...), printing what it lacks as n/a.
 
     python bench/kernels.py [--batch 64] [--context 2048] [--dtype bf16] [--peak-gbps 2039]
+    python bench/kernels.py --device cpu [--batch 64] [--context 512] [--chunk 256] [--dtype fp32]
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -98,23 +107,158 @@ def peak_bandwidth(device: torch.device) -> float:
     return 2 * props.memory_bus_width / 8 * props.memory_clock_rate * 1e3
 
 
+def best_seconds(fn, min_seconds: float = 0.4, min_calls: int = 5) -> float:
+    fn()  # warm-up: first-touch pages, thread pool
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_calls or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def cpu_main(args: argparse.Namespace) -> int:
+    import platform
+
+    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import select_backend
+
+    torch.manual_seed(0)
+    if cpa.load() is None:
+        print("bench/kernels.py: the C++ kernel does not build here (no compiler?); nothing to time.")
+        return 1
+    flags = set(cpa._cpu_signature().split())
+    isa_flags = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
+    variants = cpa.available_isas() if hasattr(cpa, "build_variant") else []
+    fast = cpa.fast_paths() if hasattr(cpa, "fast_paths") else "n/a (older checkout)"
+    print(
+        f"{platform.processor() or platform.machine()} [{isa_flags}], torch threads {torch.get_num_threads()}"
+        f" | batch {args.batch}, context {args.context}, heads {args.q_heads}/{args.kv_heads}, head_dim "
+        f"{args.head_dim}, block {args.block_size}, {args.dtype} | kernel fast paths: {fast}"
+    )
+    cpu_backend = select_backend("cpu", "cpu")
+    header = f"{'case (one layer)':<22}{'engine us':>11}{'GB/s':>7}"
+    header += "".join(f"{v + ' us':>13}" for v in variants) + f"{'gather+sdpa us':>16}"
+    print(header)
+    cases = [
+        ("decode", 1, args.batch),
+        (f"verify q={args.verify_len}", args.verify_len, args.batch),
+        (f"prefill q={args.chunk}", args.chunk, args.prefill_batch),
+    ]
+    for name, query_len, batch in cases:
+        if query_len <= args.context:
+            line = _cpu_attention_case(args, name, query_len, batch, cpu_backend, variants)
+            if line is None:
+                return 1
+            print(line)
+
+    print(f"{'rope + write_kv':<22}{'fused us':>11}{'torch ops us':>14}")
+    for tokens in (args.batch, args.chunk * args.prefill_batch):  # a decode step's, a prefill's tokens
+        print(_cpu_rope_case(args, tokens))
+    return 0
+
+
+def _cpu_attention_case(args, name: str, query_len: int, batch: int, cpu_backend, variants) -> str | None:
+    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import reference
+
+    s = make_setup(argparse.Namespace(**{**vars(args), "batch": batch}), query_len, torch.device("cpu"))
+    tables, lens = s.block_tables.tolist(), s.seq_lens.tolist()
+    out = torch.empty_like(s.q)
+
+    def call(plan) -> torch.Tensor:
+        return reference.paged_attention(
+            s.q, s.k_cache, s.v_cache, s.block_tables, s.seq_lens, s.query_start_loc, s.scale,
+            plan=plan, out=out,
+        )  # fmt: skip
+
+    cpu_plan = cpu_backend.build_plan(tables, lens, [query_len] * batch, args.block_size)
+    torch_plan = reference.build_plan(tables, lens, [query_len] * batch, args.block_size)
+    expected = call(torch_plan).clone()
+    err = (call(cpu_plan) - expected).abs().max().item()
+    if err > 1e-2 * expected.abs().max().item():
+        print(f"{name}: the engine's path differs from gather + SDPA by {err:.3g}", file=sys.stderr)
+        return None
+    t_engine = best_seconds(lambda: call(cpu_plan))
+    per_variant = []
+    native_lib, native_paths = cpa._lib, getattr(cpa, "_paths", 0)
+    for isa in variants:
+        lib = cpa.build_variant(isa)
+        cpa._lib, cpa._paths = lib, int(lib.specserve_paths())
+        try:
+            per_variant.append(best_seconds(lambda: call(cpu_plan)))
+        finally:
+            cpa._lib, cpa._paths = native_lib, native_paths
+    t_torch = best_seconds(lambda: call(torch_plan))
+    line = f"{name:<22}{t_engine * 1e6:>11.1f}{attention_bytes(s) / t_engine / 1e9:>7.1f}"
+    return line + "".join(f"{t * 1e6:>13.1f}" for t in per_variant) + f"{t_torch * 1e6:>16.1f}"
+
+
+def _cpu_rope_case(args, tokens: int) -> str:
+    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import reference
+
+    dtype = DTYPES[args.dtype]
+    dim, heads, kv_heads = args.head_dim, args.q_heads, args.kv_heads
+    num_blocks = -(-tokens // args.block_size) + 8
+    k_cache = torch.zeros(num_blocks, args.block_size, kv_heads, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,))
+    slots = torch.randperm(num_blocks * args.block_size)[:tokens]
+    freqs = torch.arange(4096, dtype=torch.float32)[:, None] * torch.rand(dim // 2)[None]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+    def torch_ops() -> None:  # what LlamaModel.forward runs unfused
+        c, sn = cos[positions], sin[positions]
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        half = dim // 2
+        for x in (q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)):
+            y = x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sn
+        reference.write_kv(y, v.view(tokens, kv_heads, dim), k_cache, v_cache, slots)
+
+    def fused() -> None:
+        cpa.rope_write_kv(qkv, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+
+    try:
+        fused()
+        t_fused = f"{best_seconds(fused) * 1e6:>11.1f}"
+    except ValueError:  # an older checkout: bfloat16 only
+        t_fused = f"{'n/a':>11}"
+    return f"{f'{tokens} tokens':<22}{t_fused}{best_seconds(torch_ops) * 1e6:>14.1f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--context", type=int, default=2048, help="tokens per sequence, new ones included")
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument(
+        "--context", type=int, help="tokens per sequence, new ones included (2048 on CUDA, 512 on CPU)"
+    )
+    parser.add_argument("--q-heads", type=int, help="32 on CUDA, 9 on CPU (SmolLM2-135M)")
+    parser.add_argument("--kv-heads", type=int, help="8 on CUDA, 3 on CPU")
+    parser.add_argument("--head-dim", type=int, help="128 on CUDA, 64 on CPU")
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="bf16 on CUDA, fp32 on CPU")
     parser.add_argument(
         "--verify-len", type=int, default=5, help="k+1 query tokens per sequence when verifying"
     )
     parser.add_argument("--chunk", type=int, default=256, help="prefill chunk length")
+    parser.add_argument("--prefill-batch", type=int, default=4, help="CPU: prefill chunks in the call")
     parser.add_argument("--peak-gbps", type=float, help="override the device's peak memory bandwidth (GB/s)")
     args = parser.parse_args(argv)
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    defaults = {"context": (512, 2048), "q_heads": (9, 32), "kv_heads": (3, 8), "head_dim": (64, 128)}
+    defaults["dtype"] = ("fp32", "bf16")
+    for key, (cpu_value, cuda_value) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, cpu_value if on_cpu else cuda_value)
+    if on_cpu:
+        return cpu_main(args)
 
     if not torch.cuda.is_available():
         print("bench/kernels.py: no CUDA device here; the Triton kernels need an NVIDIA GPU. Nothing timed.")
