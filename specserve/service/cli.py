@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from specserve.queue.wire import FINISHED
 from specserve.service import config as config_mod
 
 CONNECTION = {"redis_url", "prefix", "data_dir", "result_ttl"}
@@ -124,12 +125,14 @@ async def _enqueue(ns: argparse.Namespace, cfg: config_mod.ServiceConfig) -> int
                 async for d in deltas:
                     sys.stdout.write(d.text)
                     sys.stdout.flush()
-                    if d.final is not None and d.final.error:
-                        sys.stderr.write(f"\n{d.final.status}: {d.final.error}\n")
+                    if d.final is not None and d.final.status != FINISHED:
+                        sys.stderr.write(f"\n{d.final.status}: {d.final.error or d.final.finish_reason}\n")
                         return 1
             sys.stdout.write("\n")
         elif ns.wait:
-            _print((await client.wait(added.id)).to_dict())
+            result = await client.wait(added.id)
+            _print(result.to_dict())
+            return _exit_code(result.status)
         else:
             _print({"id": added.id, "status": added.status, "created": added.created})
     return 0
@@ -142,7 +145,12 @@ async def _status(ns: argparse.Namespace, cfg: config_mod.ServiceConfig) -> int:
             sys.stderr.write(f"no request {ns.id!r}\n")
             return 1
         _print(result.to_dict())
-    return 0
+    return _exit_code(result.status) if ns.wait else 0
+
+
+def _exit_code(status: str) -> int:
+    """A script that waits for a request learns from the exit code whether it produced its output."""
+    return 0 if status == FINISHED else 1
 
 
 T = TypeVar("T")

@@ -135,8 +135,11 @@ class Gateway:
             span.set_attribute("specserve.request_id", result.id)
         return result
 
-    async def deltas(self, request_id: str, tokens: int = 0, chars: int = 0) -> AsyncIterator[Delta | None]:
-        """A request's new output; None every KEEPALIVE_S while nothing happens (time for a keep-alive)."""
+    async def deltas(
+        self, request_id: str, tokens: int = 0, chars: int = 0, keepalive: bool = True
+    ) -> AsyncIterator[Delta | None]:
+        """A request's new output; with `keepalive`, None every KEEPALIVE_S while nothing happens (time for
+        a keep-alive)."""
         queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
         end = asyncio.CancelledError()  # a marker: the stream is over
 
@@ -155,7 +158,7 @@ class Gateway:
                 queue.put_nowait(None)
 
         # A ticker instead of wait_for() around every get: one timer per stream, not one per token.
-        tasks = [asyncio.create_task(pump()), asyncio.create_task(tick())]
+        tasks = [asyncio.create_task(pump())] + ([asyncio.create_task(tick())] if keepalive else [])
         try:
             while True:
                 item = await queue.get()

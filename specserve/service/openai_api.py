@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -16,11 +16,18 @@ from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBod
 from specserve.service.gateway import Gateway, deadline_after
 from specserve.service.http import (
     ApiError,
+    ClientGone,
     json_response,
     read_json,
     sse_send,
     sse_start,
 )
+
+T = TypeVar("T")
+WATCH_S = 0.5  # how often a waiting non-streaming request looks whether its client is still there
+# A worker expires a running request at its deadline itself (it polls every 0.1 s); the API steps in only
+# after this much more, for requests no worker has taken.
+DEADLINE_GRACE_S = 1.0
 
 # Our extensions beyond OpenAI's fields.
 EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout"}
@@ -51,8 +58,12 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True),
+    # vLLM's sampling extras, which its clients send at these values (`vllm bench serve` does)
+    "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),
 }
 _NEUTRAL_IN_BOTH = {"presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+_NEUTRAL_IN_BOTH |= {"repetition_penalty", "min_p"}
 COMPLETION_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | {"messages", "max_completion_tokens", "top_logprobs"}
 CHAT_FIELDS |= {"tools", "tool_choice", "response_format", "parallel_tool_calls"}
@@ -180,18 +191,53 @@ class OpenAIRoutes:
             waiting = asyncio.create_task(self.gateway.client.wait(rid))
             try:
                 await self.gateway.enqueue(request, body, rid)
-                result = await waiting
+                result = await self._while_wanted(request, rid, waiting, body.deadline)
             finally:
                 waiting.cancel()
             _raise_for(result)
             return self._whole(rid, created, meta, chat, result)
         await self.gateway.enqueue(request, body, rid)
-        deltas = self.gateway.deltas(rid)
+        # No keep-alive comments: OpenAI and vLLM send none, and clients written against them choke on them
+        # (vLLM's bench client strips each read before splitting on blank lines, so a comment swallows the
+        # data: message glued after it).
+        deltas = self.gateway.deltas(rid, keepalive=False)
         try:
-            first = await self._first(deltas)
-            return await self._stream(request, rid, created, meta, chat, first, deltas)
+            first = asyncio.ensure_future(self._first(deltas))
+            try:
+                first_delta = await self._while_wanted(request, rid, first, body.deadline)
+            finally:
+                first.cancel()
+            return await self._stream(request, rid, created, meta, chat, first_delta, deltas)
         finally:
             await deltas.aclose()
+
+    async def _while_wanted(
+        self, request: web.Request, rid: str, waiting: asyncio.Future[T], deadline: float | None
+    ) -> T:
+        """Wait for `waiting` while its client is still there and its deadline has not passed.
+
+        A client that leaves cancels its request (nobody would read its tokens). At the deadline, a worker
+        ends a request it runs (expired, answered with 408 through `_raise_for`); one no worker has taken
+        (none is up, say) is ended here, a moment later, with the same 408, instead of hanging the client."""
+        while True:
+            timeout = WATCH_S
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline + DEADLINE_GRACE_S - time.time()))
+            done, _ = await asyncio.wait({waiting}, timeout=timeout)
+            if done:
+                return waiting.result()
+            if request.transport is None or request.transport.is_closing():
+                await self.gateway.client.cancel(rid)
+                raise ClientGone()
+            if deadline is not None and time.time() >= deadline + DEADLINE_GRACE_S:
+                await self.gateway.client.cancel(rid)
+                raise ApiError(
+                    408,
+                    "the deadline passed before the request was done",
+                    "timeout",
+                    type="timeout",
+                    code="deadline_expired",
+                )
 
     @staticmethod
     async def _first(deltas) -> Delta:
@@ -244,9 +290,6 @@ class OpenAIRoutes:
             await sse_send(resp, chunk(first.text, None))
         if final is None:
             async for d in deltas:
-                if d is None:
-                    await resp.write(b": keep-alive\n\n")
-                    continue
                 if d.text:
                     await sse_send(resp, chunk(d.text, None))
                 if d.final is not None:
