@@ -512,3 +512,78 @@ def test_a_full_redis_holds_outputs_and_claims_until_there_is_room(valkey, tiny_
     for i, p in enumerate(VALID):
         assert results[f"q-{i}"].status == "finished" and results[f"q-{i}"].token_ids == ref[p]
     assert set(finals.values()) == {1} and dead == []
+
+
+def test_a_producer_reads_every_result_once_from_its_reply_stream(valkey, tiny_model_dir, tiny_engines):
+    """reply_to: the worker also writes each final result, whole, to {prefix}:reply:<name> in the same
+    atomic step as the request's final entry; with reply_stream, each delta too. A producer reads its results
+    with one XREAD loop instead of one wait per id."""
+    ref = _reference(tiny_engines, tiny_model_dir, VALID)
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir) as (_worker, client):
+            for i, p in enumerate(VALID):
+                await client.enqueue({"prompt": p, **GREEDY, "reply_to": "prod-a"}, f"a-{i}")
+            await client.enqueue(
+                {"prompt": VALID[0], **GREEDY, "reply_to": "prod-a", "reply_stream": True}, "a-s"
+            )
+            raw = aioredis.Redis.from_url(valkey.url)
+            try:  # a raw producer, and one whose body is refused for another field: it still hears back
+                await raw.xadd(KEYS.requests, {"id": "a-raw", "body": _body(VALID[1], reply_to="prod-a")})
+                await raw.xadd(KEYS.requests, {"id": "a-bad", "body": _body("x", top_p=7, reply_to="prod-a")})
+                await client.enqueue({"prompt": VALID[2], **GREEDY, "reply_to": "someone-else"}, "b-0")
+                want = {f"a-{i}" for i in range(len(VALID))} | {"a-s", "a-raw", "a-bad"}
+                finals: dict[str, list[dict]] = {}
+                deltas: list[dict] = []
+                last = "0-0"
+                while set(finals) != want:
+                    for _, items in await raw.xread({KEYS.reply("prod-a"): last}, block=5000) or []:
+                        for eid, f in items:
+                            last = eid
+                            f = {k.decode(): v.decode() for k, v in f.items()}
+                            (finals.setdefault(f["id"], []) if "status" in f else deltas).append(f)
+                await asyncio.sleep(0.5)  # anything written twice would have arrived by now
+                for _, items in await raw.xread({KEYS.reply("prod-a"): last}, block=100) or []:
+                    for _, f in items:
+                        finals.setdefault(f[b"id"].decode(), []).append(f)
+                return finals, deltas, await raw.xlen(KEYS.reply("someone-else"))
+            finally:
+                await raw.aclose()
+
+    finals, deltas, other = run(main())
+    assert all(len(v) == 1 for v in finals.values()), finals  # every result exactly once
+    for i, p in enumerate(VALID):
+        f = finals[f"a-{i}"][0]
+        assert f["status"] == "finished" and orjson.loads(f["ids"]) == ref[p]
+        assert orjson.loads(f["usage"])["completion_tokens"] == len(ref[p])
+    assert orjson.loads(finals["a-raw"][0]["ids"]) == ref[VALID[1]]
+    bad = finals["a-bad"][0]
+    assert bad["status"] == "failed" and bad["error_field"] == "top_p" and bad["ids"] == "[]"
+    streamed = [d for d in deltas if d["id"] == "a-s"]
+    assert {d["id"] for d in deltas} == {"a-s"} and streamed
+    whole = finals["a-s"][0]
+    assert (
+        sum((orjson.loads(d["ids"]) for d in streamed), [])
+        == orjson.loads(whole["ids"])[: sum(len(orjson.loads(d["ids"])) for d in streamed)]
+    )
+    assert "".join(d["text"] for d in streamed) == whole["text"][: len("".join(d["text"] for d in streamed))]
+    assert other == 1  # another producer's stream got its own result only
+
+
+@pytest.mark.parametrize(
+    "fields,field",
+    [
+        ({"reply_to": "a b"}, "reply_to"),
+        ({"reply_to": "x" * 201}, "reply_to"),
+        ({"reply_to": 5}, "reply_to"),
+        ({"reply_to": "ok", "reply_stream": "yes"}, "reply_stream"),
+        ({"reply_stream": True}, "reply_stream"),
+    ],
+)
+def test_a_reply_stream_is_named_like_an_id(fields, field):
+    """A reply stream is a key under the prefix, never one the body picks: no spaces, globs or length."""
+    from specserve.queue.wire import WireError, parse_body
+
+    with pytest.raises(WireError) as e:
+        parse_body({"prompt": "x", **fields})
+    assert e.value.field == field

@@ -48,6 +48,10 @@ class Keys:
         """Output stream of one request."""
         return f"{self.prefix}:out:{request_id}"
 
+    def reply(self, name: str) -> str:
+        """A producer's reply stream: the final results (and, if asked, deltas) of the requests naming it."""
+        return f"{self.prefix}:reply:{name}"
+
     def wake(self, reader_id: str) -> str:
         """Private stream an output reader blocks on alongside its output streams, to be woken up."""
         return f"{self.prefix}:wake:{reader_id}"

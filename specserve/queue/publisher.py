@@ -26,6 +26,15 @@ class _Final:
     entry: OutputEntry
     hash_fields: dict[str, str]
     done: asyncio.Future[bool] = field(repr=False, default=None)  # type: ignore[assignment]
+    reply: Reply | None = None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A final result for a request's reply stream: its key and the entry's fields."""
+
+    key: str
+    fields: dict[str, str]
 
 
 def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
@@ -45,8 +54,12 @@ def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
 class Publisher:
     """Flushes go through the lean client of `conns` (its owner closes it)."""
 
-    def __init__(self, conns: Connections, keys: Keys, consumer: str, ttl_ms: int) -> None:
+    def __init__(
+        self, conns: Connections, keys: Keys, consumer: str, ttl_ms: int, reply_maxlen: int = 10_000
+    ) -> None:
         self._fast = conns.fast
+        self.reply_maxlen = reply_maxlen  # a reply stream is trimmed to about this many entries
+        self._reply_keys: dict[str, str] = {}  # request id -> the reply stream its deltas also go to
         self.keys = keys
         self.consumer = consumer
         self.ttl_ms = ttl_ms
@@ -63,16 +76,25 @@ class Publisher:
         self._closed = True
         self._wake.set()
 
-    def push(self, request_id: str, entry: OutputEntry) -> None:
+    def push(self, request_id: str, entry: OutputEntry, reply_key: str | None = None) -> None:
+        if reply_key is not None:
+            self._reply_keys[request_id] = reply_key
         _merge(self._deltas.setdefault(request_id, []), entry)
         self._idle.clear()
         self._wake.set()
 
     def finish(
-        self, request_id: str, entry_id: str, final: OutputEntry, hash_fields: dict[str, str]
+        self,
+        request_id: str,
+        entry_id: str,
+        final: OutputEntry,
+        hash_fields: dict[str, str],
+        reply: Reply | None = None,
     ) -> asyncio.Future[bool]:
-        """Queue the final entry + status + XACK; the future says whether it was written (False: not ours)."""
-        f = _Final(request_id, entry_id, final, hash_fields, asyncio.get_running_loop().create_future())
+        """Queue the final entry + status + XACK (+ the reply stream's entry), all or nothing; the future
+        says whether it was written (False: not ours)."""
+        loop = asyncio.get_running_loop()
+        f = _Final(request_id, entry_id, final, hash_fields, loop.create_future(), reply)
         self._finals.append(f)
         self._idle.clear()
         self._wake.set()
@@ -109,6 +131,7 @@ class Publisher:
             delay = 0.02
             for f, ok in zip(finals, results):
                 self._expiring.discard(f.request_id)
+                self._reply_keys.pop(f.request_id, None)
                 if not f.done.done():
                     f.done.set_result(bool(ok))
             if not self._deltas and not self._finals:
@@ -126,20 +149,29 @@ class Publisher:
         commands: list[list[str | int]] = []
         for rid, entries in deltas.items():
             out = self.keys.out(rid)
+            reply = self._reply_keys.get(rid)
             for e in entries:
                 commands.append(["XADD", out, "*", *_flat(e.to_fields())])
+                if reply is not None:
+                    fields = {"id": rid, **e.to_fields()}
+                    commands.append(["XADD", reply, "MAXLEN", "~", self.reply_maxlen, "*", *_flat(fields)])
             if rid not in self._expiring:
                 commands.append(["PEXPIRE", out, self.ttl_ms])
+                if reply is not None:
+                    commands.append(["PEXPIRE", reply, self.ttl_ms])
         for f in finals:
             out_fields = f.entry.to_fields()
+            reply_keys = [f.reply.key] if f.reply is not None else []
+            reply_fields = f.reply.fields if f.reply is not None else {}
             commands.append(
                 [
                     "EVAL",
                     scripts.FINISH,
-                    3,
+                    3 + len(reply_keys),
                     self.keys.out(f.request_id),
                     self.keys.req(f.request_id),
                     self.keys.requests,
+                    *reply_keys,
                     self.keys.group,
                     self.consumer,
                     f.entry_id,
@@ -147,6 +179,9 @@ class Publisher:
                     f.entry.status or "finished",
                     len(out_fields),
                     *_flat(out_fields),
+                    len(reply_fields),
+                    *_flat(reply_fields),
+                    self.reply_maxlen,
                     *_flat(f.hash_fields),
                 ]
             )

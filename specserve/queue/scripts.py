@@ -71,8 +71,9 @@ return {'run', tostring(run), now_ms}
 )
 
 # Final output entry, terminal status and XACK in one step, only while this consumer still owns the entry
-# (a worker that lost it to XAUTOCLAIM must not finish it). KEYS: output stream, status hash, requests stream.
-# ARGV: group, consumer, entry id, ttl_ms, status, n, then n output field/value pairs, then hash pairs.
+# (a worker that lost it to XAUTOCLAIM must not finish it). KEYS: output stream, status hash, requests stream,
+# and the request's reply stream if it has one. ARGV: group, consumer, entry id, ttl_ms, status, n, then n
+# output field/value pairs, m, then m reply field/value pairs, the reply stream's maxlen, then hash pairs.
 FINISH = (
     _NOW
     + """
@@ -83,8 +84,16 @@ local out = {}
 for i = 7, 6 + 2 * n do out[#out + 1] = ARGV[i] end
 redis.call('XADD', KEYS[1], '*', unpack(out))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
+local at = 7 + 2 * n
+local m = tonumber(ARGV[at])
+if m > 0 then
+  local reply = {}
+  for i = at + 1, at + 2 * m do reply[#reply + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[at + 2 * m + 1], '*', unpack(reply))
+  redis.call('PEXPIRE', KEYS[4], ARGV[4])
+end
 local h = {'status', ARGV[5], 'finished', now_ms}
-for i = 7 + 2 * n, #ARGV do h[#h + 1] = ARGV[i] end
+for i = at + 2 * m + 2, #ARGV do h[#h + 1] = ARGV[i] end
 redis.call('HSET', KEYS[2], unpack(h))
 redis.call('PEXPIRE', KEYS[2], ARGV[4])
 redis.call('XACK', KEYS[3], ARGV[1], ARGV[3])

@@ -26,7 +26,7 @@ QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED = (
 TERMINAL = frozenset({FINISHED, FAILED, CANCELLED, EXPIRED})
 
 # Body keys that are not sampling parameters; every other key is handed to SamplingParams.from_dict.
-REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline", "stream"})
+REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline", "stream", "reply_to", "reply_stream"})
 # A deadline is a unix time; anything past 2100 is a mistake (or an attack: 1e308 overflowed the claim's
 # integer milliseconds). Bounded here, so every later use of it is plain arithmetic.
 MAX_DEADLINE = 4_102_444_800.0
@@ -52,6 +52,10 @@ class RequestBody:
     # False: the worker writes only the final output entry (every token at once), no entry per step. For a
     # producer that waits for the whole result: it saves the worker, Redis and readers a round each step.
     stream: bool = True
+    # A reply stream ({prefix}:reply:{reply_to}) the worker also writes the final result to (and, with
+    # reply_stream, every delta): a producer reads all its results with one XREAD instead of one per id.
+    reply_to: str | None = None
+    reply_stream: bool = False
 
     @property
     def fills_context(self) -> bool:
@@ -75,6 +79,10 @@ class RequestBody:
             body["deadline"] = self.deadline
         if not self.stream:
             body["stream"] = False
+        if self.reply_to is not None:
+            body["reply_to"] = self.reply_to
+            if self.reply_stream:
+                body["reply_stream"] = True
         body.update(self.sampling)
         return orjson.dumps(body)
 
@@ -193,9 +201,27 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
     stream = data.get("stream", True)
     if not isinstance(stream, bool):
         raise WireError("stream", "must be a boolean")
+    reply_to = reply_to_of(data, strict=True)
+    reply_stream = data.get("reply_stream", False)
+    if not isinstance(reply_stream, bool):
+        raise WireError("reply_stream", "must be a boolean")
+    if reply_stream and reply_to is None:
+        raise WireError("reply_stream", "needs reply_to, the stream to write to")
     sampling = {k: v for k, v in data.items() if k not in REQUEST_KEYS}
     deadline = float(deadline) if deadline is not None else None
-    return RequestBody(prompt, messages, model, deadline, sampling, stream)
+    return RequestBody(prompt, messages, model, deadline, sampling, stream, reply_to, reply_stream)
+
+
+def reply_to_of(data: Any, strict: bool = False) -> str | None:
+    """A body's reply stream name. It names a key under the prefix ({prefix}:reply:<name>), never a key of
+    its own choosing (the request stream, another producer's status...), so it is an id-like name. Not
+    strict: None for anything unusable, so that a body refused for another field still gets its reply."""
+    name = data.get("reply_to") if isinstance(data, dict) else None
+    if name is None or valid_request_id(name):
+        return name
+    if strict:
+        raise WireError("reply_to", "must be 1-200 characters of letters, digits, '_', '.', ':' or '-'")
+    return None
 
 
 def decode_body(

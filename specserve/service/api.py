@@ -136,6 +136,8 @@ class Api:
         timeout = data.pop("timeout", None)
         if timeout is not None:
             data["deadline"] = deadline_after(timeout)
+        if isinstance(data.get("reply_to"), str):  # a tenant's reply streams are its own, like its ids
+            data["reply_to"] = self.gateway.redis_id(request, data["reply_to"])
         body = self.gateway.validate(data)
         result = await self.gateway.enqueue(request, body, rid)
         status = 202 if result.created else 200

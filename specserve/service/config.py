@@ -53,6 +53,7 @@ class WorkerConfig:
     max_prompt_chars: int = _API.max_prompt_chars
     dead_letter_maxlen: int = _QUEUE.dead_maxlen
     dead_letter_ttl_s: float = _QUEUE.dead_ttl_ms / 1000
+    reply_maxlen: int = 10_000  # a producer's reply stream is trimmed (MAXLEN ~) to about this many entries
 
     @property
     def heartbeat_s(self) -> float:
@@ -182,13 +183,18 @@ class ServiceConfig:
     dead_letter_ttl: float = _opt(
         "SPECSERVE_DEAD_LETTER_TTL", _WORKER.dead_letter_ttl_s, "seconds a dead letter is kept"
     )
+    reply_maxlen: int = _opt(
+        "SPECSERVE_REPLY_MAXLEN",
+        _WORKER.reply_maxlen,
+        "entries a reply stream keeps (about; oldest first out)",
+    )
     worker_name: str | None = _opt("SPECSERVE_WORKER_NAME", None, "consumer name (default host-pid)")
 
     def __post_init__(self) -> None:
         if self.speculative_method in ("draft_model",) and not self.speculative_model:
             raise ValueError("--speculative-method draft_model needs --speculative-model")
         limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
-        for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl"):
+        for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen"):
             if not getattr(self, name) > 0:  # also false for NaN
                 raise ValueError(f"{_env_of(name)}: must be positive")
         # the engine's own checks come after the model has loaded: these fail before it starts to
@@ -238,6 +244,7 @@ class ServiceConfig:
             max_prompt_chars=self.max_prompt_chars,
             dead_letter_maxlen=self.dead_letter_maxlen,
             dead_letter_ttl_s=self.dead_letter_ttl,
+            reply_maxlen=self.reply_maxlen,
         )
 
     def http_limits(self) -> HttpLimits:

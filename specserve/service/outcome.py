@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import orjson
+
 from specserve.engine.outputs import StepDelta
 from specserve.queue import wire
 from specserve.queue.wire import OutputEntry
@@ -33,6 +35,9 @@ class Outcome:
     text_offset: int = 0  # characters published before the final delta
     error: str | None = None  # the engine raised while the request ran
     engine_ms: float | None = None  # the engine's share of the latency
+    # the whole output (earlier runs' included), kept only for a request with a reply stream
+    token_ids: list[int] | None = None
+    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -110,3 +115,22 @@ def unstarted(status: str, error: str | None = None, error_field: str | None = N
     """The final entry of a request that never reached the engine (refused, cancelled or expired)."""
     reason = "error" if status == wire.FAILED else "abort"
     return _final(OutputEntry(run, 0, 0, [], "", reason, status, None, error, error_field))
+
+
+def reply_fields(request_id: str, final: Final, token_ids: list[int], text: str) -> dict[str, str]:
+    """A reply stream's entry for a finished request: the whole result in one entry, as GET shows it."""
+    e = final.entry
+    fields = {
+        "id": request_id,
+        "status": final.status,
+        "finish_reason": e.finish_reason or "",
+        "ids": orjson.dumps(token_ids).decode(),
+        "text": text,
+    }
+    if e.usage is not None:
+        fields["usage"] = orjson.dumps(e.usage).decode()
+    if e.error is not None:
+        fields["error"] = e.error
+    if e.error_field is not None:
+        fields["error_field"] = e.error_field
+    return fields

@@ -22,6 +22,7 @@ from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.outputs import StepDelta, Usage
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
 from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError, model_aliases
 from specserve.service.outcome import Ending, Outcome
@@ -101,6 +102,8 @@ class Started:
     at: float  # time.monotonic()
     base_tokens: int = 0
     base_chars: int = 0
+    base_ids: list[int] = field(default_factory=list)  # the earlier runs' tokens it continues after
+    base_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -142,8 +145,10 @@ class Runner:
         publisher: Publisher,
         telemetry: Telemetry,
         clock: ServerClock,
+        keys: Keys,
     ) -> None:
         self.engine = engine
+        self.keys = keys
         self.publisher = publisher
         self.telemetry = telemetry
         self.clock = clock
@@ -233,7 +238,7 @@ class Runner:
         if not until_full and n >= params.max_tokens or last in stop_ids:
             # the earlier run made every token and died before its final entry: only that is left to write
             reason = "stop" if last in stop_ids else "length"
-            return Started(rid, _ended(rid, reason, len(prompt) + n), at, n, chars)
+            return Started(rid, _ended(rid, reason, len(prompt) + n), at, n, chars, given, shown.text[:chars])
         if until_full:
             params.max_tokens = max(1, self.engine.max_model_len - len(prompt) - n)
         else:
@@ -241,7 +246,7 @@ class Runner:
         if params.seed is not None and not params.greedy:
             params.seed = resumed_seed(params.seed, n)
         deltas = self.engine.add_request(rid, prompt + given, params, stream=body.stream)
-        return Started(rid, deltas, at, n, chars)
+        return Started(rid, deltas, at, n, chars, given, shown.text[:chars])
 
     async def abort(self, started: Started) -> None:
         """Abort a request the engine took; its final delta ends the stream, and with it its queue."""
@@ -262,6 +267,12 @@ class Runner:
         text_offset = started.base_chars
         last: StepDelta | None = None
         error: str | None = None
+        body = state.body
+        reply_key = self.keys.reply(body.reply_to) if body.reply_stream and body.reply_to else None
+        # a reply stream's final entry carries the whole output: kept only for those who asked for one
+        whole: tuple[list[int], list[str]] | None = None
+        if body.reply_to is not None:
+            whole = (list(started.base_ids), [started.base_text])
         try:
             async with contextlib.aclosing(started.deltas) as deltas:
                 async for d in deltas:
@@ -277,13 +288,15 @@ class Runner:
                             since_first = time.monotonic() - state.first_token_at
                             ttft = self.clock.now() - since_first - state.enqueued_ms / 1000
                             self.telemetry.ttft.record(max(0.0, ttft))
+                    if whole is not None:
+                        whole[0].extend(d.token_ids)
+                        whole[1].append(d.text)
                     if d.finished:
                         last = _after(d, base)  # its tokens go out with the final entry
                         state.engine_end = time.monotonic()
                     elif d.token_ids or d.text:
-                        self.publisher.push(
-                            rid, OutputEntry(state.run, base + d.offset, text_offset, d.token_ids, d.text)
-                        )
+                        entry = OutputEntry(state.run, base + d.offset, text_offset, d.token_ids, d.text)
+                        self.publisher.push(rid, entry, reply_key)
                         text_offset += len(d.text)
         except Exception as err:
             log.exception("request %s failed in the engine", rid)
@@ -294,7 +307,8 @@ class Runner:
         engine_ms = None
         if state.engine_end is not None:
             engine_ms = 1000 * (state.engine_end - state.engine_start)
-        return Outcome(state.run, state.ending, last, text_offset, error, engine_ms)
+        ids, text = (whole[0], "".join(whole[1])) if whole is not None else (None, None)
+        return Outcome(state.run, state.ending, last, text_offset, error, engine_ms, ids, text)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import orjson
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
@@ -24,10 +25,10 @@ from specserve.queue import outputs, wire
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
-from specserve.queue.publisher import Publisher
+from specserve.queue.publisher import Publisher, Reply
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
-from specserve.service.outcome import Ending, Final, Outcome, finalize, unstarted
+from specserve.service.outcome import Ending, Final, Outcome, finalize, reply_fields, unstarted
 from specserve.service.running import (
     LONG_PROMPT_CHARS,
     RequestState,
@@ -66,9 +67,9 @@ class Worker:
             name,
             self.cfg.consumer_config(),
         )
-        self.publisher = Publisher(self.conns, keys, name, ttl_ms)
+        self.publisher = Publisher(self.conns, keys, name, ttl_ms, self.cfg.reply_maxlen)
         self.clock = ServerClock()
-        self.runner = Runner(engine, self.publisher, self.telemetry, self.clock)
+        self.runner = Runner(engine, self.publisher, self.telemetry, self.clock, keys)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
         self._capacity = asyncio.Event()
@@ -396,7 +397,11 @@ class Worker:
         finish_span = self.telemetry.tracer.start_span(
             "finish", context=trace.set_span_in_context(state.span)
         )
-        written = await self.publisher.finish(rid, entry_id, final.entry, final.hash_fields)
+        reply = None
+        if state.body.reply_to is not None:
+            fields = reply_fields(rid, final, outcome.token_ids or [], outcome.text or "")
+            reply = Reply(self.keys.reply(state.body.reply_to), fields)
+        written = await self.publisher.finish(rid, entry_id, final.entry, final.hash_fields, reply)
         finish_span.end()
         if not written:
             log.warning("request %s was taken over by another worker before it finished here", rid)
@@ -418,10 +423,15 @@ class Worker:
         state.span.end()
 
     def _finish_unstarted(self, e: RequestEntry, final: Final) -> asyncio.Future[bool]:
-        """Write the final entry of a request that never ran; the future says whether it was written."""
+        """Write the final entry of a request that never ran (and its reply, if its body names a reply
+        stream, even a body refused for another field); the future says whether it was written."""
         assert e.request_id is not None
         self.telemetry.requests.add(1, {"status": final.status})
-        return self.publisher.finish(e.request_id, e.entry_id, final.entry, final.hash_fields)
+        reply = None
+        with contextlib.suppress(Exception):  # best effort: a body that does not parse names no reply stream
+            if (name := wire.reply_to_of(orjson.loads(e.raw_body))) is not None:
+                reply = Reply(self.keys.reply(name), reply_fields(e.request_id, final, [], ""))
+        return self.publisher.finish(e.request_id, e.entry_id, final.entry, final.hash_fields, reply)
 
     async def _dead(self, e: RequestEntry, reason: str, deliveries: int) -> None:
         await retry_forever(lambda: self.consumer.dead_letter(e, reason, deliveries), what="dead letter")
