@@ -6,6 +6,7 @@ They translate to the wire format and ride the same queue as everything else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any, TypeVar
@@ -207,6 +208,9 @@ class OpenAIRoutes:
                 first_delta = await self._while_wanted(request, rid, first, body.deadline)
             finally:
                 first.cancel()
+                # let the cancel land: the stream may be closed only once nothing is iterating it
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await first
             return await self._stream(request, rid, created, meta, chat, first_delta, deltas)
         finally:
             await deltas.aclose()
