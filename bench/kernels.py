@@ -107,7 +107,7 @@ def peak_bandwidth(device: torch.device) -> float:
     return 2 * props.memory_bus_width / 8 * props.memory_clock_rate * 1e3
 
 
-def best_seconds(fn, min_seconds: float = 0.4, min_calls: int = 5) -> float:
+def best_seconds(fn, min_seconds: float = 1.0, min_calls: int = 5) -> float:
     fn()  # warm-up: first-touch pages, thread pool
     times: list[float] = []
     start = time.perf_counter()

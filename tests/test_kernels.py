@@ -298,19 +298,20 @@ def test_kernel_isa_env_selects_the_build(monkeypatch, tmp_path) -> None:
 @pytest.mark.parametrize("isa", ["native", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 20])
-def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dtype, dim) -> None:
+@pytest.mark.parametrize("tokens", [37, 300])
+def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dtype, dim, tokens) -> None:
     """The C++ rope + KV write against LlamaModel's torch ops: rotation, then write_kv. Dim 20 takes the
-    float32 vector loop's scalar tail."""
+    float32 vector loop's scalar tail; 300 tokens, the threaded loop."""
     cpa = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, tokens, block_size = 9, 3, 70, 16  # 70 tokens: the threaded loop
+    heads, kv_heads, block_size, num_blocks = 9, 3, 16, 24
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     freqs = torch.arange(200, dtype=torch.float32)[:, None] * torch.rand(dim // 2, generator=gen)[None]
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
     positions = torch.randint(0, 200, (tokens,), generator=gen)
-    slots = torch.randperm(8 * block_size, generator=gen)[:tokens]
-    slots[[4, 50]] = -1  # not cached
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[[4, 30]] = -1  # not cached
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         half = dim // 2
@@ -318,7 +319,7 @@ def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dty
 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     want_q, want_k = rotate(q.view(tokens, heads, dim)), rotate(k.view(tokens, kv_heads, dim))
-    want_kc = torch.zeros(8, block_size, kv_heads, dim, dtype=dtype)
+    want_kc = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
     want_vc = torch.zeros_like(want_kc)
     reference.write_kv(want_k, v.view(tokens, kv_heads, dim), want_kc, want_vc, slots)
 

@@ -716,13 +716,17 @@ extern "C" int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t nu
                                        void* v_cache, const int64_t* slots, int dtype, int num_threads) {
   if ((dtype != 0 && dtype != 1) || head_dim % 2 != 0 || head_dim > 512) return 2;
   const int64_t half = head_dim / 2, kv = num_kv_heads * head_dim;
+  // Threads only for prefill-sized batches: a decode step's 64 tokens take ~10 us on one AVX2 core
+  // (bench/kernels.py), about what waking a second thread and meeting it at the barrier costs when idle,
+  // and far less than that costs on a busy shared machine.
+  const bool threaded = num_tokens >= 256;
   if (dtype == 0) {
     float* base = static_cast<float*>(qkv);
     const float* cp = static_cast<const float*>(cos);
     const float* sp = static_cast<const float*>(sin);
     float* kc = static_cast<float*>(k_cache);
     float* vc = static_cast<float*>(v_cache);
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
+#pragma omp parallel for num_threads(num_threads) if (threaded)
     for (int64_t i = 0; i < num_tokens; ++i) {
       float* row = base + i * tok_stride;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
@@ -743,7 +747,7 @@ extern "C" int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t nu
     store(&b, 0, v);
     return load(&b, 0);
   };
-#pragma omp parallel for num_threads(num_threads) if (num_tokens >= 64)
+#pragma omp parallel for num_threads(num_threads) if (threaded)
   for (int64_t i = 0; i < num_tokens; ++i) {
     uint16_t* row = base + i * tok_stride;
     const uint16_t* c = cp + positions[i] * head_dim;
