@@ -40,11 +40,36 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+@dataclass(frozen=True)
+class Limits:
+    """Admission limits checked atomically as a request is enqueued (scripts.ENQUEUE); 0 turns one off."""
+
+    max_backlog: int = 0  # requests waiting for any worker, all tenants together
+    tenant_max_queued: int = 0  # requests one tenant may have waiting
+    tenant_tokens_per_minute: int = 0  # tokens (max_tokens asked) one tenant may ask for per minute
+
+
+class QuotaExceeded(Exception):
+    """A limit refused the request; nothing was added. `limit` names it; retry after `retry_after` s."""
+
+    def __init__(self, limit: str, retry_after: int) -> None:
+        super().__init__(f"{limit}: limit reached; retry after {retry_after} s")
+        self.limit = limit
+        self.retry_after = retry_after
+
+
 class QueueClient:
-    def __init__(self, redis: Redis, keys: Keys | None = None, ttl_ms: int = DEFAULT_TTL_MS) -> None:
+    def __init__(
+        self,
+        redis: Redis,
+        keys: Keys | None = None,
+        ttl_ms: int = DEFAULT_TTL_MS,
+        limits: Limits | None = None,
+    ) -> None:
         self.r = redis
         self.keys = keys or Keys()
         self.ttl_ms = ttl_ms
+        self.limits = limits or Limits()
         self.conns = Connections(redis)
         self.fast = self.conns.fast  # enqueue and the reader's wake-ups: a round trip each per request
         self.reader = OutputReader(self.conns, self.keys)
@@ -85,9 +110,11 @@ class QueueClient:
         traceparent: str | None = None,
         tracestate: str | None = None,
         tenant: str | None = None,
+        tokens: int = 0,
     ) -> Enqueued:
         """Add a request; adding an id that is already known changes nothing (idempotent). `tenant` is
-        recorded with it (the API's key owner; see cancel). The id is used as given: the API qualifies ids
+        recorded with it (the API's key owner; see cancel), and the limits are checked for it, `tokens` being
+        what it asks for (QuotaExceeded: nothing was added). The id is used as given: the API qualifies ids
         with their tenant itself (docs/wire-format.md, Tenants)."""
         if request_id is None:
             request_id = new_request_id()
@@ -96,7 +123,7 @@ class QueueClient:
         parsed = body if isinstance(body, RequestBody) else parse_body(body)
         if not self._group_ready:
             await self.ensure_group()
-        created, detail = await self.fast.execute(
+        created, detail, *rest = await self.fast.execute(
             "EVAL",
             scripts.ENQUEUE,
             2,
@@ -109,8 +136,16 @@ class QueueClient:
             tracestate or "",
             self.keys.group,
             tenant or "",
+            self.keys.quota,
+            self.limits.max_backlog,
+            self.limits.tenant_max_queued,
+            self.limits.tenant_tokens_per_minute,
+            tokens,
+            self.ttl_ms,
             retries=2,  # idempotent by id, so a retry after a lost connection adds nothing twice
         )
+        if created == -1:
+            raise QuotaExceeded(str(detail), int(rest[0]) if rest else 1)
         if created:
             return Enqueued(request_id, True, "queued", detail)
         return Enqueued(request_id, False, detail)
@@ -132,7 +167,14 @@ class QueueClient:
         """Returns (outcome, status): missing | terminal | cancelled (was queued) | cancelling (running).
         With `tenant`, another tenant's request is missing."""
         outcome, status = await self.r.eval(
-            scripts.CANCEL, 2, self.keys.req(request_id), self.keys.out(request_id), self.ttl_ms, tenant or ""
+            scripts.CANCEL,
+            2,
+            self.keys.req(request_id),
+            self.keys.out(request_id),
+            self.ttl_ms,
+            tenant or "",
+            self.keys.quota,
+            request_id,
         )
         return str(outcome), str(status)
 

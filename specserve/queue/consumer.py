@@ -181,6 +181,8 @@ class StreamConsumer:
                     self.cfg.max_deliveries,
                     "" if deadline is None else str(int(deadline * 1000)),
                     entry_ms(e.entry_id),
+                    self.keys.quota,
+                    e.request_id,
                 )
             )
         replies = await self._fast.pipeline(commands, raise_on_error=False)
@@ -209,6 +211,8 @@ class StreamConsumer:
             self.name,
             entry_id,
             idle,
+            self.keys.quota,
+            request_id,
         )
         return bool(ok)
 

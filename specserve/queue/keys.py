@@ -48,6 +48,12 @@ class Keys:
         """Output stream of one request."""
         return f"{self.prefix}:out:{request_id}"
 
+    @property
+    def quota(self) -> str:
+        """Prefix of the admission-limit keys: quota:queued:<tenant> (a sorted set of request ids) and
+        quota:tpm:<tenant>:<minute> (tokens asked for in that minute)."""
+        return f"{self.prefix}:quota:"
+
     def reply(self, name: str) -> str:
         """A producer's reply stream: the final results (and, if asked, deltas) of the requests naming it."""
         return f"{self.prefix}:reply:{name}"

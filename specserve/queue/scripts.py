@@ -18,20 +18,69 @@ local function terminal(s)
 end
 """
 
+# Admission limits (issue 17): a global backlog cap and, per tenant, a cap on queued requests and on tokens
+# asked for per minute. A tenant's queued requests are a sorted set (id -> enqueue time), not a counter:
+# members older than the request TTL fall out by themselves, so a request whose status expired while queued
+# cannot hold its tenant's quota forever. ARGV[8..13] of ENQUEUE: quota key prefix, max backlog, tenant max
+# queued, tenant tokens per minute, this request's tokens, ttl_ms (a limit of 0 is off).
+_QUOTA = """
+local function queued_key(prefix, tenant) return prefix .. 'queued:' .. tenant end
+local function queued(tenant, id, now)
+  local key = queued_key(ARGV[8], tenant)
+  redis.call('ZADD', key, now, id)
+  redis.call('PEXPIRE', key, ARGV[13])
+end
+local function admit(tenant)
+  local backlog = tonumber(ARGV[9] or '0')
+  if backlog > 0 then
+    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+      local t = {}
+      for i = 1, #g, 2 do t[g[i]] = g[i + 1] end
+      if t['name'] == ARGV[6] and tonumber(t['lag'] or 0) >= backlog then return {-1, 'max_backlog', 1} end
+    end
+  end
+  if tenant == '' then return nil end
+  local max_queued = tonumber(ARGV[10] or '0')
+  if max_queued > 0 then
+    local key = queued_key(ARGV[8], tenant)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', tonumber(now_ms) - tonumber(ARGV[13]))
+    if redis.call('ZCARD', key) >= max_queued then return {-1, 'tenant_max_queued', 1} end
+  end
+  local tpm = tonumber(ARGV[11] or '0')
+  if tpm > 0 then
+    local minute = math.floor(tonumber(now_ms) / 60000)
+    local key = ARGV[8] .. 'tpm:' .. tenant .. ':' .. minute
+    local used = tonumber(redis.call('GET', key) or '0')
+    local asked = tonumber(ARGV[12])
+    if used > 0 and used + asked > tpm then
+      return {-1, 'tenant_tokens_per_minute', 60 - math.floor(tonumber(now_ms) / 1000) % 60}
+    end
+    redis.call('INCRBY', key, asked)
+    redis.call('EXPIRE', key, 120)
+  end
+  return nil
+end
+"""
+
 # KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group,
-# tenant ('' for none: recorded in the status hash, so that only its own key reads or cancels the request).
-# Returns {1, entry id} when added, {0, current status} when the id is already known (idempotent enqueue).
+# tenant ('' for none: recorded in the status hash, so that only its own key reads or cancels the request),
+# then the quota arguments (_QUOTA). Returns {1, entry id} when added, {0, current status} when the id is
+# already known (idempotent enqueue), {-1, limit, retry after s} when a limit refuses it (nothing added).
 # A missing stream means the server lost its data (restart without persistence, flush) and with it the
 # group: XADD alone would bring the stream back without one, so recreate it here (from id 0, as workers do).
 # Clients cache that the group exists, and XADD never reports NOGROUP, so only this check notices.
 ENQUEUE = (
     _NOW
+    + _QUOTA
     + """
 local existing = redis.call('HGET', KEYS[2], 'status')
 if existing then return {0, existing} end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[6], '0', 'MKSTREAM')
 end
+local tenant = ARGV[7] or ''
+local refused = admit(tenant)
+if refused then return refused end
 local f = {'id', ARGV[1], 'body', ARGV[2]}
 if ARGV[4] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[4] end
 if ARGV[5] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[5] end
@@ -40,12 +89,14 @@ local h = {'status', 'queued', 'entry', eid, 'created', now_ms}
 if ARGV[7] and ARGV[7] ~= '' then h[#h + 1] = 'tenant'; h[#h + 1] = ARGV[7] end
 redis.call('HSET', KEYS[2], unpack(h))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if tenant ~= '' then queued(tenant, ARGV[1], now_ms) end
 return {1, eid}
 """
 )
 
 # A worker takes an entry it has read. KEYS: status hash, requests stream.
-# ARGV: entry id, group, consumer, ttl_ms, max_deliveries, deadline_ms or '', created_ms (from the entry id).
+# ARGV: entry id, group, consumer, ttl_ms, max_deliveries, deadline_ms or '', created_ms (from the entry id),
+# the quota key prefix, the request id (it leaves its tenant's queued set).
 # Returns {action, detail, now_ms}; action is run | duplicate | done | cancel | expire | dead | notmine.
 CLAIM = (
     _NOW
@@ -54,8 +105,9 @@ CLAIM = (
 local p = redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[1], ARGV[1], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] then return {'notmine', '', now_ms} end
 local deliveries = tonumber(p[1][4])
-local h = redis.call('HMGET', KEYS[1], 'entry', 'status', 'cancel', 'handoffs')
+local h = redis.call('HMGET', KEYS[1], 'entry', 'status', 'cancel', 'handoffs', 'tenant')
 if h[1] and h[1] ~= ARGV[1] then return {'duplicate', h[2] or '', now_ms} end
+if h[5] and ARGV[8] then redis.call('ZREM', ARGV[8] .. 'queued:' .. h[5], ARGV[9]) end  -- no longer queued
 if h[2] and terminal(h[2]) then return {'done', h[2], now_ms} end
 if not h[1] then redis.call('HSET', KEYS[1], 'entry', ARGV[1], 'created', ARGV[7]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -129,23 +181,28 @@ return out
 
 # A draining worker hands an entry back: it looks idle at once so a live worker's XAUTOCLAIM takes it, and
 # the hand-off does not count as a failed delivery. KEYS: requests stream, status hash.
-# ARGV: group, consumer, entry id, idle_ms.
+# ARGV: group, consumer, entry id, idle_ms, the quota key prefix, the request id.
 HANDBACK = (
     _TERMINAL
     + """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
-local h = redis.call('HMGET', KEYS[2], 'entry', 'status')
+local h = redis.call('HMGET', KEYS[2], 'entry', 'status', 'tenant')
 if h[1] == ARGV[3] and not terminal(h[2]) then
   redis.call('HINCRBY', KEYS[2], 'handoffs', 1)
   redis.call('HSET', KEYS[2], 'status', 'queued')
+  if h[3] and ARGV[5] then  -- queued again: it counts against its tenant again
+    local t = redis.call('TIME')
+    redis.call('ZADD', ARGV[5] .. 'queued:' .. h[3], tonumber(t[1]) * 1000, ARGV[6])
+  end
 end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'JUSTID')
 return 1
 """
 )
 
-# API / client cancellation. KEYS: status hash, output stream. ARGV: ttl_ms, tenant ('' or absent: any).
+# API / client cancellation. KEYS: status hash, output stream. ARGV: ttl_ms, tenant ('' or absent: any),
+# the quota key prefix, the request id.
 # A queued request is cancelled here and now (with its final entry); a running one is flagged for its worker.
 # Another tenant's request is 'missing': a key learns nothing about requests it does not own.
 CANCEL = (
@@ -158,6 +215,7 @@ if ARGV[2] and ARGV[2] ~= '' and owner ~= ARGV[2] then return {'missing', ''} en
 if terminal(st) then return {'terminal', st} end
 redis.call('HSET', KEYS[1], 'cancel', '1')
 if st == 'queued' then
+  if owner and ARGV[3] then redis.call('ZREM', ARGV[3] .. 'queued:' .. owner, ARGV[4]) end
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'abort', 'finished', now_ms)
   redis.call('XADD', KEYS[2], '*', 'run', '0', 'offset', '0', 'text_offset', '0', 'ids', '[]', 'text', '',
     'finish_reason', 'abort', 'status', 'cancelled')

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from specserve.queue.client import Limits
 from specserve.queue.consumer import ConsumerConfig
 from specserve.queue.keys import DEFAULT_PREFIX
 
@@ -183,6 +184,17 @@ class ServiceConfig:
     dead_letter_ttl: float = _opt(
         "SPECSERVE_DEAD_LETTER_TTL", _WORKER.dead_letter_ttl_s, "seconds a dead letter is kept"
     )
+    max_backlog: int = _opt(
+        "SPECSERVE_MAX_BACKLOG", 0, "requests waiting for a worker, all tenants; more get 429 (0: no cap)"
+    )
+    tenant_max_queued: int = _opt(
+        "SPECSERVE_TENANT_MAX_QUEUED", 0, "requests one API key may have waiting; more get 429 (0: no cap)"
+    )
+    tenant_tokens_per_minute: int = _opt(
+        "SPECSERVE_TENANT_TOKENS_PER_MINUTE",
+        0,
+        "tokens (max_tokens asked) one API key may ask for a minute; more get 429 (0: no cap)",
+    )
     reply_maxlen: int = _opt(
         "SPECSERVE_REPLY_MAXLEN",
         _WORKER.reply_maxlen,
@@ -197,6 +209,9 @@ class ServiceConfig:
         for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen"):
             if not getattr(self, name) > 0:  # also false for NaN
                 raise ValueError(f"{_env_of(name)}: must be positive")
+        for name in ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_env_of(name)}: must be 0 (no limit) or positive")
         # the engine's own checks come after the model has loaded: these fail before it starts to
         for name in (*_ENGINE_KNOBS, "prompt_lookup_max", "num_speculative_tokens"):
             value = getattr(self, name)
@@ -246,6 +261,9 @@ class ServiceConfig:
             dead_letter_ttl_s=self.dead_letter_ttl,
             reply_maxlen=self.reply_maxlen,
         )
+
+    def limits(self) -> Limits:
+        return Limits(self.max_backlog, self.tenant_max_queued, self.tenant_tokens_per_minute)
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(

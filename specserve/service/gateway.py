@@ -20,7 +20,7 @@ from aiohttp import web
 from opentelemetry import trace
 
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
-from specserve.queue.client import Enqueued, QueueClient
+from specserve.queue.client import Enqueued, QueueClient, QuotaExceeded
 from specserve.queue.wire import Delta, RequestBody, WireError, model_aliases, parse_body
 from specserve.service.config import ApiSettings
 from specserve.service.http import TENANT_KEY, ApiError
@@ -32,6 +32,12 @@ MODEL_CACHE_S = 5.0  # a model name a live worker vouched for is trusted this lo
 # makes stays a sane unix time: 1e308 or inf would overflow a worker's arithmetic, and a month is past any
 # reasonable wait for one generation.
 MAX_TIMEOUT_S = 30 * 86400
+DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
+LIMIT_TEXT = {  # the limits scripts.ENQUEUE applies, as a client reads them in a 429
+    "max_backlog": "the service's queue is full",
+    "tenant_max_queued": "this API key has as many requests waiting as it may",
+    "tenant_tokens_per_minute": "this API key has asked for as many tokens this minute as it may",
+}
 
 
 def deadline_after(timeout: Any) -> float:
@@ -129,11 +135,32 @@ class Gateway:
                     carrier.get("traceparent"),
                     carrier.get("tracestate"),
                     tenant=request.get(TENANT_KEY),
+                    tokens=await self._tokens_asked(body),
                 )
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
+            except QuotaExceeded as e:
+                raise ApiError(
+                    429,
+                    f"{e.limit}: {LIMIT_TEXT[e.limit]}; retry after {e.retry_after} s",
+                    e.limit,
+                    type="rate_limit_error" if e.limit.startswith("tenant") else "overloaded_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": str(e.retry_after)},
+                ) from None
             span.set_attribute("specserve.request_id", result.id)
         return result
+
+    async def _tokens_asked(self, body: RequestBody) -> int:
+        """What a request counts against its tenant's tokens per minute: the output it asks for. `max_tokens:
+        null` asks for the rest of the context, as long as the served model's (its workers say)."""
+        if not self.client.limits.tenant_tokens_per_minute:
+            return 0
+        if body.fills_context:
+            known = await self.known_models()
+            return max((int(info.get("max_model_len", 0)) for info in known.values()), default=0)
+        asked = body.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+        return asked if isinstance(asked, int) else 0
 
     async def deltas(
         self, request_id: str, tokens: int = 0, chars: int = 0, keepalive: bool = True

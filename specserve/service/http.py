@@ -44,6 +44,7 @@ class ApiError(Exception):
         param: str | None = None,
         type: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -51,12 +52,13 @@ class ApiError(Exception):
         self.param = param
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
         self.code = code
+        self.headers = headers  # e.g. Retry-After
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return json_response(self.body(), status=self.status)
+        return json_response(self.body(), status=self.status, headers=self.headers)
 
 
 def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

@@ -141,7 +141,7 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     telemetry = Telemetry("specserve", cfg.otlp_endpoint)
     worker = None
     runners: list[web.AppRunner] = []
-    client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000))
+    client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits())
     try:
         if with_api:
             served = [cfg.model] if cfg.model else []
