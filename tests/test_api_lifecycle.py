@@ -167,3 +167,36 @@ def test_the_cli_exits_non_zero_when_a_waited_request_fails(valkey, tiny_model_d
     good, bad = run(main())
     assert good.returncode == 0 and orjson.loads(good.stdout)["status"] == "finished"
     assert bad.returncode == 1 and orjson.loads(bad.stdout)["status"] == "failed"
+
+
+def test_an_api_shutting_down_ends_open_streams_cleanly(valkey):
+    """SIGTERM with an SSE stream open: the stream ends at once with a clean end of response (the client
+    resumes with Last-Event-ID), instead of being cut mid-chunk after aiohttp's shutdown timeout."""
+    from valkey_helpers import free_port
+
+    from specserve.queue.client import QueueClient
+    from specserve.queue.connection import connect
+    from specserve.service.api import Api, ApiSettings
+    from specserve.service.http import HttpLimits, serve
+    from specserve.service.telemetry import Telemetry
+
+    async def main():
+        client = QueueClient(connect(valkey.url), KEYS)
+        api = Api(client, Telemetry(), ApiSettings(served_models=["m"]))
+        port = free_port()
+        runner = await serve(api.app(refresh_queue_stats=False), "127.0.0.1", port, HttpLimits())
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+                async with http.post(f"{base}/v1/requests", json={"id": "s", "prompt": "x"}) as r:
+                    assert r.status == 202  # no worker: it waits, and so does its stream
+                async with http.get(f"{base}/v1/requests/s/stream") as r:
+                    assert r.status == 200
+                    closing = asyncio.create_task(runner.cleanup())
+                    body = await r.read()  # raises ClientPayloadError if the response is cut off
+                    await closing
+                return body
+        finally:
+            await client.aclose()
+
+    assert run(main()) == b""  # nothing was generated; the stream simply ended

@@ -243,12 +243,15 @@ def test_publisher_batches_deltas_and_finishes_only_what_it_owns(valkey):
         await c.enqueue({"prompt": "x"}, "mine")
         await c.enqueue({"prompt": "y"}, "theirs")
         mine, theirs = await w.read_new(2, block_ms=100)
+        await w.claim([(mine, None), (theirs, None)])  # run 1 of each: outputs are written for their run
         pub = Publisher(Connections(r), KEYS, "w", ttl_ms=60_000)
         task = asyncio.create_task(pub.run())
         for i in range(3):  # pushed within one loop turn: one entry
             pub.push("mine", OutputEntry(1, i, i, [i], chr(65 + i)))
         await pub.wait_idle()
         assert [f["ids"] for _, f in await r.xrange(KEYS.out("mine"))] == ["[0,1,2]"]
+        pub.push("mine", OutputEntry(2, 3, 3, [9], "Z"))  # a run that does not own the request: dropped
+        await pub.wait_idle()
         final = OutputEntry(1, 3, 3, [3], "D", "length", "finished", {"completion_tokens": 4})
         assert await pub.finish("mine", mine.entry_id, final, {"finish_reason": "length"})
         other = Publisher(Connections(r), KEYS, "someone-else", ttl_ms=60_000)
@@ -373,3 +376,36 @@ def test_acl_user_limited_to_the_prefix_can_run_the_queue(valkey):
         await admin.aclose()
 
     run(main())
+
+
+def test_a_run_that_lost_its_request_writes_no_more_output(valkey):
+    """A worker that lost its request to a reclaim keeps producing tokens until its next heartbeat; they
+    must not land among the new run's (a sampled rerun draws other tokens from its resume point)."""
+
+    async def main():
+        r = connect(valkey.url)
+        c = QueueClient(r, KEYS)
+        old, new = _consumer(r, "old", claim_timeout_ms=0), _consumer(r, "new", claim_timeout_ms=0)
+        await old.ensure_group()
+        await c.enqueue({"prompt": "x"}, "req")
+        (entry,) = await old.read_new(1, block_ms=100)
+        assert (await old.claim([(entry, None)]))[0].run == 1
+        old_pub = Publisher(Connections(r), KEYS, "old", ttl_ms=60_000)
+        new_pub = Publisher(Connections(r), KEYS, "new", ttl_ms=60_000)
+        tasks = [asyncio.create_task(p.run()) for p in (old_pub, new_pub)]
+        old_pub.push("req", OutputEntry(1, 0, 0, [1, 2], "ab"))
+        await old_pub.wait_idle()
+        (taken,) = await new.reclaim(1)  # the old worker looked dead: its entry is taken over
+        assert (await new.claim([(taken, None)]))[0].run == 2
+        new_pub.push("req", OutputEntry(2, 2, 2, [30], "X"))
+        await new_pub.wait_idle()
+        old_pub.push("req", OutputEntry(1, 2, 2, [3], "c"))  # the lost run's next step, too late
+        await old_pub.wait_idle()
+        entries = [f for _, f in await r.xrange(KEYS.out("req"))]
+        for t in tasks:
+            t.cancel()
+        await r.aclose()
+        return entries
+
+    entries = run(main())
+    assert [(e["run"], e["ids"]) for e in entries] == [("1", "[1,2]"), ("2", "[30]")]

@@ -77,6 +77,8 @@ class Publisher:
         self._wake.set()
 
     def push(self, request_id: str, entry: OutputEntry, reply_key: str | None = None) -> None:
+        """Queue an output entry; it is written only while its run still owns the request (`entry.run` is
+        the status hash's run)."""
         if reply_key is not None:
             self._reply_keys[request_id] = reply_key
         _merge(self._deltas.setdefault(request_id, []), entry)
@@ -148,17 +150,29 @@ class Publisher:
     async def _flush(self, deltas: dict[str, list[OutputEntry]], finals: list[_Final]) -> list[int]:
         commands: list[list[str | int]] = []
         for rid, entries in deltas.items():
-            out = self.keys.out(rid)
-            reply = self._reply_keys.get(rid)
-            for e in entries:
-                commands.append(["XADD", out, "*", *_flat(e.to_fields())])
-                if reply is not None:
-                    fields = {"id": rid, **e.to_fields()}
-                    commands.append(["XADD", reply, "MAXLEN", "~", self.reply_maxlen, "*", *_flat(fields)])
-            if rid not in self._expiring:
-                commands.append(["PEXPIRE", out, self.ttl_ms])
-                if reply is not None:
-                    commands.append(["PEXPIRE", reply, self.ttl_ms])
+            # one script per request and run, all in the same write: entries of a run that no longer owns
+            # the request are dropped by Redis (scripts.APPEND)
+            for run in sorted({e.run for e in entries}):
+                packed: list[str | int] = []
+                for e in entries:
+                    if e.run == run:
+                        fields = e.to_fields()
+                        packed += [len(fields), *_flat(fields)]
+                commands.append(
+                    [
+                        "EVAL",
+                        scripts.APPEND,
+                        2,
+                        self.keys.out(rid),
+                        self.keys.req(rid),
+                        run,
+                        0 if rid in self._expiring else self.ttl_ms,
+                        self._reply_keys.get(rid, ""),
+                        self.reply_maxlen,
+                        rid,
+                        *packed,
+                    ]
+                )
         for f in finals:
             out_fields = f.entry.to_fields()
             reply_keys = [f.reply.key] if f.reply is not None else []

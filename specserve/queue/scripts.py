@@ -153,6 +153,33 @@ return 1
 """
 )
 
+# A run's output entries, written only while that run still owns the request: a worker that lost the request
+# to another (a reclaim after its heartbeats stopped) keeps producing tokens until its next heartbeat, and
+# those must not land between the new run's entries (a sampled rerun draws other tokens from the resume
+# point, so readers would see a sequence no run made). KEYS: output stream, status hash. ARGV: run, ttl_ms
+# (0: the stream's TTL is already set), reply stream key or '', reply maxlen, request id, then one entry after
+# another as a field count and that many field/value pairs. Returns how many entries were written.
+APPEND = """
+if redis.call('HGET', KEYS[2], 'run') ~= ARGV[1] then return 0 end
+local i, written = 6, 0
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  local f = {}
+  for j = i + 1, i + 2 * n do f[#f + 1] = ARGV[j] end
+  redis.call('XADD', KEYS[1], '*', unpack(f))
+  if ARGV[3] ~= '' then
+    redis.call('XADD', ARGV[3], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], unpack(f))
+  end
+  written = written + 1
+  i = i + 1 + 2 * n
+end
+if ARGV[2] ~= '0' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  if ARGV[3] ~= '' then redis.call('PEXPIRE', ARGV[3], ARGV[2]) end
+end
+return written
+"""
+
 # Keep in-flight entries fresh so no other worker's XAUTOCLAIM takes them; report those we no longer own.
 # KEYS: requests stream. ARGV: group, consumer, entry ids...
 HEARTBEAT = """

@@ -72,6 +72,7 @@ class Api:
         openai_api.add_routes(app, self.gateway)
         add_health_routes(app, self.telemetry, self.readiness)
         app.on_startup.append(self._ensure_group)
+        app.on_shutdown.append(self._end_streams)
         if refresh_queue_stats:
             app.on_startup.append(self._start_stats)
             app.on_cleanup.append(self._stop_stats)
@@ -93,6 +94,9 @@ class Api:
             await asyncio.wait_for(self.client.ensure_group(), timeout=5.0)
         except (asyncio.TimeoutError, OutOfMemoryError, *TRANSIENT_ERRORS) as e:
             log.warning("consumer group not created at startup (%r); the first enqueue will create it", e)
+
+    async def _end_streams(self, _app: web.Application) -> None:
+        self.gateway.end_streams()
 
     async def _start_stats(self, _app: web.Application) -> None:
         from specserve.queue.consumer import StreamConsumer  # the stats query lives with the consumer

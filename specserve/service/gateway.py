@@ -66,6 +66,8 @@ class Gateway:
         self.telemetry = telemetry
         self.settings = settings
         self._models_ok: dict[str, float] = {}  # model name -> when a live worker last vouched for it
+        self._open: set[asyncio.Queue[Any]] = set()  # the queues of the streams being read now
+        self._end = asyncio.CancelledError()  # a marker a stream's queue gets: the stream is over
 
     def validate(self, data: dict[str, Any]) -> RequestBody:
         return validate(data, self.settings.max_prompt_chars)
@@ -168,7 +170,7 @@ class Gateway:
         """A request's new output; with `keepalive`, None every KEEPALIVE_S while nothing happens (time for
         a keep-alive)."""
         queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
-        end = asyncio.CancelledError()  # a marker: the stream is over
+        end = self._end
 
         async def pump() -> None:
             try:
@@ -186,6 +188,7 @@ class Gateway:
 
         # A ticker instead of wait_for() around every get: one timer per stream, not one per token.
         tasks = [asyncio.create_task(pump())] + ([asyncio.create_task(tick())] if keepalive else [])
+        self._open.add(queue)
         try:
             while True:
                 item = await queue.get()
@@ -195,6 +198,13 @@ class Gateway:
                     raise item
                 yield item
         finally:
+            self._open.discard(queue)
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    def end_streams(self) -> None:
+        """End every stream being read (the API is shutting down): its response ends cleanly now, and its
+        client resumes elsewhere with Last-Event-ID, instead of being cut off after the shutdown timeout."""
+        for queue in self._open:
+            queue.put_nowait(self._end)
