@@ -70,9 +70,6 @@ class BlockManager:
         have = len(self.tables.get(seq_id, ()))
         return max(0, self.blocks_for(num_tokens) - have)
 
-    def can_ensure(self, seq_id: Hashable, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= self.pool.num_free
-
     def ensure(self, seq_id: Hashable, num_tokens: int) -> bool:
         """Make room for `num_tokens` tokens (allocating the table on first use). All or nothing."""
         need = self.blocks_needed(seq_id, num_tokens)

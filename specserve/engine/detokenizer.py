@@ -25,8 +25,3 @@ class IncrementalDetokenizer:
             self.read_offset = len(token_ids)
             return full[len(prefix) :]
         return ""
-
-    def reset(self, num_tokens: int) -> None:
-        """After tokens were dropped (never emitted), decode from there again."""
-        self.read_offset = min(self.read_offset, num_tokens)
-        self.prefix_offset = min(self.prefix_offset, max(self.read_offset - CONTEXT_TOKENS, 0))

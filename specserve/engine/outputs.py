@@ -12,11 +12,6 @@ class Usage:
     draft_proposed: int = 0  # draft tokens proposed for this request over its life
     draft_accepted: int = 0
 
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens gained per verify step is tracked by the engine; this is accepted drafts per proposal."""
-        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
-
 
 @dataclass
 class StepDelta:
