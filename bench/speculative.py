@@ -107,9 +107,9 @@ class VerifyCounter:
         self._verify = spec.verify
         spec.verify = self
 
-    def __call__(self, seqs, drafts, logits, generator):
-        self.count += sum(1 for s in seqs if s.seq_id in drafts and drafts[s.seq_id].token_ids)
-        return self._verify(seqs, drafts, logits, generator)
+    def __call__(self, plan, drafts, logits, generator):
+        self.count += sum(1 for i, s in enumerate(plan.scheduled) if s.samples and drafts.num_drafts(i))
+        return self._verify(plan, drafts, logits, generator)
 
 
 def batches_for(workload: Workload, batch: int, b1_requests: int) -> list[list[int]]:

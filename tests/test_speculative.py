@@ -249,7 +249,7 @@ def _probe_steps(max_backoff: int, monkeypatch) -> list[int]:
         k = spec.lookahead([seq]).get(seq.seq_id, 0)
         if k:
             probes.append(step)
-            spec.observe(seq, k, 0)
+        spec.observe(seq, k, 0)  # as spec.update does after each decode step; k = 0 relaxes the estimate
     return probes
 
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from specserve.spec.config import SpeculativeConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_KV_CACHE_BYTES = 2 << 30
 
@@ -27,7 +29,8 @@ class EngineConfig:
     # With static_batching: a finished member keeps its slot and is computed on (its output discarded) until
     # the whole batch is done, as in HF generate's padded batches. Off, finished members leave the batch.
     static_padding: bool = False
-    speculative_config: dict[str, Any] | None = None
+    # A dict (vLLM's shape, as LLM(...) and the service pass it) becomes a SpeculativeConfig here.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     attention_backend: str = "auto"
     seed: int = 0
 
@@ -43,6 +46,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if isinstance(self.speculative_config, dict):
+            spec = self.speculative_config
+            self.speculative_config = SpeculativeConfig.from_dict(spec) if spec else None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

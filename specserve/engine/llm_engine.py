@@ -1,16 +1,19 @@
-"""The step loop: schedule, propose, one target forward, sample/verify, update.
+"""The engine: requests in, one step at a time, deltas out.
 
-plan  = scheduler.schedule()
-draft = proposer.propose(plan)          (speculation only)
-out   = runner.run(entries)             one forward over all query tokens of all sequences
-acc   = sample / verify(out, draft)
-update: append tokens, stop checks, roll back rejected KV, free finished sequences
+plan     = scheduler.schedule()                 SchedulerOutput: who runs, how many tokens, k lookahead each
+drafts   = spec.propose(plan)                   DraftBatch (speculation only)
+logits   = forward(plan, drafts)                one target forward over all query tokens of all sequences
+accepted = sample / spec.verify(...)            one Accepted per scheduled sequence
+scheduler.update(plan, accepted)                cache positions, tokens, token stops, KV rollback
+outputs.process(plan, accepted)                 text, stop strings, deltas
+spec.update(plan, accepted)                     acceptance estimates, draft cache, forgetting finished ones
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,14 +24,19 @@ from specserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from specserve.engine.cpu_tuning import keep_freed_memory_in_heap
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
-from specserve.engine.outputs import StepDelta, Usage
+from specserve.engine.output_processor import OutputProcessor
+from specserve.engine.outputs import StepDelta
 from specserve.engine.sampler import RowParams, sample
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
-from specserve.engine.scheduler import ScheduledSeq, Scheduler
-from specserve.engine.sequence import SeqStatus, Sequence
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import Sequence
+from specserve.engine.static_scheduler import StaticScheduler
+from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
 from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer
+from specserve.spec.decoder import SpeculativeDecoder
+from specserve.spec.factory import TargetInfo, build_decoder
 
 
 @dataclass
@@ -43,6 +51,18 @@ class StepTimes:
     steps: int = 0
     seqs: int = 0  # sequences scheduled, summed over steps (mean batch = seqs / steps)
     tokens: int = 0  # query tokens through the target, summed over steps
+
+    def lap(self) -> Callable[[str], None]:
+        """A stopwatch for one step: lap(phase) adds the time since the previous lap to that phase."""
+        last = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            setattr(self, phase, getattr(self, phase) + now - last)
+            last = now
+
+        return lap
 
     def as_dict(self) -> dict[str, float]:
         keys = ("schedule", "propose", "forward", "sample", "update", "steps", "seqs", "tokens")
@@ -64,8 +84,6 @@ class EngineStats:
 
 @dataclass
 class _Totals:
-    draft_proposed: int = 0
-    draft_accepted: int = 0
     last_batch_size: int = 0
     times: StepTimes = field(default_factory=StepTimes)
 
@@ -104,24 +122,34 @@ class LLMEngine:
         batched_tokens = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             batched_tokens = max(batched_tokens, self.max_model_len)
-        self.spec = None
-        if config.speculative_config:
-            from specserve.spec.decoder import SpeculativeDecoder
-
-            self.spec = SpeculativeDecoder.from_config(config.speculative_config, self)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            config.max_num_seqs,
-            batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            static_batching=config.static_batching,
-            lookahead=self.spec.lookahead if self.spec else None,
-            static_padding=config.static_padding,
-            max_model_len=self.max_model_len,
-        )
+        self.spec: SpeculativeDecoder | None = None
+        if config.speculative_config is not None:
+            target = TargetInfo(
+                self.model_config.vocab_size,
+                self.tokenizer,
+                self.dtype,
+                self.device,
+                config.attention_backend,
+                num_blocks,
+                block_size,
+            )
+            self.spec = build_decoder(config.speculative_config, self.max_model_len, target)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        scheduler_args = (self.block_manager, config.max_num_seqs, batched_tokens, self.max_model_len)
+        scheduler_kwargs = dict(
+            eos_token_ids=self.eos_token_ids,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            lookahead=self.spec.lookahead if self.spec else None,
+        )
+        if config.static_batching:  # the benchmark's baseline
+            self.scheduler: Scheduler = StaticScheduler(
+                *scheduler_args, padding=config.static_padding, **scheduler_kwargs
+            )
+        else:
+            self.scheduler = Scheduler(*scheduler_args, **scheduler_kwargs)
+        self.outputs = OutputProcessor(self.scheduler.finish)
         self._seq_ids = itertools.count()
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -189,7 +217,10 @@ class LLMEngine:
         seq = self._requests.get(request_id)
         if seq is None or seq.is_finished:
             return False
-        self._finish(seq, "abort")
+        self.scheduler.finish(seq, "abort")
+        if self.spec is not None:
+            self.spec.forget(seq)
+        self._requests.pop(request_id, None)
         self._aborted.append(seq)
         return True
 
@@ -207,8 +238,8 @@ class LLMEngine:
             kv_blocks_used=self.block_manager.num_used_blocks,
             kv_blocks_total=self.block_manager.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            draft_proposed=t.draft_proposed,
-            draft_accepted=t.draft_accepted,
+            draft_proposed=self.spec.num_proposed if self.spec else 0,
+            draft_accepted=self.spec.num_accepted if self.spec else 0,
             steps=t.times.steps,
             last_batch_size=t.last_batch_size,
         )
@@ -220,147 +251,71 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[StepDelta]:
-        times = self._totals.times
-        t0 = time.perf_counter()
-        deltas = [self._delta(seq) for seq in self._aborted]
+        lap = self._totals.times.lap()
+        deltas = self.outputs.aborted(self._aborted)
         self._aborted.clear()
         plan = self.scheduler.schedule()
         if self.spec is not None:
-            for seq in plan.preempted:
-                self.spec.forget(seq)
-        t1 = time.perf_counter()
+            self.spec.preempted(plan.preempted)
+        lap("schedule")
         if not plan.scheduled:
-            times.schedule += t1 - t0
             return deltas
-        drafts = self.spec.propose(plan.scheduled, self._generator) if self.spec is not None else {}
-        t2 = time.perf_counter()
-        entries = []
-        for s in plan.scheduled:
-            seq = s.seq
-            start = seq.num_computed_tokens
-            draft = drafts.get(seq.seq_id)
-            tokens = seq.token_ids[start : start + s.num_tokens]
-            if draft is not None:
-                tokens = tokens + draft.token_ids
-            num_logits = (1 + (len(draft.token_ids) if draft else 0)) if s.samples else 0
-            entries.append(
-                ForwardEntry(tokens, start, self.block_manager.block_table(seq.seq_id), num_logits)
-            )
-        if plan.padding:  # padded static batching only: computed like HF's padding, then dropped
-            num_real = sum(e.num_logits for e in entries)
-            for row in plan.padding:
-                table = self.block_manager.block_table(row.seq_id)
-                entries.append(ForwardEntry([row.token_id], row.position, table, 1))
-            logits = self.runner.run(entries)[:num_real]
-        else:
-            logits = self.runner.run(entries)
-        t3 = time.perf_counter()
+        drafts = self.spec.propose(plan, self._generator) if self.spec is not None else None
+        lap("propose")
+        logits = self._forward(plan, drafts)
+        lap("forward")
+        accepted = self._sample(plan, drafts, logits)
+        lap("sample")
+        self.scheduler.update(plan, accepted)
+        deltas += self.outputs.process(plan, accepted)
         if self.spec is not None:
-            self.spec.record_forward(sum(len(e.token_ids) for e in entries), t3 - t2)
-        accepted = self._sample(plan.scheduled, drafts, logits)
-        t4 = time.perf_counter()
-        for s, (tokens, num_drafts_accepted) in zip(plan.scheduled, accepted):
-            self._update(s, tokens, num_drafts_accepted, drafts.get(s.seq.seq_id))
-            if s.seq.is_finished or (tokens and s.seq.stream):
-                deltas.append(self._delta(s.seq))
-        t5 = time.perf_counter()
-        times.schedule += t1 - t0
-        times.propose += t2 - t1
-        times.forward += t3 - t2
-        times.sample += t4 - t3
-        times.update += t5 - t4
-        times.steps += 1
-        times.seqs += len(plan.scheduled)
-        times.tokens += sum(len(e.token_ids) for e in entries)
-        self._totals.last_batch_size = len(plan.scheduled)
+            self.spec.update(plan, accepted)
+        for s in plan.scheduled:
+            if s.seq.is_finished:
+                self._requests.pop(s.seq.request_id, None)
+        lap("update")
         return deltas
 
-    def _sample(
-        self, scheduled: list[ScheduledSeq], drafts: dict, logits: torch.Tensor
-    ) -> list[tuple[list[int], int]]:
-        """New tokens per scheduled sequence (none mid-prompt) and how many of them were accepted drafts."""
-        sampling = [s.seq for s in scheduled if s.samples]
-        if not sampling:
-            return [([], 0)] * len(scheduled)
-        if self.spec is not None and drafts:
-            by_seq = self.spec.verify(sampling, drafts, logits, self._generator)
-        else:
-            rows = RowParams.build(
-                [q.params for q in sampling], [q.generator for q in sampling], logits.shape[-1]
-            )
-            tokens = sample(logits, rows, self._generator).tolist()
-            by_seq = {q.seq_id: ([t], 0) for q, t in zip(sampling, tokens)}
-        return [by_seq.get(s.seq.seq_id, ([], 0)) if s.samples else ([], 0) for s in scheduled]
-
-    def _update(self, s: ScheduledSeq, tokens: list[int], num_accepted: int, draft) -> None:
-        seq = s.seq
-        seq.num_computed_tokens += s.num_tokens + num_accepted
-        if draft is not None:
-            seq.draft_proposed += len(draft.token_ids)
-            seq.draft_accepted += num_accepted
-            seq.spec_steps += 1
-            self._totals.draft_proposed += len(draft.token_ids)
-            self._totals.draft_accepted += num_accepted
-        reason = None
-        for token in tokens:
-            reason = self._append(seq, token)
-            if reason is not None:
-                break
-        if draft is not None and reason is None:
-            self.spec.observe(seq, len(draft.token_ids), num_accepted)
-        if not seq.params.stop:
-            seq.text += seq.detokenizer.step(seq.token_ids)
-        if reason is not None:
-            self._finish(seq, reason)
-        elif s.num_lookahead:
-            # Roll back rejected drafts: keep room for the tokens we have, free whole blocks past them.
-            self.block_manager.truncate(seq.seq_id, seq.num_tokens)
-
-    def _append(self, seq: Sequence, token: int) -> str | None:
-        seq.token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = time.monotonic()
-        p = seq.params
-        if p.stop:
-            # A stop string completed by this token ends inside its new text; it may start just before it.
-            tail_from = max(0, len(seq.text) - max(map(len, p.stop)) + 1)
-            seq.text += seq.detokenizer.step(seq.token_ids)
-            for stop in p.stop:
-                at = seq.text.find(stop, tail_from)
-                if at != -1:
-                    seq.text = seq.text[:at]
-                    return "stop"
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if reason != "stop" or not seq.params.stop:
-            seq.text += seq.detokenizer.step(seq.token_ids, final=True)
-        self.scheduler.finish(seq, reason)
+    def _forward(self, plan: SchedulerOutput, drafts: DraftBatch | None) -> torch.Tensor:
+        """One target forward over every query token of the step; logits of the sampling rows only."""
+        t0 = time.perf_counter()
+        entries = []
+        table = self.block_manager.block_table
+        for i, s in enumerate(plan.scheduled):
+            seq = s.seq
+            start = seq.num_computed_tokens
+            tokens = seq.token_ids[start : start + s.num_tokens]
+            num_drafts = drafts.num_drafts(i) if drafts is not None else 0
+            if num_drafts:
+                tokens = tokens + list(drafts.drafts(i))
+            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), 1 + num_drafts if s.samples else 0))
+        num_real = len(entries)
+        for row in plan.padding:  # padded static batching: computed like HF's padding, then dropped
+            entries.append(ForwardEntry([row.token_id], row.position, table(row.seq_id), 1))
+        logits = self.runner.run(entries)
+        if plan.padding:
+            logits = logits[: sum(e.num_logits for e in entries[:num_real])]
+        num_tokens = sum(len(e.token_ids) for e in entries)
+        times = self._totals.times
+        times.steps += 1
+        times.seqs += num_real
+        times.tokens += num_tokens
+        self._totals.last_batch_size = num_real
         if self.spec is not None:
-            self.spec.forget(seq)
-        self._requests.pop(seq.request_id, None)
+            self.spec.record_forward(num_tokens, time.perf_counter() - t0)
+        return logits
 
-    def _delta(self, seq: Sequence) -> StepDelta:
-        finished = seq.status is SeqStatus.FINISHED
-        hold = 0 if finished or not seq.params.stop else max(map(len, seq.params.stop)) - 1
-        text_end = max(seq.num_emitted_chars, len(seq.text) - hold)
-        delta = StepDelta(
-            request_id=seq.request_id,
-            offset=seq.num_emitted_tokens,
-            token_ids=seq.output_token_ids[seq.num_emitted_tokens :],
-            text=seq.text[seq.num_emitted_chars : text_end],
-            finished=finished,
-            finish_reason=seq.finish_reason,
-        )
-        seq.num_emitted_tokens = seq.num_output_tokens
-        seq.num_emitted_chars = text_end
-        if finished:
-            delta.first_token_time = seq.first_token_time
-            delta.usage = Usage(
-                seq.num_prompt_tokens, seq.num_output_tokens, seq.draft_proposed, seq.draft_accepted
-            )
-        return delta
+    def _sample(
+        self, plan: SchedulerOutput, drafts: DraftBatch | None, logits: torch.Tensor
+    ) -> list[Accepted]:
+        """One Accepted per scheduled sequence, in plan order (nothing for a chunk mid-prompt)."""
+        sampling = [s.seq for s in plan.scheduled if s.samples]
+        if not sampling:
+            return [NOTHING] * len(plan.scheduled)
+        if drafts is not None:
+            verified = iter(self.spec.verify(plan, drafts, logits, self._generator))
+        else:
+            vocab = logits.shape[-1]
+            rows = RowParams.build([q.params for q in sampling], [q.generator for q in sampling], vocab)
+            verified = iter(Accepted((t,)) for t in sample(logits, rows, self._generator).tolist())
+        return [next(verified) if s.samples else NOTHING for s in plan.scheduled]

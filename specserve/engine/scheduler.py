@@ -1,4 +1,5 @@
-"""Iteration-level scheduler: who runs this step and how many tokens each computes.
+"""Iteration-level scheduler: who runs this step and how many tokens each computes, and, after the step,
+what its accepted tokens do to each sequence.
 
 Every step, running sequences go first (FIFO), each asking for its remaining prefill chunk or one decode
 token plus k speculative lookahead slots; then waiting sequences are admitted in arrival order while the
@@ -8,45 +9,14 @@ dropped first, then the most recently admitted sequence is preempted (its blocks
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection
+from collections.abc import Sequence as Seq
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.sequence import SeqStatus, Sequence
-
-
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int  # tokens of the sequence computed this step (a prefill chunk, or 1 when decoding)
-    num_lookahead: int = 0  # KV slots reserved past them for draft tokens (the proposer fills up to this)
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the sequence's end, so this step yields its next token."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
-
-
-@dataclass
-class PadRow:
-    """A finished member of a padded static batch: still computed, one token a step, output thrown away."""
-
-    seq_id: int
-    token_id: int
-    position: int
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    padding: list[PadRow] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens + s.num_lookahead for s in self.scheduled)
-
+from specserve.engine.step import Accepted, ScheduledSeq, SchedulerOutput
 
 # Given the running sequences, how many draft tokens each decoding one may propose this step (seq_id -> k).
 LookaheadPolicy = Callable[[list[Sequence]], dict[int, int]]
@@ -58,20 +28,17 @@ class Scheduler:
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: Collection[int] = (),
         enable_chunked_prefill: bool = True,
-        static_batching: bool = False,
         lookahead: LookaheadPolicy | None = None,
-        static_padding: bool = False,
-        max_model_len: int | None = None,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.chunked = enable_chunked_prefill
-        self.static = static_batching
-        self.pad = static_batching and static_padding
         self.max_model_len = max_model_len
-        self.padding: list[PadRow] = []
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.chunked = enable_chunked_prefill
         self.lookahead = lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -83,102 +50,120 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        if self.static and not self.running:
-            self._admit_static_batch()
+    # ---- schedule ---------------------------------------------------------------------------------------
 
+    def schedule(self) -> SchedulerOutput:
+        scheduled, preempted, budget = self._schedule_running(self.max_num_batched_tokens)
+        if not preempted:  # memory is short: admitting now would only preempt again next step
+            scheduled += self._schedule_waiting(budget)
+        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         ks = self.lookahead(self.running) if self.lookahead is not None and self.running else {}
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
-            k = 0
-            if seq.in_decode and ks:
-                k = min(ks.get(seq.seq_id, 0), budget - n)
-            while not self.bm.ensure(seq.seq_id, seq.num_computed_tokens + n + k):
-                if k:
-                    k = 0  # speculation yields to memory before anyone is preempted
-                    continue
-                if self.padding:
-                    self.bm.free(self.padding.pop().seq_id)  # and padding before real work
-                    continue
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted.append(victim)
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            k = min(ks.get(seq.seq_id, 0), budget - n) if ks and seq.in_decode else 0
+            if k and not self._allocate(seq, n + k):
+                k = 0  # speculation yields to memory before anyone is preempted
+            while not self._allocate(seq, n + k):
+                victim = self._make_room()
+                if victim is not None:
+                    preempted.append(victim)
                 if victim is seq:
                     break
-            else:
-                out.scheduled.append(ScheduledSeq(seq, n, k))
-                budget -= n + k
-                index += 1
-                continue
-            break  # the sequence preempted itself: nobody behind it can run either
+            if seq.status is not SeqStatus.RUNNING:
+                break  # it preempted itself: nobody behind it can run either
+            scheduled.append(ScheduledSeq(seq, n, k, seq.num_computed_tokens + n == seq.num_tokens))
+            budget -= n + k
+            i += 1
+        return scheduled, preempted, budget
 
-        if self.static:
-            out.padding = self._pad_rows() if self.running else []
-            return out
-        if out.preempted:
-            return out
+    def _schedule_waiting(self, budget: int) -> list[ScheduledSeq]:
+        scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             remaining = seq.num_tokens - seq.num_computed_tokens
             if not self.chunked and remaining > budget:
                 break
             n = min(remaining, budget)
-            if not self.bm.ensure(seq.seq_id, seq.num_computed_tokens + n):
+            if not self._allocate(seq, n):
                 break  # FIFO: a later, smaller request does not jump the queue
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(ScheduledSeq(seq, n, 0, n == remaining))
             budget -= n
-        return out
+        return scheduled
 
-    def _admit_static_batch(self) -> None:
-        """Static batching (benchmark baseline): a new batch starts only when the previous one is done."""
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+    def _allocate(self, seq: Sequence, num_new_slots: int) -> bool:
+        return self.bm.ensure(seq.seq_id, seq.num_computed_tokens + num_new_slots)
 
-    def _pad_rows(self) -> list[PadRow]:
-        """Advance every padding row one position; a row with no room (context or KV) stops being computed."""
-        rows = []
-        for row in self.padding:
-            row.position += 1
-            fits = self.max_model_len is None or row.position < self.max_model_len
-            if fits and self.bm.ensure(row.seq_id, row.position + 1):
-                rows.append(row)
-            else:
-                self.bm.free(row.seq_id)
-        self.padding = rows
-        return rows
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.bm.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+    def _make_room(self) -> Sequence | None:
+        """Free blocks for the running loop: preempt the most recently admitted sequence (returned)."""
+        victim = self.running.pop()
+        self.bm.free(victim.seq_id)
+        victim.num_computed_tokens = 0
+        victim.status = SeqStatus.WAITING
+        self.waiting.appendleft(victim)
         self.num_preemptions += 1
+        return victim
+
+    # ---- update -----------------------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, accepted: Seq[Accepted]) -> list[Sequence]:
+        """Apply a step's results (accepted[i] belongs to plan.scheduled[i]): advance the cache, append the
+        tokens up to the first stop token or length limit, give back rejected drafts' KV. Returns the
+        sequences this finished."""
+        finished = []
+        for s, acc in zip(plan.scheduled, accepted):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_tokens + acc.num_accepted_drafts
+            seq.draft_proposed += acc.num_draft_tokens
+            seq.draft_accepted += acc.num_accepted_drafts
+            if not acc.token_ids:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
+            reason = None
+            for token in acc.token_ids:
+                seq.token_ids.append(token)
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+            elif s.num_lookahead:
+                # Keep room for the tokens we have, free whole blocks past them (the rejected drafts').
+                self.bm.truncate(seq.seq_id, seq.num_tokens)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Remove a sequence wherever it is and give its blocks back."""
+        """Remove a sequence wherever it is and give its blocks back. On a finished one (a stop string
+        found after a length stop, in the same step's tokens), only the reason changes."""
         was_running = seq.status is SeqStatus.RUNNING
         if was_running:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        else:
+            seq.finish_reason = reason
+            return
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        if self.pad and was_running and self.running and seq.num_computed_tokens:
-            # _pad_rows moves it one on before its first use: position of its last token, which has no K/V yet
-            self.padding.append(PadRow(seq.seq_id, seq.token_ids[-1], seq.num_computed_tokens - 1))
-            return
+        self._release(seq, was_running)
+
+    def _release(self, seq: Sequence, was_running: bool) -> None:
         self.bm.free(seq.seq_id)
-        if self.padding and not self.running:  # the batch is over
-            for row in self.padding:
-                self.bm.free(row.seq_id)
-            self.padding.clear()

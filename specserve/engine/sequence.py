@@ -36,9 +36,6 @@ class Sequence:
     first_token_time: float | None = None
     draft_proposed: int = 0
     draft_accepted: int = 0
-    spec_steps: int = 0
-    acceptance_ewma: float = 0.7  # optimistic prior: speculation gets tried before it is judged
-    failed_probes: int = 0  # speculation steps in a row that accepted nothing (slows the next re-probe)
     stream: bool = True  # hand out a delta every step; False: only the final one, with every token
 
     def __post_init__(self) -> None:

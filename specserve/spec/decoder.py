@@ -1,34 +1,37 @@
 """Speculative decoding as the engine uses it: choose k, propose, verify, learn.
 
-The engine calls, per step: lookahead(running) from the scheduler (k per decoding sequence), propose() before
-the target forward, verify() on its logits, observe() per sequence after its tokens are appended.
+Per step: lookahead(running) from the scheduler (k per decoding sequence; no side effects), propose(plan)
+before the target forward (one DraftBatch), verify() on the target's logits, update(plan, accepted) after
+the scheduler has applied the step. Each request's acceptance estimate lives here, keyed by seq_id.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
 from specserve.engine.sampler import RowParams
-from specserve.engine.scheduler import ScheduledSeq
 from specserve.engine.sequence import Sequence
-from specserve.spec.policy import AdaptivePolicy
-from specserve.spec.proposer import Draft, Proposer
+from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
+from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
+from specserve.spec.proposer import Proposer
 from specserve.spec.verifier import VerifyBatch, verify
 
-if TYPE_CHECKING:
-    from specserve.engine.llm_engine import LLMEngine
-
-METHODS = ("ngram", "draft_model")
-ACCEPTANCE_PRIOR = 0.7
 # Per idle step, a request's acceptance estimate drifts back toward the prior, so speculation is retried when
 # the text may have become predictable. Every retry that accepts nothing halves that drift (down to
 # 1 / 2**MAX_BACKOFF of it): with a useless proposer, retries grow rare and cost next to nothing.
 RELAX = 0.02
 MAX_BACKOFF = 6
+
+
+@dataclass
+class _SeqState:
+    acceptance: float = ACCEPTANCE_PRIOR  # EWMA of accepted / proposed drafts
+    failed_probes: int = 0  # speculation steps in a row that accepted nothing (slows the next re-probe)
 
 
 class SpeculativeDecoder:
@@ -37,28 +40,9 @@ class SpeculativeDecoder:
         self.k_max = num_speculative_tokens
         self.max_model_len = max_model_len
         self.policy = AdaptivePolicy(num_speculative_tokens)
-        self._last_forward: tuple[int, float] | None = None
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any], engine: LLMEngine) -> SpeculativeDecoder:
-        cfg = dict(config)
-        method = cfg.pop("method", None)
-        if method not in METHODS:
-            raise ValueError(f"speculative_config.method must be one of {METHODS}, not {method!r}")
-        k = cfg.pop("num_speculative_tokens", 4)
-        if not isinstance(k, int) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens must be in [1, 16], not {k!r}")
-        if method == "ngram":
-            from specserve.spec.ngram import NgramProposer
-
-            proposer: Proposer = NgramProposer(
-                cfg.pop("prompt_lookup_max", 4), cfg.pop("prompt_lookup_min", 1)
-            )
-        else:
-            proposer = _load_draft_model(cfg, engine)
-        if cfg:
-            raise ValueError(f"unknown speculative_config field(s): {', '.join(sorted(cfg))}")
-        return cls(proposer, k, engine.max_model_len)
+        self._state: dict[int, _SeqState] = {}
+        self.num_proposed = 0  # totals over the engine's life
+        self.num_accepted = 0
 
     # ---- scheduling ------------------------------------------------------------------------------------
 
@@ -70,7 +54,12 @@ class SpeculativeDecoder:
         )
         return max(0, min(k, room))
 
+    def acceptance(self, seq_id: int) -> float:
+        state = self._state.get(seq_id)
+        return ACCEPTANCE_PRIOR if state is None else state.acceptance
+
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
+        """k per decoding sequence this step: fixed-k requests as asked, "auto" ones by the policy."""
         ks: dict[int, int] = {}
         auto: list[Sequence] = []
         other_tokens = 0
@@ -85,97 +74,103 @@ class SpeculativeDecoder:
             else:
                 other_tokens += 1
         if auto:
-            k = self.policy.choose_k([s.acceptance_ewma for s in auto], other_tokens)
+            k = self.policy.choose_k([self.acceptance(s.seq_id) for s in auto], other_tokens)
             for seq in auto:
                 ks[seq.seq_id] = self._cap(seq, k)
-                if k == 0:
-                    relax = RELAX / 2 ** min(seq.failed_probes, MAX_BACKOFF)
-                    seq.acceptance_ewma += relax * (ACCEPTANCE_PRIOR - seq.acceptance_ewma)
         return ks
 
     # ---- the step --------------------------------------------------------------------------------------
 
-    def propose(self, scheduled: list[ScheduledSeq], generator: torch.Generator) -> dict[int, Draft]:
-        requests = [(s.seq, s.num_lookahead) for s in scheduled if s.num_lookahead and s.samples]
+    def propose(self, plan: SchedulerOutput, generator: torch.Generator) -> DraftBatch | None:
+        requests = [(s.seq, s.num_lookahead) for s in plan.scheduled if s.num_lookahead and s.samples]
         if not requests:
-            return {}
+            return None
         t0 = time.perf_counter()
         drafts = self.proposer.propose(requests, generator)
         k = max(k for _, k in requests)
         self.policy.draft_step_seconds.observe(len(requests), (time.perf_counter() - t0) / k)
-        return drafts
+        token_ids: list[int] = []
+        cu = [0]
+        probs: list[torch.Tensor | None] = []
+        for s in plan.scheduled:
+            draft = drafts.get(s.seq.seq_id) if s.num_lookahead and s.samples else None
+            if draft is not None:
+                token_ids.extend(draft.token_ids)
+            cu.append(len(token_ids))
+            probs.append(None if draft is None else draft.probs)
+        has_probs = any(p is not None for p in probs)
+        return DraftBatch(tuple(token_ids), tuple(cu), tuple(probs) if has_probs else None)
 
     def record_forward(self, num_tokens: int, seconds: float) -> None:
         self.policy.target.observe(num_tokens, seconds)
 
     def verify(
-        self, seqs: list[Sequence], drafts: dict[int, Draft], logits: torch.Tensor, generator: torch.Generator
-    ) -> dict[int, tuple[list[int], int]]:
-        """Accepted drafts + the next token per sequence; logits hold 1 + len(draft) rows per sequence."""
-        counts = [len(drafts[s.seq_id].token_ids) if s.seq_id in drafts else 0 for s in seqs]
+        self, plan: SchedulerOutput, drafts: DraftBatch, logits: torch.Tensor, generator: torch.Generator
+    ) -> list[Accepted]:
+        """Accepted drafts + the next token per sampling sequence, in plan order (mid-prompt chunks are
+        skipped); logits hold 1 + its number of drafts rows per sampling sequence."""
+        rows_of = [i for i, s in enumerate(plan.scheduled) if s.samples]
+        seqs = [plan.scheduled[i].seq for i in rows_of]
+        counts = [drafts.num_drafts(i) for i in rows_of]
         k = max(counts)
         vocab = logits.shape[-1]
+        count_t = torch.tensor(counts)
         # Scatter the packed rows into a padded [S, K + 1, V] view; padding rows repeat a real one.
-        starts = torch.tensor([0] + counts[:-1]).add(1).cumsum(0) - 1
-        offsets = torch.arange(k + 1)[None, :].clamp(max=torch.tensor(counts)[:, None])
+        starts = (count_t + 1).cumsum(0) - count_t - 1
+        offsets = torch.arange(k + 1)[None, :].clamp(max=count_t[:, None])
         target_logits = logits[(starts[:, None] + offsets).clamp(max=logits.shape[0] - 1)]
+        is_draft = torch.arange(k)[None, :] < count_t[:, None]
         draft_tokens = torch.zeros(len(seqs), k, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(seqs, counts)):
-            if n:
-                draft_tokens[i, :n] = torch.tensor(drafts[seq.seq_id].token_ids)
+        draft_tokens[is_draft] = torch.tensor(drafts.token_ids, dtype=torch.long)  # flat, row-major
         draft_probs = None
-        if any(n and drafts[s.seq_id].probs is not None for s, n in zip(seqs, counts)):
+        if drafts.probs is not None:
             # proposals without a distribution (greedy rows, n-gram) are one-hot on their tokens
             draft_probs = torch.zeros(len(seqs), k, vocab).scatter_(2, draft_tokens[:, :, None], 1.0)
-            for i, (seq, n) in enumerate(zip(seqs, counts)):
-                if n and drafts[seq.seq_id].probs is not None:
-                    draft_probs[i, :n] = drafts[seq.seq_id].probs
+            for row, i in enumerate(rows_of):
+                if drafts.probs[i] is not None:
+                    draft_probs[row, : counts[row]] = drafts.probs[i]
         rows = RowParams.build([s.params for s in seqs], [s.generator for s in seqs], vocab)
-        result = verify(
-            VerifyBatch(target_logits, draft_tokens, torch.tensor(counts), draft_probs, rows), generator
-        )
-        out = {}
-        for i, seq in enumerate(seqs):
-            a = int(result.num_accepted[i])
-            out[seq.seq_id] = (draft_tokens[i, :a].tolist() + [int(result.next_token[i])], a)
-        return out
+        result = verify(VerifyBatch(target_logits, draft_tokens, count_t, draft_probs, rows), generator)
+        num_accepted = result.num_accepted.tolist()
+        next_token = result.next_token.tolist()
+        draft_rows = draft_tokens.tolist()
+        return [
+            Accepted((*draft_rows[row][:a], t), a, n)
+            for row, (a, t, n) in enumerate(zip(num_accepted, next_token, counts))
+        ]
+
+    def update(self, plan: SchedulerOutput, accepted: Seq[Accepted]) -> None:
+        """Learn from a step the scheduler and the output processor have applied: totals, acceptance
+        estimates, the proposer's state. Finished sequences are forgotten."""
+        for s, acc in zip(plan.scheduled, accepted):
+            seq = s.seq
+            self.num_proposed += acc.num_draft_tokens
+            self.num_accepted += acc.num_accepted_drafts
+            if seq.is_finished:
+                self.forget(seq)
+            elif acc.num_draft_tokens:
+                self.observe(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
+            elif s.num_tokens == 1 and not s.num_lookahead and seq.params.speculation == "auto":
+                self.observe(seq, 0, 0)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
-        seq.acceptance_ewma = self.policy.observe_acceptance(seq.acceptance_ewma, num_proposed, num_accepted)
+        """A decode step of an "auto" or fixed-k sequence: its drafts' fate, or (0, 0) for a step that
+        did not speculate, which relaxes the estimate toward the prior."""
+        state = self._state.setdefault(seq.seq_id, _SeqState())
         if num_proposed:
-            seq.failed_probes = 0 if num_accepted else seq.failed_probes + 1
-        if not seq.is_finished:
+            state.acceptance = self.policy.observe_acceptance(state.acceptance, num_proposed, num_accepted)
+            state.failed_probes = 0 if num_accepted else state.failed_probes + 1
             self.proposer.accepted(seq, num_proposed, num_accepted)
+        else:
+            relax = RELAX / 2 ** min(state.failed_probes, MAX_BACKOFF)
+            state.acceptance += relax * (ACCEPTANCE_PRIOR - state.acceptance)
 
     def forget(self, seq: Sequence) -> None:
+        """The sequence finished: drop everything kept for it."""
+        self._state.pop(seq.seq_id, None)
         self.proposer.forget(seq)
 
-
-def _load_draft_model(cfg: dict[str, Any], engine: LLMEngine) -> Proposer:
-    from specserve.models.config import ModelConfig
-    from specserve.models.llama import LlamaModel
-    from specserve.models.loader import load_checkpoint, load_tokenizer
-    from specserve.spec.draft_model import DraftModelProposer
-
-    path = cfg.pop("model", None)
-    if not path:
-        raise ValueError("speculative_config.model (the draft model's path) is required for draft_model")
-    ckpt = load_checkpoint(Path(path), dtype=torch.float32)
-    draft_cfg = ModelConfig.from_hf(ckpt.config)
-    target_vocab = engine.model_config.vocab_size
-    if draft_cfg.vocab_size != target_vocab:
-        raise ValueError(
-            f"draft model vocab ({draft_cfg.vocab_size}) differs from the target's ({target_vocab}): "
-            "the draft must share the target's tokenizer"
-        )
-    draft_tok = load_tokenizer(Path(path))
-    probe = "def main():\n    print('speculative décodage 日本')"
-    if draft_tok.get_vocab() != engine.tokenizer.get_vocab() or draft_tok.encode(
-        probe
-    ) != engine.tokenizer.encode(probe):
-        raise ValueError("draft model's tokenizer differs from the target's: it cannot propose target tokens")
-    model = LlamaModel(
-        draft_cfg, ckpt.state_dict, engine.dtype, engine.device, engine.config.attention_backend
-    )
-    bm = engine.block_manager
-    return DraftModelProposer(model, bm.num_blocks, bm.block_size)
+    def preempted(self, seqs: Iterable[Sequence]) -> None:
+        """Their KV is gone, so is the draft cache's; what was learnt of their acceptance still holds."""
+        for seq in seqs:
+            self.proposer.forget(seq)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A request's acceptance rate before any of its drafts were verified: optimistic, so that speculation is
+# tried before it is judged.
+ACCEPTANCE_PRIOR = 0.7
+
 
 @dataclass
 class LinearCost:

@@ -10,7 +10,7 @@ import torch
 from specserve.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
 class Draft:
     token_ids: list[int]  # up to k proposed tokens (may be fewer, or none)
     # The draft's distribution at each proposed position [len(token_ids), vocab] (request's temperature,

@@ -1,0 +1,60 @@
+"""Builds a SpeculativeDecoder from a SpeculativeConfig and what the target model is, passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from specserve.spec.config import SpeculativeConfig
+from specserve.spec.decoder import SpeculativeDecoder
+from specserve.spec.proposer import Proposer
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a draft model must match or mirror: the target's vocabulary, tokenizer, dtype, device,
+    attention backend, and KV pool shape (the draft's cache holds the same sequences)."""
+
+    vocab_size: int
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: str
+    num_blocks: int
+    block_size: int
+
+
+def build_decoder(config: SpeculativeConfig, max_model_len: int, target: TargetInfo) -> SpeculativeDecoder:
+    if config.method == "ngram":
+        from specserve.spec.ngram import NgramProposer
+
+        proposer: Proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    else:
+        proposer = _load_draft_model(Path(config.model), target)
+    return SpeculativeDecoder(proposer, config.num_speculative_tokens, max_model_len)
+
+
+def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:
+    from specserve.models.config import ModelConfig
+    from specserve.models.llama import LlamaModel
+    from specserve.models.loader import load_checkpoint, load_tokenizer
+    from specserve.spec.draft_model import DraftModelProposer
+
+    ckpt = load_checkpoint(path, dtype=torch.float32)
+    draft_cfg = ModelConfig.from_hf(ckpt.config)
+    if draft_cfg.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft model vocab ({draft_cfg.vocab_size}) differs from the target's ({target.vocab_size}): "
+            "the draft must share the target's tokenizer"
+        )
+    draft_tok = load_tokenizer(path)
+    probe = "def main():\n    print('speculative décodage 日本')"
+    if draft_tok.get_vocab() != target.tokenizer.get_vocab() or draft_tok.encode(
+        probe
+    ) != target.tokenizer.encode(probe):
+        raise ValueError("draft model's tokenizer differs from the target's: it cannot propose target tokens")
+    model = LlamaModel(draft_cfg, ckpt.state_dict, target.dtype, target.device, target.attention_backend)
+    return DraftModelProposer(model, target.num_blocks, target.block_size)
