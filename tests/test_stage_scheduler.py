@@ -1,0 +1,199 @@
+"""The scheduler as a stage: hand-made sequences and Accepted results in, plans and sequence state out.
+
+Block size 4 throughout, so a sequence of n tokens holds ceil(n / 4) blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve.blockmgr import BlockManager
+from specserve.engine.sampling_params import SamplingParams
+from specserve.engine.scheduler import Scheduler
+from specserve.engine.sequence import SeqStatus, Sequence
+from specserve.engine.static_scheduler import StaticScheduler
+from specserve.engine.step import NOTHING, Accepted
+
+EOS = 2
+BLOCK = 4
+
+
+def make_seq(seq_id: int, prompt_len: int, **params) -> Sequence:
+    params.setdefault("max_tokens", 100)
+    prompt = [10 + i for i in range(prompt_len)]
+    return Sequence(
+        seq_id, f"r{seq_id}", prompt, SamplingParams(**params), detokenizer=None, arrival_time=0.0
+    )
+
+
+def decoding(seq_id: int, prompt_len: int, **params) -> Sequence:
+    """A running sequence whose prompt is in the cache and whose first output token is not yet."""
+    seq = make_seq(seq_id, prompt_len, **params)
+    seq.token_ids.append(7)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    seq.status = SeqStatus.RUNNING
+    return seq
+
+
+def scheduler(num_blocks=64, budget=64, max_num_seqs=8, ks=None, chunked=True, cls=Scheduler, **kw):
+    lookahead = (lambda running: dict(ks)) if ks else None
+    return cls(
+        BlockManager(num_blocks, BLOCK),
+        max_num_seqs,
+        budget,
+        max_model_len=1000,
+        eos_token_ids=[EOS],
+        enable_chunked_prefill=chunked,
+        lookahead=lookahead,
+        **kw,
+    )
+
+
+def run(sched: Scheduler, seq: Sequence) -> None:
+    sched.running.append(seq)
+    assert sched.bm.ensure(seq.seq_id, seq.num_tokens)
+
+
+def plan_rows(plan):
+    return [(s.seq.seq_id, s.num_tokens, s.num_lookahead, s.samples) for s in plan.scheduled]
+
+
+# ---- schedule: who runs, how many tokens, how much lookahead ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompts, budget, max_num_seqs, chunked, expected",
+    [
+        # (prompt lengths waiting), token budget, max_num_seqs, chunked prefill -> (id, tokens, k, samples)
+        ([5, 3], 64, 8, True, [(0, 5, 0, True), (1, 3, 0, True)]),
+        ([20], 8, 8, True, [(0, 8, 0, False)]),  # a chunk mid-prompt samples nothing
+        ([6, 6], 8, 8, True, [(0, 6, 0, True), (1, 2, 0, False)]),  # the budget's rest goes to the next
+        ([6, 6], 8, 8, False, [(0, 6, 0, True)]),  # without chunking a prompt waits for a whole budget
+        ([2, 2, 2], 64, 2, True, [(0, 2, 0, True), (1, 2, 0, True)]),  # max_num_seqs
+    ],
+)
+def test_admission(prompts, budget, max_num_seqs, chunked, expected):
+    sched = scheduler(budget=budget, max_num_seqs=max_num_seqs, chunked=chunked)
+    for i, n in enumerate(prompts):
+        sched.add(make_seq(i, n))
+    assert plan_rows(sched.schedule()) == expected
+
+
+@pytest.mark.parametrize(
+    "num_blocks, ks, expected_rows, expected_preempted",
+    [
+        # two decoding sequences of 8 tokens (7 in the cache, 2 blocks each) ask for k drafts each
+        (8, {0: 3, 1: 3}, [(0, 1, 3, True), (1, 1, 3, True)], []),  # 8 + 3 slots: 3 blocks each, room
+        (5, {0: 3, 1: 3}, [(0, 1, 3, True), (1, 1, 0, True)], []),  # no room for 1's drafts: k dropped
+        (4, {0: 3, 1: 3}, [(0, 1, 0, True), (1, 1, 0, True)], []),  # nor for 0's: both decode plainly
+        (4, {0: 3, 1: 0}, [(0, 1, 0, True), (1, 1, 0, True)], []),
+    ],
+)
+def test_running_sequences_drop_lookahead_before_anyone_is_preempted(
+    num_blocks, ks, expected_rows, expected_preempted
+):
+    sched = scheduler(num_blocks=num_blocks, ks=ks)
+    for i in range(2):
+        run(sched, decoding(i, 7))
+    plan = sched.schedule()
+    assert plan_rows(plan) == expected_rows
+    assert [s.seq_id for s in plan.preempted] == expected_preempted
+
+
+def test_when_memory_runs_out_the_last_admitted_is_preempted_and_nobody_is_admitted():
+    sched = scheduler(num_blocks=4)
+    first, second = decoding(0, 7), decoding(1, 7)  # 8 tokens: 2 blocks each, the pool is full
+    for seq in (first, second):
+        run(sched, seq)
+    first.token_ids.append(8)  # 0 now needs a third block for its next decode
+    first.num_computed_tokens += 1
+    sched.add(make_seq(2, 1))
+    plan = sched.schedule()
+    assert plan_rows(plan) == [(0, 1, 0, True)]
+    assert plan.preempted == (second,)
+    assert second.status is SeqStatus.WAITING and second.num_computed_tokens == 0
+    assert [s.seq_id for s in sched.waiting] == [1, 2]  # the preempted goes first when room returns
+    assert sched.num_preemptions == 1
+
+
+# ---- update: what a step's Accepted does to a sequence -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params, lookahead, accepted, tokens_after, computed_after, reason, blocks_after",
+    [
+        # 8 tokens, 7 cached; the plan gave it 1 token + lookahead k. Accepted: tokens, drafts accepted.
+        ({}, 0, Accepted((30,)), [7, 30], 8, None, 2),  # the next step asks for the next block
+        ({}, 3, Accepted((30, 31, 32), 2, 3), [7, 30, 31, 32], 10, None, 3),  # 11 tokens: 3 blocks
+        ({}, 3, Accepted((30,), 0, 3), [7, 30], 8, None, 3),  # all rejected: 9 tokens keep 3 blocks
+        ({}, 7, Accepted((30,), 0, 7), [7, 30], 8, None, 3),  # 15 slots asked, 4 blocks; 1 freed
+        ({}, 3, Accepted((30, EOS, 32), 2, 3), [7, 30, EOS], 10, "stop", 0),  # EOS ends it, blocks freed
+        ({"ignore_eos": True}, 3, Accepted((30, EOS, 32), 2, 3), [7, 30, EOS, 32], 10, None, 3),
+        ({"stop_token_ids": [31]}, 3, Accepted((31, 32), 1, 3), [7, 31], 9, "stop", 0),
+        ({"max_tokens": 3}, 3, Accepted((30, 31, 32), 2, 3), [7, 30, 31], 10, "length", 0),
+    ],
+)
+def test_update(params, lookahead, accepted, tokens_after, computed_after, reason, blocks_after):
+    sched = scheduler(ks={0: lookahead} if lookahead else None)
+    seq = decoding(0, 7, **params)
+    run(sched, seq)
+    plan = sched.schedule()
+    assert plan_rows(plan) == [(0, 1, lookahead, True)]
+    finished = sched.update(plan, [accepted])
+    assert seq.output_token_ids == tokens_after
+    assert seq.num_computed_tokens == computed_after
+    assert seq.finish_reason == reason
+    assert finished == ([seq] if reason else [])
+    assert len(sched.bm.block_table(0)) == blocks_after
+    assert (seq.draft_proposed, seq.draft_accepted) == (
+        accepted.num_draft_tokens,
+        accepted.num_accepted_drafts,
+    )
+
+
+def test_a_prefill_in_chunks_then_its_first_token_then_a_decode():
+    sched = scheduler(budget=8)
+    seq = make_seq(0, 12)
+    sched.add(seq)
+    steps = []
+    for result in (NOTHING, Accepted((40,)), Accepted((41,))):
+        plan = sched.schedule()
+        steps.append(plan_rows(plan))
+        sched.update(plan, [result])
+    assert steps == [[(0, 8, 0, False)], [(0, 4, 0, True)], [(0, 1, 0, True)]]
+    assert seq.output_token_ids == [40, 41] and seq.num_computed_tokens == 13
+    assert seq.first_token_time is not None
+
+
+# ---- static batching (the benchmark's baseline) ---------------------------------------------------------
+
+
+def test_static_batches_admit_nobody_until_the_batch_is_done():
+    sched = scheduler(max_num_seqs=2, cls=StaticScheduler)
+    first, second = make_seq(0, 2, max_tokens=1), make_seq(1, 2, max_tokens=2)
+    for seq in (first, second, make_seq(2, 2)):
+        sched.add(seq)
+    plan = sched.schedule()
+    assert plan_rows(plan) == [(0, 2, 0, True), (1, 2, 0, True)]
+    sched.update(plan, [Accepted((30,)), Accepted((31,))])
+    assert first.is_finished  # its slot stays empty: 2 waits for the whole batch
+    plan = sched.schedule()
+    assert plan_rows(plan) == [(1, 1, 0, True)]
+    sched.update(plan, [Accepted((32,))])
+    assert second.finish_reason == "length"
+    assert plan_rows(sched.schedule()) == [(2, 2, 0, True)]
+
+
+def test_a_padded_static_batch_computes_finished_rows_on():
+    sched = scheduler(max_num_seqs=2, cls=StaticScheduler, padding=True)
+    short, long = decoding(0, 3, max_tokens=2), decoding(1, 3, max_tokens=5)
+    for seq in (short, long):
+        run(sched, seq)
+    plan = sched.schedule()
+    sched.update(plan, [Accepted((30,)), Accepted((31,))])
+    assert short.finish_reason == "length" and sched.bm.block_table(0)  # keeps its blocks as padding
+    padding = [sched.schedule().padding for _ in range(2)]
+    # its last token (position 4, no K/V yet) is computed, then the positions after it
+    assert [[(r.seq_id, r.token_id, r.position) for r in p] for p in padding] == [[(0, 30, 4)], [(0, 30, 5)]]
+    sched.finish(long, "abort")
+    assert not sched.bm.tables  # the batch is over: padding freed with it

@@ -1,0 +1,197 @@
+"""The speculative-decoding stages, each from hand-made inputs: the n-gram lookup, the policy's choice of k,
+lookahead, verification (alone and through the decoder's flat DraftBatch), and SpeculativeConfig."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specserve.engine.config import EngineConfig
+from specserve.engine.sampler import RowParams
+from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.sequence import SeqStatus, Sequence
+from specserve.engine.step import Accepted, DraftBatch, ScheduledSeq, SchedulerOutput
+from specserve.spec.config import SpeculativeConfig
+from specserve.spec.decoder import SpeculativeDecoder
+from specserve.spec.ngram import NgramProposer
+from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
+from specserve.spec.verifier import VerifyBatch, verify
+
+VOCAB = 8
+
+
+def make_seq(seq_id: int, prompt: list[int], decoding: bool = True, **params) -> Sequence:
+    seq = Sequence(seq_id, f"r{seq_id}", prompt, SamplingParams(**params), detokenizer=None, arrival_time=0.0)
+    seq.num_computed_tokens = seq.num_tokens - 1 if decoding else 0
+    seq.status = SeqStatus.RUNNING
+    return seq
+
+
+def peaked(argmaxes: list[int]) -> torch.Tensor:
+    """Logits rows whose softmax is (all but) one-hot on each given token."""
+    logits = torch.zeros(len(argmaxes), VOCAB)
+    logits[torch.arange(len(argmaxes)), torch.tensor(argmaxes)] = 100.0
+    return logits
+
+
+# ---- n-gram lookup ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tokens, k, max_n, min_n, expected",
+    [
+        ([1, 2, 3, 9, 1, 2], 2, 4, 1, [3, 9]),  # "1 2" seen before: continue after it
+        ([1, 2, 3, 9, 1, 2], 5, 4, 1, [3, 9, 1, 2]),  # no further than the sequence goes
+        ([5, 1, 7, 2, 1, 7], 1, 4, 1, [2]),  # longest n first: "1 7", not just "7"
+        ([1, 4, 1, 5, 1], 2, 4, 1, [5, 1]),  # the latest occurrence wins
+        ([1, 2, 3, 4], 3, 4, 1, []),  # nothing repeats
+        ([3, 1, 2, 9, 2], 2, 4, 2, []),  # only "2" repeats, shorter than prompt_lookup_min
+    ],
+)
+def test_ngram_lookup(tokens, k, max_n, min_n, expected):
+    assert NgramProposer(max_n, min_n).lookup(np.asarray(tokens, dtype=np.int64), k) == expected
+
+
+# ---- the policy's k ----------------------------------------------------------------------------------------
+
+
+def policy(target_seconds, draft_seconds: float = 0.0002, k_max: int = 4) -> AdaptivePolicy:
+    p = AdaptivePolicy(k_max)
+    for _ in range(4):
+        for n in (1, 2, 5, 9, 17, 33, 65):
+            p.target.observe(n, target_seconds(n))
+    p.draft_step_seconds.observe(1, draft_seconds)
+    return p
+
+
+MEMORY_BOUND = lambda n: 0.010 + 0.0002 * n  # noqa: E731 (a step costs about the same for 1 or 9 tokens)
+COMPUTE_BOUND = lambda n: 0.001 * n  # noqa: E731 (every token costs the same)
+
+
+@pytest.mark.parametrize(
+    "target, acceptances, other_tokens, expected",
+    [
+        (MEMORY_BOUND, [0.9], 0, 4),  # cheap drafts, high acceptance: the longest k
+        (MEMORY_BOUND, [0.0], 0, 0),  # nothing is ever accepted: do not speculate
+        (MEMORY_BOUND, [], 0, 0),  # no auto request
+        (COMPUTE_BOUND, [0.5] * 32, 0, 0),  # a draft costs what a real token does and half are lost
+        (COMPUTE_BOUND, [0.5], 500, 4),  # beside a big prefill's 500 tokens, one request's 4 drafts are cheap
+    ],
+)
+def test_choose_k(target, acceptances, other_tokens, expected):
+    assert policy(target).choose_k(acceptances, other_tokens) == expected
+
+
+def test_choose_k_tries_the_longest_k_until_the_target_is_measured():
+    assert AdaptivePolicy(5).choose_k([0.0], 0) == 5
+
+
+# ---- lookahead: k per decoding sequence, without side effects ---------------------------------------------
+
+
+def test_lookahead():
+    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec.policy = policy(MEMORY_BOUND)
+    running = [
+        make_seq(0, [1, 2, 3], speculation="auto"),
+        make_seq(1, [1, 2, 3], speculation=2),
+        make_seq(2, [1, 2, 3], speculation="off"),
+        make_seq(3, [1, 2, 3], speculation=9),  # capped at num_speculative_tokens
+        make_seq(4, [1, 2, 3], speculation=4, max_tokens=3),  # room for 1 draft + the bonus token
+        make_seq(5, [1, 2, 3], decoding=False),  # a prompt: not decoding, no k
+        make_seq(6, [1] * 98, speculation=4),  # 2 positions left before max_model_len
+    ]
+    for seq in running[:5]:
+        seq.token_ids.append(5)  # one output token, as after a prefill
+        seq.num_computed_tokens += 1
+    before = [seq.__dict__.copy() for seq in running]
+    expected = {0: 4, 1: 2, 3: 4, 4: 1, 6: 2}
+    assert spec.lookahead(running) == expected
+    assert spec.lookahead(running) == expected  # asking twice changes nothing
+    assert [seq.__dict__ for seq in running] == before
+    assert spec.acceptance(0) == ACCEPTANCE_PRIOR
+
+
+def test_what_update_learns_moves_the_next_lookahead():
+    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec.policy = policy(MEMORY_BOUND)
+    seq = make_seq(0, [1, 2, 3])
+    plan = SchedulerOutput((ScheduledSeq(seq, 1, 4),))
+    spec.update(plan, [Accepted((9,), 0, 4)])  # four drafts, none accepted
+    assert spec.acceptance(0) < ACCEPTANCE_PRIOR
+    assert (spec.num_proposed, spec.num_accepted) == (4, 0)
+    for _ in range(20):
+        spec.update(plan, [Accepted((9,), 0, 4)])
+    assert spec.lookahead([seq]) == {0: 0}
+
+
+# ---- verify ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target_argmax, drafts, expected_accepted, expected_next",
+    [
+        # per sequence: the target's argmax at the last token and after each draft; the drafts
+        ([[3, 4, 5]], [[3, 4]], [2], [5]),  # every draft matches: the bonus token follows
+        ([[3, 4, 5]], [[3, 1]], [1], [4]),  # the second is wrong: the target's token replaces it
+        ([[3, 4, 5]], [[2, 4]], [0], [3]),  # a later match does not count after a miss
+        ([[3, 4, 5], [6, 0, 0]], [[3, 4], []], [2, 0], [5, 6]),  # a sequence without drafts decodes
+    ],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_verify(target_argmax, drafts, expected_accepted, expected_next, temperature):
+    # With (all but) one-hot target distributions, rejection sampling decides exactly as greedy matching does.
+    k = max(len(d) for d in drafts)
+    logits = torch.stack([peaked(row) for row in target_argmax])
+    draft_tokens = torch.tensor([d + [0] * (k - len(d)) for d in drafts])
+    params = [SamplingParams(temperature=temperature, seed=i) for i in range(len(drafts))]
+    rows = RowParams.build(params, [None] * len(drafts), VOCAB)
+    batch = VerifyBatch(logits, draft_tokens, torch.tensor([len(d) for d in drafts]), None, rows)
+    result = verify(batch, torch.Generator().manual_seed(0))
+    assert result.num_accepted.tolist() == expected_accepted
+    assert result.next_token.tolist() == expected_next
+
+
+def test_the_decoder_verifies_a_flat_draft_batch_in_plan_order():
+    chunk = make_seq(0, [1, 2, 3, 4], decoding=False, temperature=0.0)  # mid-prompt: no logits, no result
+    speculating = make_seq(1, [1, 2], temperature=0.0)
+    plain = make_seq(2, [1, 2], temperature=0.0)
+    plan = SchedulerOutput(
+        (ScheduledSeq(chunk, 2, 0, False), ScheduledSeq(speculating, 1, 3), ScheduledSeq(plain, 1))
+    )
+    drafts = DraftBatch(token_ids=(5, 6, 1), cu_num_draft_tokens=(0, 0, 3, 3))
+    # packed logits rows: 1 + 3 for the speculating sequence, 1 for the plain one
+    logits = peaked([5, 6, 7, 0, 4])
+    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    accepted = spec.verify(plan, drafts, logits, torch.Generator().manual_seed(0))
+    assert accepted == [Accepted((5, 6, 7), 2, 3), Accepted((4,), 0, 0)]  # "1" was rejected for 7
+
+
+# ---- SpeculativeConfig ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, field",
+    [
+        ({"method": "medusa"}, "method"),
+        ({"num_speculative_tokens": 4}, "method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens"),
+        ({"method": "draft_model"}, "model"),
+        ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min"),
+        ({"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_min"),
+        ({"method": "ngram", "lookahead": 3}, "lookahead"),
+    ],
+)
+def test_speculative_config_names_the_wrong_field(config, field):
+    with pytest.raises(InvalidParameter) as err:
+        SpeculativeConfig.from_dict(config)
+    assert err.value.field == f"speculative_config.{field}"
+
+
+def test_engine_config_turns_a_dict_into_a_speculative_config():
+    cfg = EngineConfig(speculative_config={"method": "ngram", "prompt_lookup_max": 3})
+    assert cfg.speculative_config == SpeculativeConfig("ngram", 4, None, 3, 1)
+    assert EngineConfig(speculative_config={}).speculative_config is None
