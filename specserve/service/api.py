@@ -19,7 +19,7 @@ from redis.exceptions import OutOfMemoryError
 from specserve.queue.client import QueueClient, new_request_id
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import valid_request_id
-from specserve.service import openai_api
+from specserve.service import batch, openai_api
 from specserve.service.config import ApiSettings
 from specserve.service.gateway import Gateway, deadline_after
 from specserve.service.http import (
@@ -70,6 +70,7 @@ class Api:
         app.router.add_get("/v1/requests/{id}/stream", self.stream_request)
         app.router.add_delete("/v1/requests/{id}", self.delete_request)
         openai_api.add_routes(app, self.gateway)
+        batch.add_routes(app, self.gateway, self.settings.max_file_bytes)
         add_health_routes(app, self.telemetry, self.readiness)
         app.on_startup.append(self._ensure_group)
         app.on_shutdown.append(self._end_streams)

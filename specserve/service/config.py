@@ -33,6 +33,7 @@ class ApiSettings:
     api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
     model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
+    max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
 
 
 _LIMITS, _API, _QUEUE = HttpLimits(), ApiSettings(), ConsumerConfig()
@@ -55,6 +56,7 @@ class WorkerConfig:
     dead_letter_maxlen: int = _QUEUE.dead_maxlen
     dead_letter_ttl_s: float = _QUEUE.dead_ttl_ms / 1000
     reply_maxlen: int = 10_000  # a producer's reply stream is trimmed (MAXLEN ~) to about this many entries
+    access_log: bool = False  # one log line per request that ends (logger specserve.access)
 
     @property
     def heartbeat_s(self) -> float:
@@ -184,6 +186,9 @@ class ServiceConfig:
     dead_letter_ttl: float = _opt(
         "SPECSERVE_DEAD_LETTER_TTL", _WORKER.dead_letter_ttl_s, "seconds a dead letter is kept"
     )
+    max_file_bytes: int = _opt(
+        "SPECSERVE_MAX_FILE_BYTES", _API.max_file_bytes, "largest file for the Batch API (kept in Redis)"
+    )
     max_backlog: int = _opt(
         "SPECSERVE_MAX_BACKLOG", 0, "requests waiting for a worker, all tenants; more get 429 (0: no cap)"
     )
@@ -201,15 +206,25 @@ class ServiceConfig:
         "entries a reply stream keeps (about; oldest first out)",
     )
     worker_name: str | None = _opt("SPECSERVE_WORKER_NAME", None, "consumer name (default host-pid)")
+    access_log: bool = _opt(
+        "SPECSERVE_ACCESS_LOG",
+        False,
+        "log a line per request that ends: id, tenant, status, tokens, latency (logger specserve.access)",
+    )
+    log_stats_interval: float = _opt(
+        "SPECSERVE_LOG_STATS_INTERVAL",
+        10.0,
+        "seconds between engine lines: throughput, running/waiting, KV use, draft acceptance (0: off)",
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_method in ("draft_model",) and not self.speculative_model:
             raise ValueError("--speculative-method draft_model needs --speculative-model")
         limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
-        for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen"):
+        for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen", "max_file_bytes"):
             if not getattr(self, name) > 0:  # also false for NaN
                 raise ValueError(f"{_env_of(name)}: must be positive")
-        for name in ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute"):
+        for name in ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute", "log_stats_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_env_of(name)}: must be 0 (no limit) or positive")
         # the engine's own checks come after the model has loaded: these fail before it starts to
@@ -247,6 +262,7 @@ class ServiceConfig:
             max_prompt_chars=self.max_prompt_chars,
             api_keys=self.keys_list(),
             served_models=served_models,
+            max_file_bytes=self.max_file_bytes,
         )
 
     def worker_config(self) -> WorkerConfig:
@@ -260,6 +276,7 @@ class ServiceConfig:
             dead_letter_maxlen=self.dead_letter_maxlen,
             dead_letter_ttl_s=self.dead_letter_ttl,
             reply_maxlen=self.reply_maxlen,
+            access_log=self.access_log,
         )
 
     def limits(self) -> Limits:

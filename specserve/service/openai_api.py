@@ -150,6 +150,28 @@ def _raise_for(final: OutputEntry | Result) -> None:
         )
 
 
+def completion_body(rid: str, created: int, model: str, chat: bool, result: Result) -> dict[str, Any]:
+    """A whole (non-streaming) completion or chat completion, as OpenAI answers it."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": result.text, "logprobs": None}
+    choice["finish_reason"] = result.finish_reason
+    obj = "chat.completion" if chat else "text_completion"
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    body["usage"] = result.usage
+    return body
+
+
+def translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[RequestBody, dict[str, Any]]:
+    """An OpenAI request body as the wire's (and what the answer needs: model, stream, usage options); an
+    ApiError naming the field the client sent if it is refused."""
+    try:
+        return _translate(gateway, data, chat)
+    except ApiError as e:
+        raise _as_sent(e, data) from None
+
+
 class OpenAIRoutes:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
@@ -255,16 +277,7 @@ class OpenAIRoutes:
 
     @staticmethod
     def _whole(rid, created, meta, chat, result: Result) -> web.Response:
-        text = result.text
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = result.finish_reason
-        obj = "chat.completion" if chat else "text_completion"
-        body = {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
-        body["usage"] = result.usage
-        return json_response(body)
+        return json_response(completion_body(rid, created, meta["model"], chat, result))
 
     async def _stream(self, request, rid, created, meta, chat, first: Delta, deltas) -> web.StreamResponse:
         resp = await sse_start(request)
