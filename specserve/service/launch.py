@@ -20,7 +20,7 @@ from specserve.queue.keys import Keys
 from specserve.service.api import Api, add_health_routes
 from specserve.service.config import ServiceConfig
 from specserve.service.http import parse_api_keys, serve
-from specserve.service.telemetry import Telemetry
+from specserve.service.telemetry import Telemetry, log_stats_every
 
 log = logging.getLogger("specserve")
 URL_FILE = "url"  # in the embedded server's data dir: how `enqueue`, `status` and `api` find it
@@ -138,7 +138,9 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     url, server = await resolve_redis(cfg, start_embedded=with_worker)
     redis = connect(url)
     keys = Keys(cfg.prefix)
-    telemetry = Telemetry("specserve", cfg.otlp_endpoint)
+    # An API-only process has no engine: it exports no engine series rather than ones stuck at 0.
+    telemetry = Telemetry("specserve", cfg.otlp_endpoint, engine_metrics=with_worker)
+    stats_task: asyncio.Task[None] | None = None
     worker = None
     runners: list[web.AppRunner] = []
     client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits())
@@ -163,6 +165,8 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
             await engine.start()
             worker = Worker(engine, redis, keys, cfg.consumer_name, cfg.worker_config(), telemetry)
             await worker.start()
+            if cfg.log_stats_interval > 0:
+                stats_task = asyncio.create_task(log_stats_every(telemetry, cfg.log_stats_interval))
         await stop.wait()
         log.info("stopping")
         if worker is not None:
@@ -170,6 +174,8 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
             await worker.close()
             await worker.engine.shutdown()
     finally:
+        if stats_task is not None:
+            stats_task.cancel()
         for runner in runners:
             await runner.cleanup()
         await client.aclose()

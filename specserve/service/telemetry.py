@@ -1,12 +1,35 @@
-"""Metrics (OpenTelemetry, exported as Prometheus text) and per-request traces.
+"""Metrics (Prometheus text), per-request traces, the access log and the periodic engine line.
 
 Each Telemetry owns its providers and its Prometheus registry, so several services in one process (tests)
 do not collide; nothing is installed globally.
+
+Metric names. Where a metric means what one of vLLM's means (vllm/v1/metrics/loggers.py and
+vllm/v1/spec_decode/metrics.py in vllm-project/vllm), it carries vLLM's exact name with our prefix in place
+of theirs: `vllm:num_requests_running` is `specserve:num_requests_running`, with the same `model_name`
+label, the same `finished_reason` label on request_success and the same histogram buckets. So a vLLM
+dashboard or alert works here after one textual substitution of the prefix, and nobody has to learn which of
+our names means which of theirs. These are prometheus_client metrics in this Telemetry's registry because
+OpenTelemetry instrument names cannot hold the `:`. vLLM metrics we do not mirror: the prefix-cache ones
+(there is no prefix cache), `spec_decode_num_drafts` (EngineStats counts draft tokens, not drafts), and
+`request_queue_time_seconds` (theirs is time waiting inside the engine; our queue is Redis, see below).
+
+The `specserve_*` names (OpenTelemetry instruments) stay as they were for whoever charts them, and carry
+what vLLM has no word for: the Redis queue (depth, pending, oldest waiting entry's age, dead letters, time
+from enqueue to a worker's claim), the API's HTTP requests by route and code, and requests ended by status
+(failed, cancelled and expired included, which request_success leaves out).
+
+A process exports only what it knows: an API-only process (`engine_metrics=False`) has no engine, so it has
+no engine or per-request series at all rather than ones stuck at 0. Queue gauges come from every process that
+refreshes them (chart them with max(), not sum()). Token counters and the request histograms are recorded
+when a request ends, so their rates trail the tokens by a request's duration.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
@@ -18,14 +41,32 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import NoOpTracer, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from specserve.queue.consumer import QueueStats
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("specserve.access")
+stats_log = logging.getLogger("specserve.stats")
+PREFIX = "specserve:"  # stands where vLLM's "vllm:" does
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+# vLLM's buckets, so a histogram_quantile over ours and theirs interpolates over the same edges.
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+    80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 _propagator = TraceContextTextMapPropagator()
 
@@ -42,6 +83,51 @@ class EngineGauges:
     draft_proposed: int = 0
     draft_accepted: int = 0
     last_batch_size: int = 0
+    model_name: str = ""  # empty until the worker's first refresh: nothing engine-side is exported before
+    dead_letters: int = 0  # entries in the dead-letter stream (the worker reads it with the engine's stats)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class Totals:
+    """Counts the periodic engine line takes differences of (the Prometheus counters hold the same)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class _EngineCollector(Collector):
+    """vLLM's scheduler gauges and engine counters, read from the latest EngineStats at scrape time."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.t = telemetry
+
+    def collect(self) -> Iterator[Metric]:
+        g = self.t.engine
+        if not g.model_name:
+            return
+        label = [g.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            m = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric(label, value)
+            return m
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric(label, value)
+            return m
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", g.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", g.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
+        preempted = "Cumulative number of preemption from the engine."
+        yield counter("num_preemptions", preempted, g.num_preemptions)
+        yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", g.draft_proposed)
+        yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", g.draft_accepted)
 
 
 def build_resource(default_service_name: str) -> Resource:
@@ -57,8 +143,10 @@ class Telemetry:
     span_exporter: SpanExporter | None = None  # e.g. an in-memory exporter in tests
     engine: EngineGauges = field(default_factory=EngineGauges)
     queue: QueueStats = field(default_factory=lambda: QueueStats(0, 0, 0.0, 0))
+    engine_metrics: bool = True  # False in an API-only process: it has no engine to report on
 
     def __post_init__(self) -> None:
+        self.totals = Totals()
         self.resource = resource = build_resource(self.service_name)
         self.registry = CollectorRegistry(auto_describe=True)
         self._reader = PrometheusMetricReader(
@@ -107,6 +195,15 @@ class Telemetry:
             lambda: self.queue.pending,
         )
         gauge("specserve_queue_lag", "age of the oldest waiting request", lambda: self.queue.lag_seconds, "s")
+        if self.engine_metrics:
+            self._engine_instruments(gauge, counter)
+
+    def _engine_instruments(self, gauge, counter) -> None:
+        gauge(
+            "specserve_dead_letters",
+            "entries in the dead-letter stream (requests given up on)",
+            lambda: self.engine.dead_letters,
+        )
         gauge("specserve_running_requests", "sequences in the running batch", lambda: self.engine.num_running)
         gauge(
             "specserve_waiting_requests",
@@ -127,6 +224,77 @@ class Telemetry:
         counter(
             "specserve_draft_tokens_accepted", "draft tokens accepted", lambda: self.engine.draft_accepted
         )
+        self.registry.register(_EngineCollector(self))
+        reg, model = self.registry, ["model_name"]
+        self.vllm_prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Number of prefill tokens processed.", model, registry=reg
+        )
+        self.vllm_generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Number of generation tokens processed.", model, registry=reg
+        )
+        self.vllm_request_success = Counter(
+            PREFIX + "request_success",
+            "Count of successfully processed requests.",
+            [*model, "finished_reason"],
+            registry=reg,
+        )
+
+        def vhist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, model, registry=reg, buckets=buckets)
+
+        self.vllm_ttft = vhist(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS
+        )
+        self.vllm_tpot = vhist(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds.",
+            VLLM_TPOT_BUCKETS,
+        )
+        self.vllm_e2e = vhist(
+            "e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )
+        self.vllm_prompt_len = vhist(
+            "request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_COUNT_BUCKETS
+        )
+        self.vllm_generation_len = vhist(
+            "request_generation_tokens", "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS
+        )
+
+    def request_ended(
+        self,
+        model_name: str,
+        status: str,
+        finish_reason: str | None,
+        usage: dict | None,
+        e2e: float,
+        ttft: float | None,
+        tpot: float | None,
+    ) -> None:
+        """One request that ran is over (its final entry written): every per-request series at once."""
+        self.requests.add(1, {"status": status})
+        self.e2e.record(e2e)
+        if tpot is not None:
+            self.tpot.record(tpot)
+        if not self.engine_metrics:
+            return
+        prompt = int(usage.get("prompt_tokens", 0)) if usage else 0
+        generated = int(usage.get("completion_tokens", 0)) if usage else 0
+        self.totals.prompt_tokens += prompt
+        self.totals.generation_tokens += generated
+        self.vllm_prompt_tokens.labels(model_name).inc(prompt)
+        self.vllm_generation_tokens.labels(model_name).inc(generated)
+        if status != "finished":  # vLLM's request_success counts requests that finished; ours by status above
+            return
+        self.vllm_request_success.labels(model_name, finish_reason or "stop").inc()
+        self.vllm_e2e.labels(model_name).observe(e2e)
+        if ttft is not None:
+            self.vllm_ttft.labels(model_name).observe(ttft)
+        if tpot is not None:
+            self.vllm_tpot.labels(model_name).observe(tpot)
+        self.vllm_prompt_len.labels(model_name).observe(prompt)
+        self.vllm_generation_len.labels(model_name).observe(generated)
 
     def _add_otlp(self, endpoint: str) -> bool:
         try:
@@ -166,3 +334,70 @@ class Telemetry:
         carrier: dict[str, str] = {}
         _propagator.inject(carrier, context=context)
         return carrier
+
+
+def access_line(
+    request_id: str,
+    tenant: str | None,
+    status: str,
+    finish_reason: str | None,
+    usage: dict | None,
+    latency_s: float,
+) -> str:
+    """One request's access-log line, key=value pairs (logfmt) so log pipelines split it without a regex."""
+    prompt = usage.get("prompt_tokens", 0) if usage else 0
+    completion = usage.get("completion_tokens", 0) if usage else 0
+    return (
+        f"request_id={request_id} tenant={tenant or '-'} status={status} "
+        f"finish_reason={finish_reason or '-'} prompt_tokens={prompt} completion_tokens={completion} "
+        f"latency_s={latency_s:.3f}"
+    )
+
+
+class StatsLine:
+    """vLLM's periodic engine line: throughput since the previous line, the batch, KV use, and (with
+    speculation on) the share of draft tokens accepted over the interval."""
+
+    def __init__(self, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic) -> None:
+        self.t = telemetry
+        self.clock = clock
+        self._last = self._snapshot()
+
+    def _snapshot(self) -> tuple[float, int, int, int, int]:
+        t = self.t
+        return (
+            self.clock(),
+            t.totals.prompt_tokens,
+            t.totals.generation_tokens,
+            t.engine.draft_proposed,
+            t.engine.draft_accepted,
+        )
+
+    def line(self) -> tuple[str, bool]:
+        """(the line, whether anything happened since the previous one: an idle engine logs at DEBUG)."""
+        now = self._snapshot()
+        (t0, p0, g0, d0, a0), (t1, p1, g1, d1, a1) = self._last, now
+        self._last = now
+        dt = max(t1 - t0, 1e-9)
+        e, q = self.t.engine, self.t.queue
+        text = (
+            f"Avg prompt throughput: {(p1 - p0) / dt:.1f} tokens/s, "
+            f"Avg generation throughput: {(g1 - g0) / dt:.1f} tokens/s, "
+            f"Running: {e.num_running} reqs, Waiting: {e.num_waiting} reqs, "
+            f"KV cache usage: {100 * e.kv_usage:.1f}%, "
+            f"Queued in Redis: {q.depth} (oldest {q.lag_seconds:.1f}s)"
+        )
+        if d1 > d0:
+            rate = 100 * (a1 - a0) / (d1 - d0)
+            text += f", Draft acceptance rate: {rate:.1f}% ({a1 - a0}/{d1 - d0} tokens)"
+        busy = p1 > p0 or g1 > g0 or e.num_running > 0 or e.num_waiting > 0 or q.depth > 0
+        return text, busy
+
+
+async def log_stats_every(telemetry: Telemetry, interval: float) -> None:
+    """Log the engine line every `interval` s until cancelled."""
+    stats = StatsLine(telemetry)
+    while True:
+        await asyncio.sleep(interval)
+        text, busy = stats.line()
+        stats_log.log(logging.INFO if busy else logging.DEBUG, "%s", text)

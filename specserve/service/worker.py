@@ -38,7 +38,7 @@ from specserve.service.running import (
     Started,
     prompt_chars,
 )
-from specserve.service.telemetry import Telemetry
+from specserve.service.telemetry import Telemetry, access_line, access_log
 
 log = logging.getLogger(__name__)
 
@@ -408,13 +408,19 @@ class Worker:
         self._record(state, final)
 
     def _record(self, state: RequestState, final: Final) -> None:
-        t = self.telemetry
-        t.requests.add(1, {"status": final.status})
-        t.e2e.record(max(0.0, self.clock.now() - state.enqueued_ms / 1000))
+        now = self.clock.now()
+        e2e = max(0.0, now - state.enqueued_ms / 1000)
         usage = final.entry.usage
         n = usage["completion_tokens"] if usage else 0
-        if state.first_token_at is not None and state.last_token_at is not None and n > 1:
-            t.tpot.record((state.last_token_at - state.first_token_at) / (n - 1))
+        ttft = tpot = None
+        if state.first_token_at is not None:
+            ttft = max(0.0, now - (time.monotonic() - state.first_token_at) - state.enqueued_ms / 1000)
+            if state.last_token_at is not None and n > 1:
+                tpot = (state.last_token_at - state.first_token_at) / (n - 1)
+        reason = final.entry.finish_reason
+        self.telemetry.request_ended(self.engine.model_name, final.status, reason, usage, e2e, ttft, tpot)
+        if self.cfg.access_log:
+            self._detach(self._access_log(state.request_id, final, e2e))
         state.span.set_attribute("specserve.status", final.status)
         if usage:
             state.span.set_attribute("specserve.completion_tokens", n)
@@ -422,11 +428,21 @@ class Worker:
             state.span.set_status(Status(StatusCode.ERROR))
         state.span.end()
 
+    async def _access_log(self, request_id: str, final: Final, latency: float) -> None:
+        tenant = None
+        with contextlib.suppress(*TRANSIENT_ERRORS):  # the tenant is a nicety; the line goes out without it
+            tenant = await self.r.hget(self.keys.req(request_id), "tenant")
+        u, reason = final.entry.usage, final.entry.finish_reason
+        access_log.info("%s", access_line(request_id, tenant, final.status, reason, u, latency))
+
     def _finish_unstarted(self, e: RequestEntry, final: Final) -> asyncio.Future[bool]:
         """Write the final entry of a request that never ran (and its reply, if its body names a reply
         stream, even a body refused for another field); the future says whether it was written."""
         assert e.request_id is not None
         self.telemetry.requests.add(1, {"status": final.status})
+        if self.cfg.access_log:
+            latency = max(0.0, self.clock.now() - entry_ms(e.entry_id) / 1000)
+            self._detach(self._access_log(e.request_id, final, latency))
         reply = None
         with contextlib.suppress(Exception):  # best effort: a body that does not parse names no reply stream
             if (name := wire.reply_to_of(orjson.loads(e.raw_body))) is not None:
@@ -488,4 +504,6 @@ class Worker:
         g.kv_blocks_used, g.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
         g.num_preemptions, g.last_batch_size = s.num_preemptions, s.last_batch_size
         g.draft_proposed, g.draft_accepted = s.draft_proposed, s.draft_accepted
+        g.model_name = self.engine.model_name
         self.telemetry.queue = await self.consumer.stats()
+        g.dead_letters = await self.r.xlen(self.keys.dead)
