@@ -27,7 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from cloudcoil.models.keda.v1alpha1 import ScaledObject, TriggerAuthentication
-from cloudcoil.models.prometheus_operator.v1 import ServiceMonitor
+from cloudcoil.models.prometheus_operator.v1 import PrometheusRule, ServiceMonitor
 
 from specserve.queue.connection import connect
 from specserve.queue.embedded import free_port, valkey_server_binary
@@ -72,6 +72,7 @@ CRD_MODELS = {
     ("keda.sh/v1alpha1", "ScaledObject"): ScaledObject,
     ("keda.sh/v1alpha1", "TriggerAuthentication"): TriggerAuthentication,
     ("monitoring.coreos.com/v1", "ServiceMonitor"): ServiceMonitor,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PrometheusRule,
 }
 Manifest = dict[str, Any]
 
@@ -659,6 +660,76 @@ def test_service_monitors_select_services_with_the_named_ports() -> None:
         ]
         assert len(pods) == 1
     assert find(rendered("default"), "ServiceMonitor") == []
+
+
+def exported_metric_names() -> set[str]:
+    """Every sample name a worker's /metrics can hold, from a real Telemetry after one finished request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specserve.service.telemetry import Telemetry
+
+    telemetry = Telemetry()
+    try:
+        telemetry.engine.model_name = "m"
+        usage = {"prompt_tokens": 3, "completion_tokens": 4}
+        telemetry.request_ended("m", "finished", "stop", usage, 1.0, 0.1, 0.01)
+        telemetry.ttft.record(0.1)
+        telemetry.queue_wait.record(0.1)
+        telemetry.http_requests.add(1, {"route": "/v1/requests", "method": "POST", "code": 200})
+        text = telemetry.metrics_text().decode()
+    finally:
+        telemetry.shutdown()
+    return {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+# kube-state-metrics' restart counter: the one series the alerts read that specserve does not export.
+KUBE_STATE_METRICS = {"kube_pod_container_status_restarts_total"}
+METRIC_REF = re.compile(r"\b(specserve[:_][a-z0-9_:]+|kube_[a-z0-9_]+)")
+
+
+def test_alerts_and_dashboard_read_only_metrics_the_service_exports() -> None:
+    docs = rendered("all-on")
+    exported = exported_metric_names() | KUBE_STATE_METRICS
+    rule = one(docs, "PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    (group,) = rule["spec"]["groups"]
+    alerts = {r["alert"]: r for r in group["rules"]}
+    assert set(alerts) == {
+        "SpecserveBacklogAge",
+        "SpecserveDeadLetters",
+        "SpecserveWorkerRestarts",
+        "SpecserveKVCacheSaturated",
+    }
+    dashboard = json.loads(one(docs, "ConfigMap", "llm-dashboard")["data"]["specserve.json"])
+    assert dashboard == json.loads((CHART / "dashboards" / "specserve.json").read_text())
+    exprs = [r["expr"] for r in alerts.values()]
+    exprs += [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+        refs = set(METRIC_REF.findall(expr))
+        assert refs and refs <= exported, (expr, refs - exported)
+    # Every panel's series belongs to this release's namespace; the alerts to the release's own.
+    assert all('namespace=~"$namespace"' in t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    assert all(f'namespace="{NAMESPACE}"' in e for e in exprs[: len(alerts)])
+    # The dashboard charts vLLM's names under our prefix, and thresholds come from values.
+    charted = {ref for e in exprs for ref in METRIC_REF.findall(e)}
+    assert {
+        "specserve:time_to_first_token_seconds_bucket",
+        "specserve:kv_cache_usage_perc",
+        "specserve:spec_decode_num_accepted_tokens_total",
+        "specserve:request_success_total",
+    } <= charted
+    assert alerts["SpecserveBacklogAge"]["expr"].endswith("> 300")
+    assert alerts["SpecserveKVCacheSaturated"]["expr"].endswith("> 0.95")
+    assert 'pod=~"llm-worker-.*"' in alerts["SpecserveWorkerRestarts"]["expr"]
+    for alert in alerts.values():  # Prometheus's templates reach Prometheus, not Helm
+        assert "{{" not in alert["annotations"]["summary"]
+    assert "{{ $labels.pod }}" in alerts["SpecserveKVCacheSaturated"]["annotations"]["description"]
+
+
+def test_alerts_and_dashboard_are_off_by_default() -> None:
+    docs = rendered("default")
+    assert find(docs, "PrometheusRule") == [] and find(docs, "ConfigMap", "rel-specserve-dashboard") == []
 
 
 def test_otlp_endpoint_reaches_api_and_workers() -> None:
