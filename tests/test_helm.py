@@ -727,6 +727,14 @@ def test_alerts_and_dashboard_read_only_metrics_the_service_exports() -> None:
     assert "{{ $labels.pod }}" in alerts["SpecserveKVCacheSaturated"]["annotations"]["description"]
 
 
+def test_worker_logging_settings_reach_the_workers_config() -> None:
+    """worker.accessLog and worker.logStatsIntervalSeconds, as the worker parses its environment."""
+    on = from_args(environ=kubelet_env(container(deployment(rendered("all-on"), "worker"), "worker")))
+    assert on.access_log is True and on.log_stats_interval == 30
+    default = from_args(environ=kubelet_env(container(deployment(rendered("default"), "worker"), "worker")))
+    assert default.access_log is False and default.log_stats_interval == 10
+
+
 def test_alerts_and_dashboard_are_off_by_default() -> None:
     docs = rendered("default")
     assert find(docs, "PrometheusRule") == [] and find(docs, "ConfigMap", "rel-specserve-dashboard") == []
