@@ -6,7 +6,7 @@ do not collide; nothing is installed globally.
 Metric names. Where a metric means what one of vLLM's means (vllm/v1/metrics/loggers.py and
 vllm/v1/spec_decode/metrics.py in vllm-project/vllm), it carries vLLM's exact name with our prefix in place
 of theirs: `vllm:num_requests_running` is `specserve:num_requests_running`, with the same `model_name`
-label, the same `finished_reason` label on request_success and the same histogram buckets. So a vLLM
+label, the same `finished_reason` label on request_success and the same latency buckets. So a vLLM
 dashboard or alert works here after one textual substitution of the prefix, and nobody has to learn which of
 our names means which of theirs. These are prometheus_client metrics in this Telemetry's registry because
 OpenTelemetry instrument names cannot hold the `:`. vLLM metrics we do not mirror: the prefix-cache ones
