@@ -23,8 +23,12 @@ MAX_SPECULATIVE_TOKENS = 16
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """Frozen: validated once where a request enters a process (the API's gateway, the worker), then passed
+    on unchanged; a derived value (a worker's seed, a resumed run's budget) is a new object
+    (dataclasses.replace), never an edit of one another stage holds."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -37,8 +41,11 @@ class SamplingParams:
     speculation: str | int = "auto"
 
     def __post_init__(self) -> None:
+        # the two spellings OpenAI clients send, normalised once (the only writes a frozen instance gets)
         if isinstance(self.stop, str):
-            self.stop = [self.stop]
+            object.__setattr__(self, "stop", [self.stop])
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
         self.validate()
 
     @property
@@ -63,9 +70,7 @@ class SamplingParams:
         check(is_num(self.top_p), "top_p", "must be a finite number")
         check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
         check(is_int(self.top_k), "top_k", "must be an integer")
-        check(self.top_k >= 0 or self.top_k == -1, "top_k", "must be >= 0 (0 or -1 disables it)")
-        if self.top_k == -1:
-            self.top_k = 0
+        check(self.top_k >= 0, "top_k", "must be >= 0 (0 or -1 disables it)")
         check(self.seed is None or is_int(self.seed), "seed", "must be an integer or null")
         lo, hi = SEED_RANGE
         check(self.seed is None or lo <= self.seed <= hi, "seed", f"must be in [{lo}, {hi}]")

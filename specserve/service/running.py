@@ -171,7 +171,7 @@ class Runner:
                 "max_tokens", f"is {params.max_tokens}; this model's context is {limit} tokens"
             )
         if params.seed is None and not params.greedy:
-            params.seed = stable_seed(rid)
+            params = dataclasses.replace(params, seed=stable_seed(rid))
         return params, until_full
 
     def start(self, rid: str, body: RequestBody, prompt: str | list[int] | None = None) -> Started:
@@ -184,7 +184,9 @@ class Runner:
             if until_full:
                 if isinstance(prompt, str):
                     prompt = self.engine.tokenizer.encode(prompt)  # as the engine would; we need the length
-                params.max_tokens = max(1, self.engine.max_model_len - len(prompt))
+                params = dataclasses.replace(
+                    params, max_tokens=max(1, self.engine.max_model_len - len(prompt))
+                )
             at = time.monotonic()
             return Started(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), at)
 
@@ -239,12 +241,10 @@ class Runner:
             # the earlier run made every token and died before its final entry: only that is left to write
             reason = "stop" if last in stop_ids else "length"
             return Started(rid, _ended(rid, reason, len(prompt) + n), at, n, chars, given, shown.text[:chars])
-        if until_full:
-            params.max_tokens = max(1, self.engine.max_model_len - len(prompt) - n)
-        else:
-            params.max_tokens -= n
+        budget = self.engine.max_model_len - len(prompt) - n if until_full else params.max_tokens - n
+        params = dataclasses.replace(params, max_tokens=max(1, budget))
         if params.seed is not None and not params.greedy:
-            params.seed = resumed_seed(params.seed, n)
+            params = dataclasses.replace(params, seed=resumed_seed(params.seed, n))
         deltas = self.engine.add_request(rid, prompt + given, params, stream=body.stream)
         return Started(rid, deltas, at, n, chars, given, shown.text[:chars])
 
