@@ -82,7 +82,6 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine thread has failed") from self.error
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
-        params.validate()
         prompt_ids = self.engine.encode_prompt(prompt)  # tokenising here keeps it off the step thread
         queue: asyncio.Queue[StepDelta] = asyncio.Queue()
         self._queues[request_id] = queue

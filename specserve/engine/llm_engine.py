@@ -197,7 +197,6 @@ class LLMEngine:
         """stream=False: no per-step deltas, only the final one (for callers that want the whole result)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        params.validate()
         ids = self.encode_prompt(prompt)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         seq = Sequence(
