@@ -146,8 +146,9 @@ def supports(dtype: torch.dtype, block_size: int) -> bool:
 
 def supports_long(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     """Whether prefill chunks run here too: the float32 AVX2 + FMA path and the bfloat16 AVX512-BF16 one.
-    On a 2-core AVX2 EPYC (SmolLM2 shapes, a 256-token chunk over 512 cached tokens) the float32 kernel
-    took the chunk in a fraction of gather + SDPA's time (bench/kernels.py); the bf16 one is 3-5x faster."""
+    On a 2-core AVX2 EPYC (SmolLM2 shapes, 4 chunks of 256 over 512 cached tokens, one thread) the float32
+    kernel took 22.0-22.3 ms a layer against gather + SDPA's 22.5-23.6 (bench/kernels.py --threads 1):
+    level, and one code path for every query length; the bf16 one is 3-5x faster than gather + SDPA."""
     if head_dim not in (64, 128) or block_size > 256:
         return False
     if dtype == torch.float32:
