@@ -12,6 +12,7 @@ spec.update(plan, accepted)                     acceptance estimates, draft cach
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +28,12 @@ from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
 from specserve.engine.sampler import RowParams, sample
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS, InvalidParameter, SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
 from specserve.engine.static_scheduler import StaticScheduler
 from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
+from specserve.engine.structured import StructuredOutputs
 from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer
@@ -155,6 +157,10 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self._generator = torch.Generator().manual_seed(config.seed)
         self._totals = _Totals()
+        # made at the first constrained request (a disabled feature costs nothing); the lock because the
+        # service compiles a request's grammar on its own thread while the step thread runs
+        self.structured: StructuredOutputs | None = None
+        self._structured_lock = threading.Lock()
 
     # ---- requests -------------------------------------------------------------------------------------
 
@@ -191,6 +197,22 @@ class LLMEngine:
             ids = list(ids["input_ids"])
         return self.encode_prompt(ids)
 
+    def compile_grammar(self, params: SamplingParams) -> StructuredOutputs | None:
+        """Compile a constrained request's grammar into the cache (the service calls this off the step
+        thread, so a step never waits for a compile); None for an unconstrained request."""
+        if params.structured_outputs is None:
+            return None
+        with self._structured_lock:
+            if self.structured is None:
+                self.structured = StructuredOutputs(
+                    self.tokenizer,
+                    self.model_config.vocab_size,
+                    self.eos_token_ids,
+                    MAX_SPECULATIVE_TOKENS + 1,
+                )
+        self.structured.compile(params.structured_outputs)
+        return self.structured
+
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = True
     ) -> None:
@@ -209,6 +231,9 @@ class LLMEngine:
             generator=gen,
             stream=stream,
         )
+        structured = self.compile_grammar(params)
+        if structured is not None:
+            structured.add(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -219,6 +244,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "abort")
         if self.spec is not None:
             self.spec.forget(seq)
+        if self.structured is not None:
+            self.structured.forget(seq)
         self._requests.pop(request_id, None)
         self._aborted.append(seq)
         return True
@@ -259,14 +286,19 @@ class LLMEngine:
         lap("schedule")
         if not plan.scheduled:
             return deltas
-        drafts = self.spec.propose(plan, self._generator) if self.spec is not None else None
+        grammar = self.structured if self.structured is not None and len(self.structured) else None
+        drafts = self.spec.propose(plan, self._generator, grammar) if self.spec is not None else None
         lap("propose")
         logits = self._forward(plan, drafts)
         lap("forward")
+        if grammar is not None:  # every sampled position, verify positions included, before any sampling
+            grammar.mask(plan, drafts, logits)
         accepted = self._sample(plan, drafts, logits)
         lap("sample")
         self.scheduler.update(plan, accepted)
         deltas += self.outputs.process(plan, accepted)
+        if grammar is not None:
+            grammar.advance(plan, accepted)
         if self.spec is not None:
             self.spec.update(plan, accepted)
         for s in plan.scheduled:

@@ -16,6 +16,43 @@ class InvalidParameter(ValueError):
         self.message = message
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured_outputs: exactly one constraint. Checked when made (the grammar is built without a
+    tokenizer, by engine/structured.py), so a bad schema, regex or grammar is an InvalidParameter naming
+    `structured_outputs.<kind>` at the API, before anything is queued."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (object or its text)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF)
+    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
+    structural_tag: str | dict[str, Any] | None = None  # xgrammar's structural tag (JSON)
+
+    def __post_init__(self) -> None:
+        from specserve.engine.structured import check_constraint
+
+        check_constraint(self)
+
+    @property
+    def kind(self) -> str:
+        """The one constraint set (json, regex, choice, grammar, json_object or structural_tag)."""
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @classmethod
+    def from_dict(cls, body: Any) -> StructuredOutputsParams:
+        if not isinstance(body, dict):
+            raise InvalidParameter("structured_outputs", "must be an object")
+        known = {f.name for f in fields(cls)}
+        for key in body:
+            if key not in known:
+                raise InvalidParameter(f"structured_outputs.{key}", "unknown field")
+        return cls(**body)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
 # What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
@@ -39,11 +76,17 @@ class SamplingParams:
     ignore_eos: bool = False
     # "auto": the engine decides k per step; "off": never speculate; an int: that many draft tokens.
     speculation: str | int = "auto"
+    # Constrained decoding (engine/structured.py); the wire sends it as a dict, made a StructuredOutputsParams
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # the two spellings OpenAI clients send, normalised once (the only writes a frozen instance gets)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(
+                self, "structured_outputs", StructuredOutputsParams.from_dict(self.structured_outputs)
+            )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         self.validate()
@@ -90,6 +133,10 @@ class SamplingParams:
             spec in ("auto", "off") or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
             "speculation",
             f'must be "auto", "off" or an integer in [0, {MAX_SPECULATIVE_TOKENS}]',
+        )
+        so = self.structured_outputs
+        check(
+            so is None or isinstance(so, StructuredOutputsParams), "structured_outputs", "must be an object"
         )
 
     @classmethod

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,8 +19,11 @@ from specserve.engine.sampler import RowParams
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
-from specserve.spec.proposer import Proposer
+from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.verifier import VerifyBatch, verify
+
+if TYPE_CHECKING:
+    from specserve.engine.structured import StructuredOutputs
 
 # Per idle step, a request's acceptance estimate drifts back toward the prior, so speculation is retried when
 # the text may have become predictable. Every retry that accepts nothing halves that drift (down to
@@ -81,12 +85,16 @@ class SpeculativeDecoder:
 
     # ---- the step --------------------------------------------------------------------------------------
 
-    def propose(self, plan: SchedulerOutput, generator: torch.Generator) -> DraftBatch | None:
+    def propose(
+        self, plan: SchedulerOutput, generator: torch.Generator, grammar: StructuredOutputs | None = None
+    ) -> DraftBatch | None:
         requests = [(s.seq, s.num_lookahead) for s in plan.scheduled if s.num_lookahead and s.samples]
         if not requests:
             return None
         t0 = time.perf_counter()
         drafts = self.proposer.propose(requests, generator)
+        if grammar is not None:
+            drafts = self._grammar_drafts(grammar, requests, drafts)
         k = max(k for _, k in requests)
         self.policy.draft_step_seconds.observe(len(requests), (time.perf_counter() - t0) / k)
         token_ids: list[int] = []
@@ -100,6 +108,22 @@ class SpeculativeDecoder:
             probs.append(None if draft is None else draft.probs)
         has_probs = any(p is not None for p in probs)
         return DraftBatch(tuple(token_ids), tuple(cu), tuple(probs) if has_probs else None)
+
+    def _grammar_drafts(
+        self, grammar: StructuredOutputs, requests: list[tuple[Sequence, int]], drafts: dict[int, Draft]
+    ) -> dict[int, Draft]:
+        """Constrained sequences' drafts end at the first token their grammar forbids; a stateless proposer's
+        (n-gram) are then extended with the grammar's forced text. A draft model's are only cut: its cache
+        holds its own proposals, so tokens it did not propose must not be verified in their place."""
+        extend = getattr(self.proposer, "stateless", False)
+        out = dict(drafts)
+        for seq, k in requests:
+            if grammar.constrained(seq):
+                draft = drafts.get(seq.seq_id) or Draft([])
+                tokens = grammar.draft(seq, draft.token_ids, k, extend and draft.probs is None)
+                probs = None if draft.probs is None or not tokens else draft.probs[: len(tokens)]
+                out[seq.seq_id] = Draft(tokens, probs)
+        return out
 
     def record_forward(self, num_tokens: int, seconds: float) -> None:
         self.policy.target.observe(num_tokens, seconds)

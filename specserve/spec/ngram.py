@@ -14,6 +14,8 @@ from specserve.spec.proposer import Draft
 
 
 class NgramProposer:
+    stateless = True  # drafts it did not make may replace or extend its own (grammar-forced tokens)
+
     def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")

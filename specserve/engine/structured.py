@@ -1,0 +1,256 @@
+"""Structured output on xgrammar: grammars compiled once per key, one matcher per request, and a token bitmask
+on the logits at every position a step samples, each verify position of a speculative step included.
+
+    check_constraint(params)      tokenizer-free: builds the grammar, so a bad schema / regex / EBNF is an
+                                  InvalidParameter naming `structured_outputs.<kind>` before anything queues
+    StructuredOutputs.compile     grammar -> CompiledGrammar for this tokenizer, cached by (kind, text)
+    .add(seq) / .forget(seq)      a GrammarMatcher per constrained sequence, keyed by seq_id
+    .draft(seq, proposed, k)      grammar-aware drafting: a proposal ends at the first token the grammar
+                                  forbids; then forced text (find_jump_forward_string) is proposed as drafts
+    .mask(plan, drafts, logits)   fills one bitmask row per sampled position (the matcher walks the drafts)
+                                  and applies it in place, before greedy argmax and rejection sampling alike
+    .advance(plan, accepted)      rejected drafts roll the matcher back, the bonus token advances it
+
+Drafted forced tokens are still verified by the target, so a tokenization of the forced text that the model
+would not have chosen costs a rejected draft, never a wrong token: the output is exactly the constrained
+target's, with speculation on or off.
+
+Measured on this machine (SmolLM2-135M tokenizer, 49152 tokens, a 7-field strict schema): TokenizerInfo 0.15 s
+(once), compiling the schema 7 ms (a cache hit 0.06 ms), fill_next_token_bitmask 6 us per token on average
+(74 us worst), find_jump_forward_string 2 us, applying one bitmask row 125-140 us (xgrammar's CPU kernel; the
+torch_native backend took 46 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specserve.engine.sampling_params import InvalidParameter
+from specserve.engine.sequence import Sequence
+from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+    from specserve.engine.sampling_params import StructuredOutputsParams
+
+log = logging.getLogger(__name__)
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+MAX_CACHED_GRAMMARS = 256
+# Compact separators (", " and ": ") instead of any whitespace: the text between values is then forced, and
+# jump-forward drafts it (31 of 51 tokens of a 7-field object had forced text; with any whitespace, none).
+ANY_WHITESPACE = False
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\] [^:]+:\d+: (Check failed: \([^)]*\) is false: )?")
+
+
+def _key(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(kind, text): the cache key, and all a grammar is built from."""
+    kind = params.kind
+    value = getattr(params, kind)
+    if kind == "choice":
+        return kind, json.dumps(value)
+    if kind == "json_object":
+        return kind, ""
+    return kind, value if isinstance(value, str) else json.dumps(value)
+
+
+@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
+def _grammar(kind: str, text: str) -> xgr.Grammar:
+    """The tokenizer-free grammar of a constraint (pure, so memoised: the API and the worker check the same
+    schema once per process, not once per request)."""
+    import xgrammar as xgr
+
+    if kind == "json":
+        return xgr.Grammar.from_json_schema(text, any_whitespace=ANY_WHITESPACE)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ANY_WHITESPACE)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "choice":
+        # each choice a string literal of EBNF; JSON's escapes (\", \\, \uXXXX) are EBNF's too
+        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
+    if kind == "grammar":
+        return xgr.Grammar.from_ebnf(text)
+    return xgr.Grammar.from_structural_tag(text)
+
+
+def check_constraint(params: StructuredOutputsParams) -> None:
+    """Exactly one constraint, of the right type, that xgrammar can build; InvalidParameter otherwise."""
+    given = [k for k in KINDS if getattr(params, k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidParameter("structured_outputs", f"give exactly one of {', '.join(KINDS)}")
+    kind = given[0]
+    value = getattr(params, kind)
+    name = f"structured_outputs.{kind}"
+    if kind in ("json", "structural_tag"):
+        if not isinstance(value, (str, dict)):
+            raise InvalidParameter(name, "must be a JSON object or its text")
+        if isinstance(value, str):
+            try:
+                if not isinstance(json.loads(value), dict):
+                    raise InvalidParameter(name, "must be a JSON object")
+            except ValueError:
+                raise InvalidParameter(name, "is not valid JSON") from None
+    elif kind == "choice":
+        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
+            raise InvalidParameter(name, "must be a non-empty list of non-empty strings")
+    elif kind == "json_object":
+        if value is not True:
+            raise InvalidParameter(name, "must be true or absent")
+    elif not isinstance(value, str) or not value:
+        raise InvalidParameter(name, "must be a non-empty string")
+    try:
+        _grammar(*_key(params))
+    except Exception as e:  # xgrammar raises RuntimeError (and its own errors) with the parser's message
+        message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        raise InvalidParameter(name, f"invalid: {message}") from None
+
+
+@dataclass
+class _State:
+    matcher: xgr.GrammarMatcher
+    pending: int = 0  # drafts mask() walked the matcher through this step, undone in advance()
+
+
+class StructuredOutputs:
+    """Compiled grammars for one tokenizer and the matchers of the constrained sequences.
+
+    Made by the engine at its first constrained request (a disabled feature costs nothing). compile() may be
+    called from the service's loop while the step thread runs, hence the lock around the cache."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Seq[int], max_rollback: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.tokenizer = tokenizer
+        self.info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.max_rollback = max_rollback
+        self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self._states: dict[int, _State] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+        key = _key(params)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        compiled = self.compiler.compile_grammar(_grammar(*key))
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    # ---- per sequence ----------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.params.structured_outputs is not None
+        matcher = self._xgr.GrammarMatcher(
+            self.compile(seq.params.structured_outputs), max_rollback_tokens=self.max_rollback
+        )
+        self._states[seq.seq_id] = _State(matcher)
+
+    def forget(self, seq: Sequence) -> None:
+        self._states.pop(seq.seq_id, None)
+
+    def constrained(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._states
+
+    def draft(self, seq: Sequence, proposed: Seq[int], k: int, extend: bool) -> list[int]:
+        """The grammar-valid prefix of a proposal (no verify slot is spent past a forbidden token), then, if
+        `extend`, forced text tokenized as further drafts, up to k. The matcher is left where it was.
+        Stop tokens are never drafted: the step's own sample ends the sequence there."""
+        state = self._states[seq.seq_id]
+        m = state.matcher
+        out: list[int] = []
+        for t in proposed[:k]:
+            if t in self.stop_token_ids or not m.accept_token(t):
+                break
+            out.append(t)
+        while extend and len(out) < k and not m.is_terminated():
+            forced = m.find_jump_forward_string()
+            if not forced:
+                break
+            before = len(out)
+            for t in self.tokenizer.encode(forced, add_special_tokens=False)[: k - len(out)]:
+                if t in self.stop_token_ids or not m.accept_token(t):
+                    break
+                out.append(t)
+            if len(out) == before:
+                break
+        if out:
+            m.rollback(len(out))
+        return out
+
+    # ---- the step --------------------------------------------------------------------------------------
+
+    def mask(self, plan: SchedulerOutput, drafts: DraftBatch | None, logits: torch.Tensor) -> None:
+        """Mask, in place, every logits row of a constrained sequence: its next position, and after each of
+        its drafts (the rows are packed: 1 + drafts per sampling sequence, in plan order)."""
+        bitmask: torch.Tensor | None = None
+        rows: list[int] = []
+        row = 0
+        for i, s in enumerate(plan.scheduled):
+            if not s.samples:
+                continue
+            n = drafts.num_drafts(i) if drafts is not None else 0
+            state = self._states.get(s.seq.seq_id)
+            if state is not None:
+                if bitmask is None:
+                    bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.info.vocab_size)
+                m = state.matcher
+                m.fill_next_token_bitmask(bitmask, row)
+                rows.append(row)
+                for j, t in enumerate(drafts.drafts(i) if n else ()):
+                    # draft() lets only valid tokens through; were one not, row j (filled before it) forbids
+                    # it, so the verifier rejects it there and the rows after it are never read
+                    if t in self.stop_token_ids or not m.accept_token(t):
+                        break
+                    state.pending += 1
+                    m.fill_next_token_bitmask(bitmask, row + 1 + j)
+                    rows.append(row + 1 + j)
+            row += 1 + n
+        if rows:
+            assert bitmask is not None
+            self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+
+    def advance(self, plan: SchedulerOutput, accepted: Seq[Accepted]) -> None:
+        """After the scheduler applied the step: rejected drafts roll back, the sampled token advances."""
+        for s, acc in zip(plan.scheduled, accepted):
+            state = self._states.get(s.seq.seq_id)
+            if state is None:
+                continue
+            if s.seq.is_finished:
+                del self._states[s.seq.seq_id]
+                continue
+            m = state.matcher
+            walked = min(state.pending, acc.num_accepted_drafts)  # accepted drafts the matcher is past
+            if state.pending > walked:
+                m.rollback(state.pending - walked)
+            state.pending = 0
+            for t in acc.token_ids[walked:]:  # the sampled token (after the accepted drafts)
+                if not m.accept_token(t):
+                    # cannot happen while the mask holds; keep serving the request rather than fail the step
+                    log.error("grammar refused token %d of %s; unconstrained from here", t, s.seq.request_id)
+                    del self._states[s.seq.seq_id]
+                    break
