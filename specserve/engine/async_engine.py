@@ -83,6 +83,7 @@ class AsyncLLMEngine:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
         prompt_ids = self.engine.encode_prompt(prompt)  # tokenising here keeps it off the step thread
+        self.engine.compile_grammar(params)  # so does compiling a grammar (cached: once per schema)
         queue: asyncio.Queue[StepDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:

@@ -193,7 +193,9 @@ class Runner:
     async def begin(self, rid: str, body: RequestBody, shown: Shown | None = None) -> Started:
         """Hand a request to the engine, tokenizing a long prompt in a thread first; a rerun whose earlier
         runs showed tokens continues after them."""
-        if shown is not None and shown.token_ids:
+        # A constrained rerun starts over rather than resume: its grammar's matcher would have to replay the
+        # shown tokens first. Greedy and seeded reruns repeat what readers saw, and readers skip it.
+        if shown is not None and shown.token_ids and "structured_outputs" not in body.sampling:
             return await self._resume(rid, body, shown)
         if prompt_chars(body) <= LONG_PROMPT_CHARS:
             return self.start(rid, body)
