@@ -28,7 +28,7 @@ from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
 from specserve.engine.sampler import RowParams, sample
-from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS, InvalidParameter, SamplingParams
+from specserve.engine.sampling_params import InvalidParameter, SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
 from specserve.engine.static_scheduler import StaticScheduler
@@ -205,10 +205,7 @@ class LLMEngine:
         with self._structured_lock:
             if self.structured is None:
                 self.structured = StructuredOutputs(
-                    self.tokenizer,
-                    self.model_config.vocab_size,
-                    self.eos_token_ids,
-                    MAX_SPECULATIVE_TOKENS + 1,
+                    self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
                 )
         self.structured.compile(params.structured_outputs)
         return self.structured

@@ -129,7 +129,7 @@ class StructuredOutputs:
     Made by the engine at its first constrained request (a disabled feature costs nothing). compile() may be
     called from the service's loop while the step thread runs, hence the lock around the cache."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Seq[int], max_rollback: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Seq[int]) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
@@ -139,7 +139,6 @@ class StructuredOutputs:
         )
         self.stop_token_ids = frozenset(stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.max_rollback = max_rollback
         self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._states: dict[int, _State] = {}
@@ -165,10 +164,10 @@ class StructuredOutputs:
 
     def add(self, seq: Sequence) -> None:
         assert seq.params.structured_outputs is not None
-        matcher = self._xgr.GrammarMatcher(
-            self.compile(seq.params.structured_outputs), max_rollback_tokens=self.max_rollback
+        # rollback is unbounded in xgrammar 0.2 (max_rollback_tokens is deprecated)
+        self._states[seq.seq_id] = _State(
+            self._xgr.GrammarMatcher(self.compile(seq.params.structured_outputs))
         )
-        self._states[seq.seq_id] = _State(matcher)
 
     def forget(self, seq: Sequence) -> None:
         self._states.pop(seq.seq_id, None)
