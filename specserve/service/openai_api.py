@@ -57,7 +57,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True),
     # vLLM's sampling extras, which its clients send at these values (`vllm bench serve` does)
     "repetition_penalty": (None, 1, 1.0),
@@ -65,9 +64,19 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 _NEUTRAL_IN_BOTH = {"presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
 _NEUTRAL_IN_BOTH |= {"repetition_penalty", "min_p"}
-COMPLETION_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | {"messages", "max_completion_tokens", "top_logprobs"}
-CHAT_FIELDS |= {"tools", "tool_choice", "response_format", "parallel_tool_calls"}
+# Constrained decoding: OpenAI's response_format, vLLM's structured_outputs and its older guided_* aliases.
+GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
+COMPLETION_FIELDS = (
+    COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | {"prompt", "echo", "best_of", "suffix"}
+)
+CHAT_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | {"messages", "max_completion_tokens"}
+CHAT_FIELDS |= {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
 
 
 def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
@@ -76,6 +85,49 @@ def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
             raise ApiError(400, f"{key}: unknown field", key)
         if key in NEUTRAL and value not in NEUTRAL[key]:
             raise ApiError(400, f"{key}: not supported (only {NEUTRAL[key][-1]!r})", key)
+
+
+def _response_format(rf: Any) -> dict[str, Any] | None:
+    """OpenAI's response_format as the wire's structured_outputs (None for plain text)."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ApiError(
+                400, "response_format: json_schema.schema must be a JSON schema object", "response_format"
+            )
+        return {"json": spec["schema"]}
+    raise ApiError(
+        400, 'response_format: type must be "text", "json_object" or "json_schema"', "response_format"
+    )
+
+
+def _structured(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The one constraint a request asks for, in whichever spelling, as the wire's structured_outputs."""
+    given = [k for k in ("response_format", "structured_outputs", *GUIDED) if data.get(k) is not None]
+    if len(given) > 1:
+        raise ApiError(400, f"{given[1]}: give only one of {', '.join(given)}", given[1])
+    if not given:
+        return None
+    field = given[0]
+    if field == "response_format":
+        return _response_format(data[field])
+    if field == "structured_outputs":
+        return data[field]  # checked by SamplingParams like any sampling field; errors name its key
+    return {GUIDED[field]: data[field]}
+
+
+def _structured_field(param: str, data: dict[str, Any]) -> str:
+    """An error about the wire's structured_outputs.<kind>, as the field the client sent."""
+    if "structured_outputs" in data:
+        return param
+    if data.get("response_format") is not None:
+        return "response_format"
+    return next((k for k in GUIDED if data.get(k) is not None), param)
 
 
 def _single_prompt(prompt: Any) -> Any:
@@ -119,6 +171,9 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
             body[key] = data[key]
     if data.get("timeout") is not None:
         body["deadline"] = deadline_after(data["timeout"])
+    structured = _structured(data)
+    if structured is not None:
+        body["structured_outputs"] = structured
     if not stream:
         body["stream"] = False  # we answer once, at the end: the worker need not write every step
     meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
@@ -131,6 +186,10 @@ def _as_sent(e: ApiError, data: dict[str, Any]) -> ApiError:
     if e.param == "max_tokens" and "max_completion_tokens" in data:
         e.param = "max_completion_tokens"
         e.message = e.message.replace("max_tokens", "max_completion_tokens", 1)
+    if e.param and e.param.startswith("structured_outputs"):
+        sent = _structured_field(e.param, data)
+        e.message = e.message.replace(e.param, sent, 1)
+        e.param = sent
     return e
 
 
