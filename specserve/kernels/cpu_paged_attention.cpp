@@ -9,7 +9,10 @@
 // loop runs across the block's tokens (one vector register for 16 tokens) with no horizontal sums; a
 // two-pass softmax then weights V rows. Every cached row is read once. Causal masking is done by loop
 // bounds (a row stops at its own position), so no -inf ever enters the arithmetic and unowned cache slots
-// (a block's unwritten tail) are never read.
+// (a block's unwritten tail) are never read. A sliding window (Gemma 3, Mistral) is a lower bound the same
+// way: a row's softmax starts at its first visible position and the task starts at the block holding its
+// earliest row's first one, so blocks wholly before the window are never read. Score soft-capping
+// (cap * tanh(s / cap), Gemma 2 style) is applied in the softmax, shared by every path.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -93,9 +96,18 @@ inline void pv_block(int64_t R, const int64_t* limit, const T* vblock, int64_t r
   }
 }
 
-// Softmax of one row of scores over [0, n), in place, then zeros over [n, n_pad) (the bf16 kernel's row
-// tile runs its PV loop to its longest row, and a shorter row must add nothing there).
-inline void softmax_row(float* sr, int64_t n, int64_t n_pad) {
+// Softmax of one row of scores over [lo, n), in place, then zeros over [z0, lo) and [n, n_pad) (a row tile
+// runs its PV loop from its earliest row's window start to its longest row, and a row must add nothing
+// outside its own range). cap > 0: scores are first capped to cap * tanh(s / cap).
+inline void softmax_row(float* sr, int64_t z0, int64_t lo, int64_t n, int64_t n_pad, float cap) {
+  if (cap > 0.f) {
+    const float inv_cap = 1.f / cap;
+    for (int64_t i = lo; i < n; ++i) sr[i] = cap * std::tanh(sr[i] * inv_cap);
+  }
+  for (int64_t i = z0; i < lo; ++i) sr[i] = 0.f;
+  sr += lo;
+  n -= lo;
+  n_pad -= lo;
   int64_t p = 0;
 #if defined(__AVX512F__)
   __m512 m = _mm512_set1_ps(-3.0e38f);
@@ -142,7 +154,14 @@ struct Args {
   float scale;
   void* out;
   int64_t o_tok, o_head;
+  int64_t window;  // sliding window in positions (a row sees its own and window - 1 before); 0: none
+  float softcap;   // 0: none
 };
+
+// First position row `limit` (one past its own position) sees.
+inline int64_t window_start(const Args& a, int64_t limit) {
+  return a.window > 0 && limit > a.window ? limit - a.window : 0;
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // bfloat16 caches on CPUs with AVX512-BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later), for queries of
@@ -261,9 +280,10 @@ void run_bf16(const Args& a, int num_threads) {
         // in the cache, so the hardware prefetcher cannot run ahead: K is asked for kPrefetchAhead blocks
         // early and V, needed after the softmax, a block behind it.
         const int64_t num_blocks = (end + BS - 1) / BS;
+        const int64_t b0 = window_start(a, limit[0]) / BS;  // blocks before it are outside every window
         if (prefetcher)
-          for (int64_t b = 0; b < kPrefetchAhead && b < num_blocks; ++b) prefetch_block(kp, b);
-        for (int64_t u = 0; u < num_tiles; ++u) {
+          for (int64_t b = b0; b < b0 + kPrefetchAhead && b < num_blocks; ++b) prefetch_block(kp, b);
+        for (int64_t u = b0 * BS / 16; u < num_tiles; ++u) {
           const int64_t p0 = u * 16, b = p0 / BS;
           if (prefetcher && p0 % BS == 0) {
             if (b + kPrefetchAhead < num_blocks) prefetch_block(kp, b + kPrefetchAhead);
@@ -310,12 +330,14 @@ void run_bf16(const Args& a, int num_threads) {
         for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
           const int64_t nr = R - r0 < kRowTile ? R - r0 : kRowTile;
           const int64_t n_pad = limit[r0 + nr - 1];
-          for (int64_t r = r0; r < r0 + nr; ++r) softmax_row(scores.data() + r * stride, limit[r], n_pad);
+          for (int64_t r = r0; r < r0 + nr; ++r)
+            softmax_row(scores.data() + r * stride, b0 * BS, window_start(a, limit[r]), limit[r], n_pad,
+                        a.softcap);
           __m512 acc[kRowTile][HD / 16];
           for (int rr = 0; rr < kRowTile; ++rr)
             for (int c = 0; c < HD / 16; ++c) acc[rr][c] = _mm512_setzero_ps();
           const int64_t nb = (n_pad + BS - 1) / BS;
-          for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t b = b0; b < nb; ++b) {
             const uint16_t* vb = vp + static_cast<int64_t>(table[b]) * BS * row + h * HD;
             const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
             for (int64_t t = 0; t < nt; ++t) {
@@ -393,13 +415,13 @@ inline void qk_rows_f32(const float* q, const __m256* kt, float* dst, int64_t st
 // acc[rows][32-float slice dc] += p * v over the tokens [0, n_pad) of the rows' softmaxed scores.
 template <int NR, int HD>
 inline void pv_rows_f32(const float* scores, int64_t stride, const float* vp, const int32_t* table, int64_t BS,
-                        int64_t row, int64_t hoff, int64_t n_pad, float* const* dst) {
+                        int64_t row, int64_t hoff, int64_t b0, int64_t n_pad, float* const* dst) {
   for (int dc = 0; dc < HD; dc += 32) {
     __m256 acc[NR][4];
     for (int i = 0; i < NR; ++i)
       for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
     const int64_t nb = (n_pad + BS - 1) / BS;
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t b = b0; b < nb; ++b) {
       const float* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
       const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
       const float* pt = scores + base;
@@ -493,9 +515,10 @@ void run_f32(const Args& a, int num_threads) {
           }
 
         const int64_t num_blocks = (end + BS - 1) / BS;
+        const int64_t b0 = window_start(a, limit[0]) / BS;  // blocks before it are outside every window
         if (prefetcher)
-          for (int64_t b = 0; b < kPrefetchAheadF32 && b < num_blocks; ++b) prefetch_block(kp, b);
-        for (int64_t u = 0; u < num_tiles; ++u) {
+          for (int64_t b = b0; b < b0 + kPrefetchAheadF32 && b < num_blocks; ++b) prefetch_block(kp, b);
+        for (int64_t u = b0 * BS / 8; u < num_tiles; ++u) {
           const int64_t p0 = u * 8, b = p0 / BS;
           if (prefetcher && p0 % BS == 0) {
             if (b + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b + kPrefetchAheadF32);
@@ -520,11 +543,14 @@ void run_f32(const Args& a, int num_threads) {
         for (int64_t r0 = 0; r0 < R; r0 += 3) {
           const int64_t nr = R - r0 < 3 ? R - r0 : 3;
           const int64_t n_pad = limit[r0 + nr - 1];
-          for (int64_t r = r0; r < r0 + nr; ++r) softmax_row(scores.data() + r * stride, limit[r], n_pad);
+          for (int64_t r = r0; r < r0 + nr; ++r)
+            softmax_row(scores.data() + r * stride, b0 * BS, window_start(a, limit[r]), limit[r], n_pad,
+                        a.softcap);
           const float* sc = scores.data() + r0 * stride;
-          if (nr == 3) pv_rows_f32<3, HD>(sc, stride, vp, table, BS, row, h * HD, n_pad, dst.data() + r0);
-          else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, vp, table, BS, row, h * HD, n_pad, dst.data() + r0);
-          else pv_rows_f32<1, HD>(sc, stride, vp, table, BS, row, h * HD, n_pad, dst.data() + r0);
+          float* const* d = dst.data() + r0;
+          if (nr == 3) pv_rows_f32<3, HD>(sc, stride, vp, table, BS, row, h * HD, b0, n_pad, d);
+          else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, vp, table, BS, row, h * HD, b0, n_pad, d);
+          else pv_rows_f32<1, HD>(sc, stride, vp, table, BS, row, h * HD, b0, n_pad, d);
         }
       }
     }
@@ -584,8 +610,9 @@ void run(const Args& a, int num_threads) {
           limit[i * group + g] = len - q_len + i + 1;  // token i sees positions before this
         }
       const int64_t num_blocks = (len + BS - 1) / BS;
+      const int64_t b0 = window_start(a, limit[0]) / BS;  // blocks before it are outside every window
 
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int64_t b = b0; b < num_blocks; ++b) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;
         const T* kblock = kp + static_cast<int64_t>(table[b]) * BS * row + h * D;
         if (first && b + 1 < num_blocks) prefetch_rows(kp, table[b + 1], h, fetch);
@@ -593,9 +620,10 @@ void run(const Args& a, int num_threads) {
                           scores.data(), len);
       }
 
-      for (int64_t r = 0; r < R; ++r) softmax_row(scores.data() + r * len, limit[r], limit[r]);
+      for (int64_t r = 0; r < R; ++r)
+        softmax_row(scores.data() + r * len, b0 * BS, window_start(a, limit[r]), limit[r], limit[r], a.softcap);
 
-      for (int64_t b = 0; b < num_blocks; ++b) {
+      for (int64_t b = b0; b < num_blocks; ++b) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;
         const T* vblock = vp + static_cast<int64_t>(table[b]) * BS * row + h * D;
         if (first && b + 1 < num_blocks) prefetch_rows(vp, table[b + 1], h, fetch);
@@ -632,11 +660,11 @@ extern "C" int specserve_paged_attention_short(
     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
     const int32_t* query_start_loc, const int64_t* seq_ids, int64_t num_seqs, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void* out, int64_t o_tok,
-    int64_t o_head, int dtype, int num_threads) {
-  if (block_size > 256 || num_heads % num_kv_heads != 0) return 1;
+    int64_t o_head, int dtype, int num_threads, int64_t window, float softcap) {
+  if (block_size > 256 || num_heads % num_kv_heads != 0 || window < 0) return 1;
   const Args a{q,        q_tok,    q_head,    k_cache,      v_cache,   block_tables, table_stride,
                seq_lens, query_start_loc, seq_ids, num_seqs, num_heads, num_kv_heads, head_dim,
-               block_size, scale, out, o_tok, o_head};
+               block_size, scale, out, o_tok, o_head, window, softcap};
   // Head sizes known at compile time let the compiler unroll the dot products into whole registers.
   if (dtype == 0) {
 #ifdef SPECSERVE_F32_PATH

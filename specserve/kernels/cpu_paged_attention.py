@@ -113,7 +113,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
         raise RuntimeError("no C++ compiler found")
     lib = ctypes.CDLL(str(_build(compiler, isa)))
     # p: pointer, i: int64, f: float, c: int (every function returns an int status)
-    _bind(lib, "specserve_paged_attention_short", "p i i p p p i p p p i i i i i f p i i c c")
+    _bind(lib, "specserve_paged_attention_short", "p i i p p p i p p p i i i i i f p i i c c i f")
     _bind(lib, "specserve_rope_write_kv", "p i i p p p i i i p p p c c")
     _bind(lib, "specserve_paths", "")
     return lib
@@ -166,9 +166,13 @@ def paged_attention_short(
     seq_ids: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Attention for the sequences in seq_ids (int64), written into out; load() must have succeeded.
-    Queries longer than a few tokens only where supports_long() says so.
+    Queries longer than a few tokens only where supports_long() says so. window: each query sees its own
+    position and the window - 1 before it (blocks wholly before are not read); softcap: scores become
+    softcap * tanh(score / softcap) before the softmax.
 
     q and out are [tokens, heads, head_dim] with head_dim innermost; the caches contiguous; block_tables,
     seq_lens and query_start_loc int32 and contiguous. The dtype of q, out and the caches must match.
@@ -209,6 +213,8 @@ def paged_attention_short(
         out.stride(1),
         DTYPES[q.dtype],
         torch.get_num_threads(),
+        window or 0,
+        softcap or 0.0,
     )
     if rc != 0:
         raise ValueError(f"paged_attention_short refused its arguments (code {rc})")

@@ -7,8 +7,10 @@ Layout (vLLM's): all new query tokens of all sequences are packed along dim 0.
 - seq_lens:        [num_seqs] int32, tokens in the cache for each sequence *including* the new ones
 - query_start_loc: [num_seqs + 1] int32, cumulative query lengths (sequence s owns q[qsl[s]:qsl[s+1]])
 Query token i of sequence s sits at position seq_len - q_len + i and attends to positions <= its own
-(causal within the new tokens, full attention to the earlier context). The new tokens' K/V must already be
-written into the cache (write_kv) before the call.
+(causal within the new tokens, full attention to the earlier context); with a sliding `window` W only to the
+W positions ending at its own (HF's kv > q - W), and blocks wholly before every query's window are not read.
+`softcap` caps scores as cap * tanh(score / cap) before the softmax (Gemma 2 style). The new tokens' K/V
+must already be written into the cache (write_kv) before the call.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class LongSeq:
     q_start: int
     q_len: int
     seq_len: int
-    blocks: torch.Tensor  # [ceil(seq_len / block_size)]
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] (from first_pos's block with a window)
     mask: torch.Tensor | None  # None: pure causal over a fresh prompt (q_len == seq_len)
+    first_pos: int = 0  # position of blocks[0]'s first token (a window skips the blocks before it)
 
 
 @dataclass
@@ -90,6 +93,7 @@ class AttentionPlan:
     long: list[LongSeq] | None
     native: NativeShort | None = None
     long_inputs: tuple | None = field(default=None, repr=False)
+    window: int | None = None
 
     def long_seqs(self) -> list[LongSeq]:
         if self.long is None:
@@ -118,15 +122,27 @@ def _split_by_length(ids: list[int], seq_lens: list[int]) -> list[list[int]]:
     return groups
 
 
-def _short_group(ids: list[int], block_tables, seq_lens, query_lens, starts, block_size: int) -> ShortGroup:
+def _first_block(seq_len: int, q_len: int, block_size: int, window: int | None) -> int:
+    """The first block any of the sequence's queries sees: with a window, the one holding the earliest
+    query's first visible position; blocks before it are never gathered."""
+    if window is None:
+        return 0
+    return max(0, seq_len - q_len + 1 - window) // block_size
+
+
+def _short_group(
+    ids: list[int], block_tables, seq_lens, query_lens, starts, block_size: int, window: int | None = None
+) -> ShortGroup:
     n = len(ids)
     max_q = max(query_lens[s] for s in ids)
-    max_blocks = max(-(-seq_lens[s] // block_size) for s in ids)
+    first = {s: _first_block(seq_lens[s], query_lens[s], block_size, window) for s in ids}
+    max_blocks = max(-(-seq_lens[s] // block_size) - first[s] for s in ids)
     q_index = torch.zeros(n, max_q, dtype=torch.long)
     q_valid = torch.zeros(n, max_q, dtype=torch.bool)
     q_pos = torch.zeros(n, max_q, dtype=torch.long)
     blocks = []
     lens = []
+    offsets = []
     for row, s in enumerate(ids):
         ql, sl = query_lens[s], seq_lens[s]
         q_index[row, :ql] = torch.arange(starts[s], starts[s] + ql)
@@ -134,12 +150,16 @@ def _short_group(ids: list[int], block_tables, seq_lens, query_lens, starts, blo
         q_valid[row, :ql] = True
         q_pos[row, :ql] = torch.arange(sl - ql, sl)
         q_pos[row, ql:] = sl - 1
-        own = block_tables[s][: -(-sl // block_size)]
+        own = block_tables[s][first[s] : -(-sl // block_size)]
         blocks.extend(own + [own[0]] * (max_blocks - len(own)))
         lens.append(sl)
-    kv_pos = torch.arange(max_blocks * block_size)[None, None, :]
+        offsets.append(first[s] * block_size)
+    # absolute position of each gathered row
+    kv_pos = torch.arange(max_blocks * block_size)[None, None, :] + torch.tensor(offsets)[:, None, None]
     kv_len = torch.tensor(lens)[:, None, None]
     mask = (kv_pos <= q_pos[:, :, None]) & (kv_pos < kv_len)
+    if window is not None:
+        mask &= kv_pos > q_pos[:, :, None] - window
     pad_index = torch.nonzero((kv_pos >= kv_len).flatten()).flatten()
     blocks_t = torch.tensor(blocks, dtype=torch.long)
     return ShortGroup(q_index, q_valid, blocks_t, max_blocks, mask[:, None], pad_index, q_index[q_valid])
@@ -151,14 +171,16 @@ def build_plan(
     query_lens: list[int],
     block_size: int,
     native_short: bool = False,
+    window: int | None = None,
 ) -> AttentionPlan:
     """native_short: short queries (and long ones, where it handles them) go to the C++ kernel
-    (cpu_paged_attention) instead of gather + SDPA."""
+    (cpu_paged_attention) instead of gather + SDPA. window: a sliding window's plan (each layer type with
+    its own window reads its own plan)."""
     starts = [0]
     for ql in query_lens:
         starts.append(starts[-1] + ql)
     short_ids = [s for s, ql in enumerate(query_lens) if ql <= SHORT_QUERY_MAX]
-    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size)
+    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window)
     if native_short:
         width = max(len(t) for t in block_tables)
         long_ids = [s for s, ql in enumerate(query_lens) if ql > SHORT_QUERY_MAX]
@@ -169,12 +191,12 @@ def build_plan(
             torch.tensor(seq_lens, dtype=torch.int32),
             torch.tensor(starts, dtype=torch.int32),
         )
-        return AttentionPlan([], None, native, long_inputs)
+        return AttentionPlan([], None, native, long_inputs, window)
     groups = [
-        _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size)
+        _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size, window)
         for ids in _split_by_length(short_ids, seq_lens)
     ]
-    return AttentionPlan(groups, _long_seqs(*long_inputs))
+    return AttentionPlan(groups, _long_seqs(*long_inputs), window=window)
 
 
 def _long_seqs(
@@ -183,26 +205,48 @@ def _long_seqs(
     query_lens: list[int],
     starts: list[int],
     block_size: int,
+    window: int | None = None,
 ) -> list[LongSeq]:
     long = []
     for s, ql in enumerate(query_lens):
         if ql <= SHORT_QUERY_MAX:
             continue
         sl = seq_lens[s]
-        blocks = torch.tensor(block_tables[s][: -(-sl // block_size)], dtype=torch.long)
+        first = _first_block(sl, ql, block_size, window)
+        blocks = torch.tensor(block_tables[s][first : -(-sl // block_size)], dtype=torch.long)
         mask = None
-        if sl != ql:
+        if sl != ql or window is not None:
             q_pos = torch.arange(sl - ql, sl)[:, None]
-            mask = torch.arange(sl)[None, :] <= q_pos
-        long.append(LongSeq(starts[s], ql, sl, blocks, mask))
+            kv_pos = torch.arange(first * block_size, sl)[None, :]
+            mask = kv_pos <= q_pos
+            if window is not None:
+                mask &= kv_pos > q_pos - window
+        long.append(LongSeq(starts[s], ql, sl, blocks, mask, first * block_size))
     return long
 
 
 def _sdpa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float, causal: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask,
+    scale: float,
+    causal: bool,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, Lq, Hq, D], k/v [B, Lk, Hkv, D] -> [B, Lq, Hq, D]; SDPA shares each KV head across its group."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if softcap:
+        # SDPA cannot cap scores: the same arithmetic spelled out (as HF's eager attention does it)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+        if causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (probs @ v).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -219,8 +263,11 @@ def paged_attention(
     scale: float,
     plan: AttentionPlan | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of packed queries against the paged cache. Returns [num_tokens, num_q_heads, head_dim]."""
+    """Attention of packed queries against the paged cache. Returns [num_tokens, num_q_heads, head_dim].
+    A plan must have been built for the same window (build_plan(..., window=window))."""
     if plan is None:
         qsl = query_start_loc.tolist()
         plan = build_plan(
@@ -228,7 +275,10 @@ def paged_attention(
             seq_lens.tolist(),
             [b - a for a, b in zip(qsl[:-1], qsl[1:])],
             k_cache.shape[1],
+            window=window,
         )
+    if plan.window != window:
+        raise ValueError(f"attention plan built for window {plan.window}, called with {window}")
     if out is None:
         out = torch.empty_like(q)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -253,10 +303,24 @@ def paged_attention(
                 for row, n in zip(nat.block_tables.tolist(), nat.seq_lens.tolist())
             ]
             plan = build_plan(
-                tables, nat.seq_lens.tolist(), [b - a for a, b in zip(qsl[:-1], qsl[1:])], k_cache.shape[1]
+                tables,
+                nat.seq_lens.tolist(),
+                [b - a for a, b in zip(qsl[:-1], qsl[1:])],
+                k_cache.shape[1],
+                window=window,
             )
             return paged_attention(
-                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan, out
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                scale,
+                plan,
+                out,
+                window,
+                softcap,
             )
         nat = plan.native
         ids = nat.seq_ids
@@ -268,19 +332,29 @@ def paged_attention(
                 long_seqs = plan.long_seqs()
         if ids.numel():
             cpu_paged_attention.paged_attention_short(
-                q, k_cache, v_cache, nat.block_tables, nat.seq_lens, nat.query_start_loc, ids, scale, out
+                q,
+                k_cache,
+                v_cache,
+                nat.block_tables,
+                nat.seq_lens,
+                nat.query_start_loc,
+                ids,
+                scale,
+                out,
+                window=window,
+                softcap=softcap,
             )
     else:
         long_seqs = plan.long_seqs()
     for g in plan.groups:
         n = g.q_index.shape[0]
         ks, vs = gather(k_cache, g.blocks, n, g.pad_index), gather(v_cache, g.blocks, n, g.pad_index)
-        res = _sdpa(q[g.q_index], ks, vs, g.mask, scale, False)
+        res = _sdpa(q[g.q_index], ks, vs, g.mask, scale, False, softcap)
         out[g.out_index] = res[g.q_valid]
     for seq in long_seqs:
         qs = q[seq.q_start : seq.q_start + seq.q_len][None]
-        ks = gather(k_cache, seq.blocks, 1)[:, : seq.seq_len]
-        vs = gather(v_cache, seq.blocks, 1)[:, : seq.seq_len]
-        res = _sdpa(qs, ks, vs, seq.mask, scale, causal=seq.mask is None)
+        ks = gather(k_cache, seq.blocks, 1)[:, : seq.seq_len - seq.first_pos]
+        vs = gather(v_cache, seq.blocks, 1)[:, : seq.seq_len - seq.first_pos]
+        res = _sdpa(qs, ks, vs, seq.mask, scale, seq.mask is None, softcap)
         out[seq.q_start : seq.q_start + seq.q_len] = res[0]
     return out
