@@ -59,8 +59,14 @@ class ModelRunner:
         for n in query_lens:
             qsl.append(qsl[-1] + n)
         plan = None
+        window_plans: dict[int, object] = {}
         if self.backend.build_plan is not None:
             plan = self.backend.build_plan(tables, seq_lens, query_lens, self.block_size)
+            # sliding-window layers (Gemma 3, Mistral) read plans of their own; none for most models
+            for w in self.model.windows:
+                window_plans[w] = self.backend.build_plan(
+                    tables, seq_lens, query_lens, self.block_size, window=w
+                )
             block_tables = torch.empty(0, dtype=torch.int32)  # the plan carries what the kernel reads
         else:
             width = max(len(t) for t in tables)
@@ -72,6 +78,7 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             plan=plan,
+            window_plans=window_plans,
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=device),

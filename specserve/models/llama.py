@@ -1,12 +1,16 @@
-"""Our own Llama-family forward (Llama 2/3, Mistral, Qwen2, SmolLM) over the paged KV cache.
+"""One forward for every supported family (Llama 2/3, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Phi-3/4,
+Gemma 3) over the paged KV cache.
 
 Tokens of all sequences in a step are packed along dim 0 (no padding): every matmul sees the whole
-batch, and only attention knows where one sequence ends and the next begins.
+batch, and only attention knows where one sequence ends and the next begins. What a family does differently
+is a switch of `cfg.family` (models/config.py) or a per-layer fact (window, rotary embedding, sparse MLP);
+every matmul with a weight goes through `self.linear(x, weight, bias)`, the one place a quantized linear
+plugs in.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,8 @@ class AttentionInputs:
     seq_lens: torch.Tensor  # [num_seqs] context length including the new tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     plan: object | None = None  # the backend's precomputed index tensors, if it uses any
+    # The plan per sliding window, for backends whose plans depend on what a query sees (the torch reference)
+    window_plans: dict[int, object] = field(default_factory=dict)
 
 
 def prepacked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -48,31 +54,82 @@ def _prepacked_linear(
 class Layer:
     """One decoder layer's weights, with q/k/v and gate/up fused so each is one matmul."""
 
-    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, index: int) -> None:
         def w(name: str) -> torch.Tensor:
             return sd[prefix + name]
 
         def b(name: str) -> torch.Tensor | None:
             return sd.get(prefix + name)
 
-        self.qkv = torch.cat(
-            [w("self_attn.q_proj.weight"), w("self_attn.k_proj.weight"), w("self_attn.v_proj.weight")]
-        )
-        self.qkv_bias = (
-            torch.cat([b("self_attn.q_proj.bias"), b("self_attn.k_proj.bias"), b("self_attn.v_proj.bias")])
-            if cfg.qkv_bias
-            else None
-        )
+        fam = cfg.family
+        att = "self_attn."
+        if prefix + "self_attn.qkv_proj.weight" in sd:  # Phi-3 stores them fused already
+            self.qkv = w("self_attn.qkv_proj.weight")
+            self.qkv_bias = b("self_attn.qkv_proj.bias")
+        else:
+            self.qkv = torch.cat(
+                [w(att + "q_proj.weight"), w(att + "k_proj.weight"), w(att + "v_proj.weight")]
+            )
+            self.qkv_bias = (
+                torch.cat([b(att + "q_proj.bias"), b(att + "k_proj.bias"), b(att + "v_proj.bias")])
+                if cfg.qkv_bias
+                else None
+            )
         self.o = w("self_attn.o_proj.weight")
         self.o_bias = b("self_attn.o_proj.bias") if cfg.o_bias else None
-        self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+        self.q_norm = b("self_attn.q_norm.weight") if fam.qk_norm else None
+        self.k_norm = b("self_attn.k_norm.weight") if fam.qk_norm else None
+        self.input_norm = w("input_layernorm.weight")
+        if fam.sandwich_norms:  # Gemma: post_attention_layernorm normalises the attention output
+            self.attn_out_norm = w("post_attention_layernorm.weight")
+            self.mlp_norm = w("pre_feedforward_layernorm.weight")
+            self.mlp_out_norm = w("post_feedforward_layernorm.weight")
+        else:
+            self.attn_out_norm = self.mlp_out_norm = None
+            self.mlp_norm = w("post_attention_layernorm.weight")
+        self.window = cfg.layer_window[index]
+        self.rope = cfg.layer_rope[index]
+        self.router: torch.Tensor | None = None
+        self.experts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gate_up, down) per expert
+        if cfg.layer_moe[index]:
+            self.router, self.experts = _experts(sd, prefix, cfg.num_experts)
+            self.gate_up = self.down = None
+            self.gate_up_bias = self.down_bias = None
+            return
+        if prefix + "mlp.gate_up_proj.weight" in sd:  # Phi-3
+            self.gate_up = w("mlp.gate_up_proj.weight")
+        else:
+            self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
         self.gate_up_bias = (
             torch.cat([b("mlp.gate_proj.bias"), b("mlp.up_proj.bias")]) if cfg.mlp_bias else None
         )
         self.down = w("mlp.down_proj.weight")
         self.down_bias = b("mlp.down_proj.bias") if cfg.mlp_bias else None
-        self.input_norm = w("input_layernorm.weight")
-        self.post_norm = w("post_attention_layernorm.weight")
+
+
+def _experts(
+    sd: dict[str, torch.Tensor], prefix: str, num_experts: int
+) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Router and per-expert (gate_up, down) weights from Qwen3-MoE's names (mlp.experts.E.gate_proj),
+    Mixtral's (block_sparse_moe.experts.E.w1/w3/w2) or transformers 5's fused 3-D tensors."""
+    if prefix + "block_sparse_moe.gate.weight" in sd:
+        moe = prefix + "block_sparse_moe."
+        names = ("w1", "w3", "w2")
+    else:
+        moe = prefix + "mlp."
+        names = ("gate_proj", "up_proj", "down_proj")
+    if moe + "experts.gate_up_proj" in sd:
+        gate_up, down = sd[moe + "experts.gate_up_proj"], sd[moe + "experts.down_proj"]
+        return sd[moe + "gate.weight"], [(gate_up[e], down[e]) for e in range(num_experts)]
+    gate, up, down = names
+    experts = [
+        (
+            torch.cat([sd[f"{moe}experts.{e}.{gate}.weight"], sd[f"{moe}experts.{e}.{up}.weight"]]),
+            sd[f"{moe}experts.{e}.{down}.weight"],
+        )
+        for e in range(num_experts)
+    ]
+    return sd[moe + "gate.weight"], experts
 
 
 class LlamaModel:
@@ -88,21 +145,40 @@ class LlamaModel:
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend: AttentionBackend = select_backend(self.device, attention_backend)
-        sd = {k: v.to(device=self.device, dtype=dtype) for k, v in state_dict.items()}
+        fam = cfg.family
+        sd = {
+            # Gemma's RMSNorm scales by (1 + w): folded into the weight once, in float32.
+            k: (v.float() + 1.0 if fam.norm_plus_one and k.endswith("norm.weight") else v).to(
+                device=self.device, dtype=dtype
+            )
+            for k, v in state_dict.items()
+        }
         self.embed = sd["model.embed_tokens.weight"]
-        self.layers = [Layer(sd, f"model.layers.{i}.", cfg) for i in range(cfg.num_layers)]
+        # Gemma multiplies embeddings by sqrt(hidden) rounded to the model's dtype, as HF does.
+        self.embed_scale = (
+            torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=self.device) if fam.embed_scale else None
+        )
+        self.layers = [Layer(sd, f"model.layers.{i}.", cfg, i) for i in range(cfg.num_layers)]
         self.norm = sd["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
         self.linear = F.linear
-        # bit for bit the torch ops in both dtypes (tests/test_kernels.py), so the HF oracle tests still hold
-        self._fused_rope = self.backend.rope_write_kv is not None and dtype in (torch.float32, torch.bfloat16)
+        self.act = F.silu if cfg.hidden_act == "silu" else lambda x: F.gelu(x, approximate="tanh")
+        # bit for bit the torch ops in both dtypes (tests/test_kernels.py), so the HF oracle tests still hold;
+        # partial rotary (Phi) rotates only part of each head, which the fused kernel does not do
+        self._fused_rope = (
+            self.backend.rope_write_kv is not None
+            and dtype in (torch.float32, torch.bfloat16)
+            and all(r.rotary_dim == cfg.head_dim for r in cfg.ropes)
+        )
         if prepacked_linear_available(self.device, dtype):
             self._prepack()
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
-        self._inv_freq = cfg.inv_freq().to(self.device)
-        self._cos = self._sin = torch.empty(0)
+        self.scale = cfg.scale
+        self.windows = cfg.windows  # distinct sliding windows: the runner builds a plan for each
+        self._cos: list[torch.Tensor] = []
+        self._sin: list[torch.Tensor] = []
+        self._rope_len = 0
         self._rope_cache(min(cfg.max_position_embeddings, 4096))
 
     def _prepack(self) -> None:
@@ -114,17 +190,26 @@ class LlamaModel:
         pack = torch.ops.mkldnn._reorder_linear_weight
         for layer in self.layers:
             layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
-            layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
+            if layer.router is None:
+                layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
+            else:
+                layer.router = pack(layer.router)
+                layer.experts = [(pack(gu), pack(d)) for gu, d in layer.experts]
         self.lm_head = pack(self.lm_head)  # a packed copy: the embedding lookup still needs the dense one
         self.linear = _prepacked_linear
 
     def _rope_cache(self, length: int) -> None:
         # float32 angles as HF computes them, then cast: bit-identical rotations in fp32.
-        pos = torch.arange(length, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * self._inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self._cos = emb.cos().to(self.dtype)[:, None, :]
-        self._sin = emb.sin().to(self.dtype)[:, None, :]
+        self._cos, self._sin = [], []
+        for rope in self.cfg.ropes:
+            freqs, scale = rope.angles(length)
+            emb = torch.cat([freqs, freqs], dim=-1).to(self.device)
+            cos, sin = emb.cos(), emb.sin()
+            if scale != 1.0:  # longrope's attention factor, applied to cos/sin as HF does
+                cos, sin = cos * scale, sin * scale
+            self._cos.append(cos.to(self.dtype)[:, None, :])
+            self._sin.append(sin.to(self.dtype)[:, None, :])
+        self._rope_len = length
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.cfg.num_layers, 2, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
@@ -137,9 +222,44 @@ class LlamaModel:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot = cos.shape[-1]
+        if rot != x.shape[-1]:  # partial rotary: the tail of each head passes through
+            return torch.cat([self._rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def _mlp(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        if layer.router is not None:
+            return self._moe(x, layer)
+        gate, up = self.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        return self.linear(self.act(gate) * up, layer.down, layer.down_bias)
+
+    def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """Top-k experts per token, computed grouped: the (token, expert) pairs sorted by expert, then one
+        gate_up and one down matmul per expert that any token chose. Python loops over experts, not tokens."""
+        cfg = self.cfg
+        k = cfg.num_experts_per_tok
+        probs = torch.softmax(self.linear(x, layer.router).float(), dim=-1)
+        weights, chosen = torch.topk(probs, k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=cfg.num_experts).tolist()  # one host sync per layer
+        token = order // k
+        xs = x[token]
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                gate_up, down = layer.experts[e]
+                gate, up = self.linear(xs[start : start + c], gate_up).chunk(2, dim=-1)
+                outs.append(self.linear(self.act(gate) * up, down))
+                start += c
+        ys = torch.cat(outs) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, token, ys)
 
     @torch.inference_mode()
     def forward(
@@ -151,37 +271,46 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the last layer (before the final norm)."""
         cfg = self.cfg
-        if int(positions.max()) >= self._cos.shape[0]:
-            self._rope_cache(max(int(positions.max()) + 1, 2 * self._cos.shape[0]))
+        if int(positions.max()) >= self._rope_len:
+            self._rope_cache(max(int(positions.max()) + 1, 2 * self._rope_len))
         fused = self._fused_rope
         if not fused:
-            cos, sin = self._cos[positions], self._sin[positions]
+            cos = [c[positions] for c in self._cos]
+            sin = [s[positions] for s in self._sin]
         n = input_ids.shape[0]
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         backend = self.backend
+        softcap = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self._rms_norm(h, layer.input_norm)
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)
+            if layer.q_norm is not None:  # per-head RMSNorm of q and k, before rope
+                qk = qkv[:, : self.q_size + self.kv_size].view(n, nh + nkv, hd)
+                qk[:, :nh] = self._rms_norm(qk[:, :nh], layer.q_norm)
+                qk[:, nh:] = self._rms_norm(qk[:, nh:], layer.k_norm)
             if fused:
                 backend.rope_write_kv(
                     qkv,
                     positions,
-                    self._cos,
-                    self._sin,
-                    cfg.num_heads,
-                    cfg.num_kv_heads,
+                    self._cos[layer.rope],
+                    self._sin[layer.rope],
+                    nh,
+                    nkv,
                     k_cache,
                     v_cache,
                     attn.slot_mapping,
                 )
-                q = qkv[:, : self.q_size].view(n, cfg.num_heads, cfg.head_dim)
+                q = qkv[:, : self.q_size].view(n, nh, hd)
             else:
                 q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-                q = self._rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-                k = self._rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-                backend.write_kv(
-                    k, v.view(n, cfg.num_kv_heads, cfg.head_dim), k_cache, v_cache, attn.slot_mapping
-                )
+                c, s = cos[layer.rope], sin[layer.rope]
+                q = self._rotate(q.view(n, nh, hd), c, s)
+                k = self._rotate(k.view(n, nkv, hd), c, s)
+                backend.write_kv(k, v.view(n, nkv, hd), k_cache, v_cache, attn.slot_mapping)
+            window = {} if layer.window is None else {"window": layer.window}
             o = backend.paged_attention(
                 q,
                 k_cache,
@@ -190,15 +319,25 @@ class LlamaModel:
                 attn.seq_lens,
                 attn.query_start_loc,
                 self.scale,
-                plan=attn.plan,
+                plan=attn.plan if layer.window is None else attn.window_plans.get(layer.window),
+                **window,
+                **softcap,
             )
-            h = h + self.linear(o.view(n, self.q_size), layer.o, layer.o_bias)
-            x = self._rms_norm(h, layer.post_norm)
-            gate, up = self.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            h = h + self.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            o = self.linear(o.view(n, self.q_size), layer.o, layer.o_bias)
+            if layer.attn_out_norm is not None:
+                o = self._rms_norm(o, layer.attn_out_norm)
+            h = h + o
+            m = self._mlp(self._rms_norm(h, layer.mlp_norm), layer)
+            if layer.mlp_out_norm is not None:
+                m = self._rms_norm(m, layer.mlp_out_norm)
+            h = h + m
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits for the selected rows only: the vocab projection is the largest matmul we skip."""
-        return self.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        logits = self.linear(self._rms_norm(hidden, self.norm), self.lm_head)
+        cap = self.cfg.final_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

