@@ -52,8 +52,10 @@ class AsyncLLMEngine:
     def model_name(self) -> str:
         return self.engine.model_name
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.engine.encode_chat(messages)
+    def encode_chat(
+        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        return self.engine.encode_chat(messages, chat_template_kwargs)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()

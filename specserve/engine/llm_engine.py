@@ -17,8 +17,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from jinja2 import TemplateError
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
@@ -39,6 +41,13 @@ from specserve.models.llama import LlamaModel
 from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer
 from specserve.spec.decoder import SpeculativeDecoder
 from specserve.spec.factory import TargetInfo, build_decoder
+
+# apply_chat_template's own arguments: a request's template variables may not override them
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "add_generation_prompt", "tokenize", "return_dict", "chat_template"}
+    | {"continue_final_message", "tokenizer_kwargs", "return_tensors", "padding", "truncation", "tools"}
+    | {"documents", "max_length"}
+)
 
 
 @dataclass
@@ -101,7 +110,7 @@ class LLMEngine:
             keep_freed_memory_in_heap()
         ckpt = load_checkpoint(path, dtype=torch.float32)
         self.model_config = ModelConfig.from_hf(ckpt.config)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(path, self.model_config.model_type)
         self.model = LlamaModel(
             self.model_config, ckpt.state_dict, self.dtype, self.device, config.attention_backend
         )
@@ -182,7 +191,11 @@ class LLMEngine:
             )
         return ids
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Token ids of a chat through the model's own template; `chat_template_kwargs` are the template's
+        variables (vLLM's extra field: Qwen3's enable_thinking, for one)."""
         if not isinstance(messages, list) or not messages:
             raise InvalidParameter("messages", "must be a non-empty list of {role, content} objects")
         for m in messages:
@@ -192,7 +205,18 @@ class LLMEngine:
                 or not isinstance(m.get("content"), str)
             ):
                 raise InvalidParameter("messages", "each message needs string fields role and content")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        kwargs = chat_template_kwargs or {}
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+            raise InvalidParameter("chat_template_kwargs", "must be an object of template variables")
+        taken = sorted(set(kwargs) & RESERVED_TEMPLATE_ARGS)
+        if taken:
+            raise InvalidParameter("chat_template_kwargs", f"{taken[0]!r} is the server's to set")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, **kwargs
+            )
+        except TemplateError as e:  # the template's own checks (Gemma: roles must alternate)
+            raise InvalidParameter("messages", f"the model's chat template refused them: {e}") from None
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = list(ids["input_ids"])
         return self.encode_prompt(ids)

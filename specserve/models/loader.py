@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from specserve.models.chat_templates import FALLBACK_TEMPLATES
 from specserve.models.config import FAMILIES, UnsupportedModel
 
 if TYPE_CHECKING:
@@ -94,16 +95,21 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
     return Checkpoint(config=config, state_dict=state, source=p)
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template."""
+def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTrainedTokenizerBase:
+    """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template, or the
+    family's published one (by `model_type`) when the source has none."""
     from transformers import AutoTokenizer
 
     p = _existing(path)
     if p.is_file() and p.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    if p.is_dir():
-        return AutoTokenizer.from_pretrained(p)
-    raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+        tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    elif p.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(p)
+    else:
+        raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+    if tokenizer.chat_template is None and model_type in FALLBACK_TEMPLATES:
+        tokenizer.chat_template = FALLBACK_TEMPLATES[model_type]
+    return tokenizer
 
 
 def demo_model_path() -> Path:

@@ -26,7 +26,9 @@ QUEUED, RUNNING, FINISHED, FAILED, CANCELLED, EXPIRED = (
 TERMINAL = frozenset({FINISHED, FAILED, CANCELLED, EXPIRED})
 
 # Body keys that are not sampling parameters; every other key is handed to SamplingParams.from_dict.
-REQUEST_KEYS = frozenset({"prompt", "messages", "model", "deadline", "stream", "reply_to", "reply_stream"})
+REQUEST_KEYS = frozenset(
+    {"prompt", "messages", "model", "deadline", "stream", "reply_to", "reply_stream", "chat_template_kwargs"}
+)
 # A deadline is a unix time; anything past 2100 is a mistake (or an attack: 1e308 overflowed the claim's
 # integer milliseconds). Bounded here, so every later use of it is plain arithmetic.
 MAX_DEADLINE = 4_102_444_800.0
@@ -56,6 +58,8 @@ class RequestBody:
     # reply_stream, every delta): a producer reads all its results with one XREAD instead of one per id.
     reply_to: str | None = None
     reply_stream: bool = False
+    # Variables for the model's chat template (vLLM's field; Qwen3's enable_thinking, for one): messages only.
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def fills_context(self) -> bool:
@@ -83,6 +87,8 @@ class RequestBody:
             body["reply_to"] = self.reply_to
             if self.reply_stream:
                 body["reply_stream"] = True
+        if self.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
         body.update(self.sampling)
         return orjson.dumps(body)
 
@@ -207,9 +213,17 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
         raise WireError("reply_stream", "must be a boolean")
     if reply_stream and reply_to is None:
         raise WireError("reply_stream", "needs reply_to, the stream to write to")
+    template_kwargs = data.get("chat_template_kwargs")
+    if template_kwargs is not None:
+        if not isinstance(template_kwargs, dict):
+            raise WireError("chat_template_kwargs", "must be an object of template variables")
+        if messages is None:
+            raise WireError("chat_template_kwargs", "applies to messages only, not to a prompt")
     sampling = {k: v for k, v in data.items() if k not in REQUEST_KEYS}
     deadline = float(deadline) if deadline is not None else None
-    return RequestBody(prompt, messages, model, deadline, sampling, stream, reply_to, reply_stream)
+    return RequestBody(
+        prompt, messages, model, deadline, sampling, stream, reply_to, reply_stream, template_kwargs
+    )
 
 
 def reply_to_of(data: Any, strict: bool = False) -> str | None:

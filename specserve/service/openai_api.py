@@ -76,7 +76,7 @@ COMPLETION_FIELDS = (
     COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | {"prompt", "echo", "best_of", "suffix"}
 )
 CHAT_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | {"messages", "max_completion_tokens"}
-CHAT_FIELDS |= {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT_FIELDS |= {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 
 
 def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
@@ -158,6 +158,8 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
         if "messages" not in data:
             raise ApiError(400, "messages: required", "messages")
         body["messages"] = data["messages"]
+        if data.get("chat_template_kwargs") is not None:  # vLLM's extra field; the wire checks its shape
+            body["chat_template_kwargs"] = data["chat_template_kwargs"]
         max_tokens = data.get("max_completion_tokens", data.get("max_tokens"))
         body["max_tokens"] = max_tokens  # None: up to the context length, as OpenAI's chat does
     else:

@@ -179,7 +179,11 @@ class Runner:
         params, until_full = self.params(rid, body)
         with _as_sent(body):
             if prompt is None:
-                prompt = self.engine.encode_chat(body.messages) if body.messages is not None else body.prompt
+                prompt = (
+                    self.engine.encode_chat(body.messages, body.chat_template_kwargs)
+                    if body.messages is not None
+                    else body.prompt
+                )
             assert prompt is not None
             if until_full:
                 if isinstance(prompt, str):
@@ -202,7 +206,9 @@ class Runner:
         self.params(rid, body)  # a bad field fails before the tokenizer runs
         with self._preparing(), _as_sent(body):
             if body.messages is not None:
-                prompt = await asyncio.to_thread(self.engine.encode_chat, body.messages)
+                prompt = await asyncio.to_thread(
+                    self.engine.encode_chat, body.messages, body.chat_template_kwargs
+                )
             else:
                 # the engine's own encode of text is the same call, so results do not change
                 prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
@@ -225,7 +231,7 @@ class Runner:
 
         def prepare() -> tuple[list[int], int, int]:
             if body.messages is not None:
-                prompt = self.engine.encode_chat(body.messages)
+                prompt = self.engine.encode_chat(body.messages, body.chat_template_kwargs)
             elif isinstance(body.prompt, str):
                 prompt = self.engine.tokenizer.encode(body.prompt)
             else:
