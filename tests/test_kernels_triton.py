@@ -26,6 +26,7 @@ from types import ModuleType
 import pytest
 import torch
 from kernel_cases import PagedBatch, assert_close, dense_attention, make_batch, tolerance
+from test_kernels_window import dense_window_attention, poison_outside_window
 
 from specserve.kernels import reference
 
@@ -45,6 +46,8 @@ class Case:
     strided_q: bool = False  # q as a view into a fused QKV projection
     pad_rows: int = 0  # q rows past the last sequence (CUDA-graph padding): must stay untouched
     seed: int = 0
+    window: int | None = None  # sliding window; blocks wholly before it are NaN-poisoned
+    softcap: float | None = None
 
 
 CASES = {
@@ -89,6 +92,21 @@ def _sweep() -> dict[str, Case]:
 
 
 CASES.update(_sweep())
+# Sliding windows and soft-capping (Gemma 3, Mistral, Gemma 2): decodes far past the window, verify queries
+# straddling its edge, a prefill chunk longer than it, and split-K over a window.
+WINDOW_CASES = {
+    "window8-verify-gqa2-d64-b16-f32": Case([4, 5, 3], [36, 37, 100], 2, 2, 64, 16, torch.float32, window=8),
+    "window16-chunk-cap-gqa4-d64-b16-bf16": Case(
+        [17, 40], [50, 0], 1, 4, 64, 16, torch.bfloat16, window=16, softcap=20.0, seed=11
+    ),
+    "window8-decode-cap-gqa1-d128-b32-f32": Case(
+        [1, 1, 1, 1], [5, 40, 41, 200], 2, 1, 128, 32, torch.float32, window=8, softcap=5.0, seed=12
+    ),
+    "window37-splitk-gqa4-d64-b16-f16": Case(
+        [1, 2], [200, 41], 2, 4, 64, 16, torch.float16, num_splits=3, window=37, seed=13
+    ),
+}
+CASES.update(WINDOW_CASES)
 
 # (key/value dtype, cache dtype, block size, slot_mapping dtype)
 WRITE_KV_CASES = {
@@ -154,10 +172,14 @@ def _new_token_writes(case: Case, batch: PagedBatch):
 
 def _run_attention(kernels: ModuleType, case: Case) -> torch.Tensor:
     batch = _batch(case)
+    if case.window:
+        assert poison_outside_window(batch, case.query_lens, case.window) > 0
     q = _query(batch, case)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # poisoned: unwritten elements stay NaN
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
-    result = kernels.paged_attention(q, *args, batch.scale, out=out, num_splits=case.num_splits)
+    result = kernels.paged_attention(
+        q, *args, batch.scale, out=out, num_splits=case.num_splits, window=case.window, softcap=case.softcap
+    )
     assert result is out
     return out
 
@@ -237,6 +259,10 @@ def test_paged_attention_matches_reference_and_dense(interpreted: dict[str, obje
     assert out.shape == _query(batch, case).shape
     assert torch.isnan(out[num_tokens:]).all(), "padding rows past the last sequence were written"
     out = out[:num_tokens]
+    tol = tolerance(case.dtype)
+    if case.window or case.softcap:
+        assert_close(out, dense_window_attention(batch, case.window, case.softcap), tol)
+        return
 
     expected = reference.paged_attention(
         batch.q,
@@ -247,7 +273,6 @@ def test_paged_attention_matches_reference_and_dense(interpreted: dict[str, obje
         batch.query_start_loc,
         batch.scale,
     )
-    tol = tolerance(case.dtype)
     assert_close(out, dense_attention(batch), tol)
     assert_close(out, expected, tol)
 

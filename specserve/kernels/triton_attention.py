@@ -8,6 +8,9 @@ numbered without a host sync: sequence s owns program ids [qsl[s] // BLOCK_Q + s
 When there are too few programs to fill the GPU (small decode batches over long contexts), the KV range is
 split over NUM_SPLITS programs whose partial softmax states are merged by a second kernel (split-K).
 Softmax runs in base 2 with the scale folded into log2(e), as flash attention does.
+A sliding window (Gemma 3's local layers, Mistral) starts each program's KV loop at the first tile its
+earliest query can see, so tiles wholly before the window are never read; soft-capping (Gemma 2) caps scores
+as cap * tanh(score / cap) before the softmax. Both are compile-time switches: off, they cost nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +58,9 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
-    scale_log2,
+    scale,
+    window,
+    softcap,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -83,6 +88,8 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -115,10 +122,15 @@ def _paged_attention_kernel(
 
     # The last query row of this block sees positions < kv_end; nothing past it is read.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
+    # ... and with a window, the first query row sees nothing before kv_start.
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context_len + q_block * BLOCK_Q + 1 - window, 0)
+    first_tile = kv_start // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -126,7 +138,7 @@ def _paged_attention_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for t in range(tile_lo, tile_hi):
         kv_pos = t * TILE_N + offs_n
-        kv_ok = kv_pos < kv_end
+        kv_ok = (kv_pos < kv_end) & (kv_pos >= kv_start)  # a tile may begin before the window: not read
         block = tl.load(table_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         in_block = kv_pos % BLOCK_SIZE
         k = tl.load(
@@ -148,9 +160,15 @@ def _paged_attention_kernel(
             other=0.0,
         ).to(DOT_DTYPE)
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
+        if HAS_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # cap * tanh(s / cap)
+        s = s * 1.4426950408889634  # log2(e): the softmax runs in base 2
         # Causal mask; it also hides positions >= kv_end since every valid q_pos < kv_end.
-        s = tl.where(kv_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        visible = kv_pos[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing visible yet keeps m = -inf; subtracting 0 instead avoids inf - inf = NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -338,12 +356,15 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries against the paged cache. Returns [num_tokens, num_q_heads, head_dim].
 
     plan is accepted for signature parity with the reference and ignored. max_query_len / max_seq_len are
     hints for the launch shape only (results do not depend on them; without them, bounds come from tensor
-    shapes, never from a host sync); num_splits forces the split-K factor (1 disables it).
+    shapes, never from a host sync); num_splits forces the split-K factor (1 disables it). window: each
+    query sees the `window` positions ending at its own; softcap: scores capped as cap * tanh(s / cap).
     """
     del plan
     num_tokens, num_q_heads, head_dim = q.shape
@@ -395,7 +416,9 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * LOG2E,
+        scale,
+        window or 0,
+        softcap or 0.0,
         num_seqs,
         *q.stride(),
         *out.stride(),
@@ -414,6 +437,8 @@ def paged_attention(
         DOT_DTYPE=dot_dtype,
         # float32 must not silently drop to TF32 on Ampere+.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_WINDOW=bool(window),
+        HAS_SOFTCAP=bool(softcap),
         enable_fp_fusion=FP_FUSION,
     )
     if num_splits > 1:
