@@ -53,7 +53,25 @@ def _parser() -> argparse.ArgumentParser:
     config_mod.add_arguments(st, only=CONNECTION)
     st.add_argument("id")
     st.add_argument("--wait", action="store_true", help="wait until it ends")
+    sub.add_parser("models", help="list the model architectures and GGUF tensor types this engine reads")
     return p
+
+
+def _models() -> int:
+    from specserve.models.config import ARCHITECTURES, FAMILIES
+    from specserve.models.loader import GGUF_ARCHITECTURES, GGUF_QUANT_TYPES
+
+    gguf = {model_type: arch for arch, (model_type, _) in GGUF_ARCHITECTURES.items()}
+    rows = [("architecture", "model_type", "GGUF", "what differs from Llama")]
+    for arch, model_type in sorted(ARCHITECTURES.items()):
+        fam = FAMILIES[model_type]
+        notes = [name for name, on in vars(fam).items() if on] or ["-"]
+        rows.append((arch, model_type, gguf.get(model_type, "-"), ", ".join(notes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3] + "\n")
+    sys.stdout.write(f"\nGGUF tensor types read: {' '.join(GGUF_QUANT_TYPES)}\n")
+    return 0
 
 
 def _deadline(timeout: float) -> float:
@@ -178,10 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         sys.stderr.write(f"error: {e}\n")
         return 2
+    if ns.command == "models":
+        return _models()
     if ns.command in ("serve", "worker", "api"):
+        from specserve.models.config import UnsupportedModel
         from specserve.service.launch import run
 
-        run_loop(run(cfg, with_api=ns.command != "worker", with_worker=ns.command != "api"))
+        try:
+            run_loop(run(cfg, with_api=ns.command != "worker", with_worker=ns.command != "api"))
+        except (UnsupportedModel, FileNotFoundError) as e:  # the model: one line, not a traceback
+            sys.stderr.write(f"error: {e}\n")
+            return 2
         return 0
     if ns.command == "enqueue":
         return run_loop(_enqueue(ns, cfg))
