@@ -30,6 +30,9 @@ HF_MODEL_TYPES = set(FAMILIES)
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
 # The quantisation types gguf.quants.dequantize reads (what `specserve models` lists).
@@ -56,7 +59,17 @@ _GGUF_BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused projection
+    "ffn_gate_inp": "mlp.gate",  # the router
+    # experts as [num_experts, out, in] tensors; gate and up are joined after loading (_join_experts)
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Phi-3's ffn_up is its fused gate_up_proj (gate rows first, as in the HF checkpoint).
+_GGUF_PHI3_NAMES = {**_GGUF_BLOCK_NAMES, "ffn_up": "mlp.gate_up_proj"}
+# Phi-3's longrope factors are tensors in GGUF and config values in HF.
+_GGUF_ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 # Gemma 3 has norms on both sides of attention and MLP: llama.cpp's ffn_norm is its pre-MLP norm.
 _GGUF_GEMMA_NAMES = {
     **_GGUF_BLOCK_NAMES,
@@ -219,11 +232,17 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
         )
     config = _gguf_config(reader, arch, p)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    names = {"gemma3": _GGUF_GEMMA_NAMES, "phi3": _GGUF_PHI3_NAMES}.get(arch, _GGUF_BLOCK_NAMES)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = _hf_name(t.name, p, _GGUF_GEMMA_NAMES if arch == "gemma3" else _GGUF_BLOCK_NAMES)
         # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
         w = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
+        if t.name in _GGUF_ROPE_FACTORS:
+            config["rope_scaling"][_GGUF_ROPE_FACTORS[t.name]] = [_f32(x) for x in w]
+            continue
+        name = _hf_name(t.name, p, names)
+        if w.ndim == 3:  # experts: HF names the 3-D tensor without a .weight suffix
+            name = name.removesuffix(".weight")
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
             w = _unpermute_rope(w, heads if ".attn_q." in t.name else kv_heads)
         if arch == "gemma3" and t.name.endswith("norm.weight"):
@@ -233,7 +252,16 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
             # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
             w = w.copy()
         state[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
-    return config, state
+    return config, _join_experts(state)
+
+
+def _join_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """GGUF keeps the experts' gate and up projections apart; HF (transformers 5) and our forward take them
+    joined, gate rows first: [num_experts, 2 * intermediate, hidden]."""
+    for name in [n for n in state if n.endswith("mlp.experts.gate_proj")]:
+        prefix = name.removesuffix("gate_proj")
+        state[prefix + "gate_up_proj"] = torch.cat([state.pop(name), state.pop(prefix + "up_proj")], dim=1)
+    return state
 
 
 def _hf_name(gguf_name: str, p: Path, block_names: dict[str, str]) -> str:
@@ -281,8 +309,16 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if arch == "gemma3":
         extra = _gguf_gemma3_config(get, int(get("block_count")), int(get("attention.key_length")))
+    if get("expert_count"):
+        extra |= {
+            "num_experts": int(get("expert_count")),
+            "num_experts_per_tok": int(get("expert_used_count")),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "norm_topk_prob": True,  # llama.cpp's qwen3moe graph always renormalises the top-k weights
+        }
+    if arch == "phi3":
+        extra |= _gguf_phi3_config(get, tensor_names, hidden // heads)
     return {
-        **extra,
         "model_type": model_type,
         "architectures": [hf_arch],
         # Embedding rows, not len(tokenizer.ggml.tokens): some vocabularies are padded past the tokenizer.
@@ -302,6 +338,7 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
+        **extra,  # family conventions win over the generic reading above
     }
 
 
@@ -321,6 +358,24 @@ def _gguf_gemma3_config(get: Any, num_layers: int, head_dim: int) -> dict[str, A
         ],
         "rope_local_base_freq": 10000.0,
     }
+
+
+def _gguf_phi3_config(get: Any, tensor_names: set[str], head_dim: int) -> dict[str, Any]:
+    """Phi-3's partial rotary, window and longrope (its factors are filled in from their tensors)."""
+    extra: dict[str, Any] = {
+        "head_dim": head_dim,  # rope.dimension_count is the rotated part only
+        "partial_rotary_factor": int(get("rope.dimension_count", head_dim)) / head_dim,
+    }
+    window = get("attention.sliding_window")
+    if window:
+        extra["sliding_window"] = int(window)
+    if "rope_factors_long.weight" in tensor_names:
+        original = get("rope.scaling.original_context_length")
+        extra["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(original)}
+        attn_factor = get("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            extra["rope_scaling"]["attention_factor"] = _f32(attn_factor)
+    return extra
 
 
 def _gguf_rope_scaling(get: Any) -> dict[str, Any] | None:
