@@ -25,6 +25,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # Share the K/V of prompt prefixes already computed (vLLM's name and default); static batching never does.
+    enable_prefix_caching: bool = True
     static_batching: bool = False  # benchmark baseline only
     # With static_batching: a finished member keeps its slot and is computed on (its output discarded) until
     # the whole batch is done, as in HF generate's padded batches. Off, finished members leave the batch.

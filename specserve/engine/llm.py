@@ -55,7 +55,11 @@ class LLM:
                     text=seq.text,
                     finish_reason=seq.finish_reason,
                     usage=Usage(
-                        seq.num_prompt_tokens, seq.num_output_tokens, seq.draft_proposed, seq.draft_accepted
+                        seq.num_prompt_tokens,
+                        seq.num_output_tokens,
+                        seq.draft_proposed,
+                        seq.draft_accepted,
+                        seq.num_cached_tokens,
                     ),
                     metrics={"ttft": ttft, "e2e": finished_at[rid] - start},
                 )

@@ -91,6 +91,8 @@ class EngineStats:
     draft_accepted: int
     steps: int
     last_batch_size: int
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, found there
 
 
 @dataclass
@@ -128,7 +130,9 @@ class LLMEngine:
             self.model_config.max_position_embeddings,
             num_blocks * block_size,
         )
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, config.enable_prefix_caching and not config.static_batching
+        )
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         batched_tokens = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
@@ -289,6 +293,8 @@ class LLMEngine:
             draft_accepted=self.spec.num_accepted if self.spec else 0,
             steps=t.times.steps,
             last_batch_size=t.last_batch_size,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
 
     @property

@@ -83,6 +83,10 @@ class OutputProcessor:
         if final:
             delta.first_token_time = seq.first_token_time
             delta.usage = Usage(
-                seq.num_prompt_tokens, seq.num_output_tokens, seq.draft_proposed, seq.draft_accepted
+                seq.num_prompt_tokens,
+                seq.num_output_tokens,
+                seq.draft_proposed,
+                seq.draft_accepted,
+                seq.num_cached_tokens,
             )
         return delta

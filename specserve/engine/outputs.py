@@ -11,6 +11,7 @@ class Usage:
     completion_tokens: int
     draft_proposed: int = 0  # draft tokens proposed for this request over its life
     draft_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details)
 
 
 @dataclass

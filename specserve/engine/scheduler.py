@@ -5,6 +5,9 @@ Every step, running sequences go first (FIFO), each asking for its remaining pre
 token plus k speculative lookahead slots; then waiting sequences are admitted in arrival order while the
 per-step token budget, max_num_seqs and the KV pool allow. When the pool runs dry, a sequence's lookahead is
 dropped first, then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
+With prefix caching, an admitted sequence starts from its longest cached prefix (those tokens are not
+computed again), and after each step the blocks its committed tokens fill are named for later sequences; a
+preempted sequence's blocks become evictable cache, so its recompute often finds them.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queries = 0  # tokens of admitted sequences looked up in the prefix cache (vLLM's name)
+        self.prefix_hits = 0  # of those, found there
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -86,12 +91,18 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            cached = self.bm.allocate_prefix(seq.seq_id, seq.token_ids)
+            seq.num_computed_tokens = cached
             remaining = seq.num_tokens - seq.num_computed_tokens
-            if not self.chunked and remaining > budget:
-                break
             n = min(remaining, budget)
-            if not self._allocate(seq, n):
+            if (not self.chunked and remaining > budget) or not self._allocate(seq, n):
+                self.bm.free(seq.seq_id)  # the cached blocks go back, still cached
+                seq.num_computed_tokens = 0
                 break  # FIFO: a later, smaller request does not jump the queue
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+            if seq.num_output_tokens == 0:
+                seq.num_cached_tokens = cached
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -124,7 +135,8 @@ class Scheduler:
             seq.num_computed_tokens += s.num_tokens + acc.num_accepted_drafts
             seq.draft_proposed += acc.num_draft_tokens
             seq.draft_accepted += acc.num_accepted_drafts
-            if not acc.token_ids:
+            if not acc.token_ids:  # a prefill chunk: its full blocks can be shared already
+                self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
@@ -134,6 +146,7 @@ class Scheduler:
                 reason = self._stop_reason(seq, token)
                 if reason is not None:
                     break
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -36,6 +36,7 @@ class Sequence:
     first_token_time: float | None = None
     draft_proposed: int = 0
     draft_accepted: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     stream: bool = True  # hand out a delta every step; False: only the final one, with every token
 
     def __post_init__(self) -> None:

@@ -117,6 +117,12 @@ class ServiceConfig:
     enable_chunked_prefill: bool | None = _opt(
         "SPECSERVE_ENABLE_CHUNKED_PREFILL", None, "split long prompts over steps (on by default)", kind=bool
     )
+    enable_prefix_caching: bool | None = _opt(
+        "SPECSERVE_ENABLE_PREFIX_CACHING",
+        None,
+        "reuse the KV of prompt prefixes already computed (on by default)",
+        kind=bool,
+    )
     prompt_lookup_max: int | None = _opt(
         "SPECSERVE_PROMPT_LOOKUP_MAX", None, "longest n-gram the ngram method matches", kind=int
     )
@@ -328,6 +334,7 @@ _ENGINE_KNOBS = (
     "block_size",
     "max_model_len",
     "enable_chunked_prefill",
+    "enable_prefix_caching",
     "attention_backend",
 )
 

@@ -220,8 +220,20 @@ def completion_body(rid: str, created: int, model: str, chat: bool, result: Resu
     choice["finish_reason"] = result.finish_reason
     obj = "chat.completion" if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    body["usage"] = result.usage
+    body["usage"] = openai_usage(result.usage)
     return body
+
+
+def openai_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
+    """The wire's usage in OpenAI's shape: prompt tokens served from the prefix cache go under
+    prompt_tokens_details.cached_tokens."""
+    if usage is None:
+        return None
+    usage = dict(usage)
+    cached = usage.pop("cached_tokens", None)
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[RequestBody, dict[str, Any]]:
@@ -389,7 +401,7 @@ class OpenAIRoutes:
                         "model": meta["model"],
                         "choices": [],
                     }
-                    usage["usage"] = final.usage
+                    usage["usage"] = openai_usage(final.usage)
                     await sse_send(resp, usage)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

@@ -62,6 +62,7 @@ def usage_fields(delta: StepDelta) -> dict[str, int] | None:
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "draft_proposed": u.draft_proposed,
         "draft_accepted": u.draft_accepted,
+        "cached_tokens": u.cached_tokens,
     }
 
 

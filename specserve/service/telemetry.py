@@ -82,6 +82,8 @@ class EngineGauges:
     num_preemptions: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     last_batch_size: int = 0
     model_name: str = ""  # empty until the worker's first refresh: nothing engine-side is exported before
     dead_letters: int = 0  # entries in the dead-letter stream (the worker reads it with the engine's stats)
@@ -128,6 +130,10 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", preempted, g.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", g.draft_proposed)
         yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", g.draft_accepted)
+        queries = "Prefix cache queries, in terms of number of queried tokens."
+        yield counter("prefix_cache_queries", queries, g.prefix_cache_queries)
+        hits = "Prefix cache hits, in terms of number of cached tokens."
+        yield counter("prefix_cache_hits", hits, g.prefix_cache_hits)
 
 
 def build_resource(default_service_name: str) -> Resource:
