@@ -170,6 +170,11 @@ class BlockManager:
         if full > done:
             self._named[seq_id] = (full, name)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block no sequence holds (vLLM's reset_prefix_cache; benchmarks start cold)."""
+        for block in self.pool._free:
+            self.pool._forget(block)
+
     def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Keep room for the first `num_tokens` tokens only; free every whole block past them."""
         table = self.tables.get(seq_id)
