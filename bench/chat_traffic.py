@@ -24,10 +24,8 @@ import argparse
 import inspect
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -35,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT  # noqa: E402
+from common import DEFAULT_OUT, cpu_line  # noqa: E402
 
 MODULES = (
     "json", "textwrap", "argparse", "collections", "functools", "itertools", "pathlib", "shutil",
@@ -184,17 +182,6 @@ def run_closed_loop(llm, prompts: list[list[int]], traffic: list[ChatRequest], c
     seconds = time.perf_counter() - t0
     n = len(prompts)
     return Run(name, concurrency, n, seconds, produced, greedy, latencies, proposed, accepted, greedy_outputs)
-
-
-def cpu_line() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
-    isa = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")]
-    return f"{model} ({' '.join(isa)})"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -221,3 +221,17 @@ def run_vllm(
             if os.path.exists(f):
                 os.unlink(f)
     return PeerResult(result["runs"], result["load_seconds"], log)
+
+
+def cpu_line() -> str:
+    """The CPU's model name and the SIMD flags that pick our kernels' paths: printed with every figure."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        import platform
+
+        return platform.processor()
+    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
+    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
+    isa = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")]
+    return f"{model} ({' '.join(isa)})"

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import cpu_line  # noqa: E402
+
 from specserve import LLM, SamplingParams  # noqa: E402
 from specserve.models.loader import demo_model_path, load_tokenizer  # noqa: E402
 
@@ -35,17 +36,6 @@ SHAPE = dict(
     max_position_embeddings=4096,
     tie_word_embeddings=True,
 )
-
-
-def cpu_line() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
-    isa = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")]
-    return f"{model} ({' '.join(isa)})"
 
 
 def build(kind: str, out: Path) -> Path:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, Request, Workload, ensure_target_dir, run_vllm, vllm_python  # noqa: E402
+from common import DEFAULT_OUT, Request, Workload, cpu_line, ensure_target_dir, run_vllm, vllm_python  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve import LLM, SamplingParams  # noqa: E402
@@ -37,16 +37,6 @@ QUESTIONS = (
     "What changed in recent versions?",
     "How do I test code that uses it?",
 )
-
-
-def cpu_line() -> str:
-    import subprocess
-
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
-    flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
-    isa = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")]
-    return f"{model} ({' '.join(isa)})"
 
 
 def build(llm: LLM, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
