@@ -160,6 +160,10 @@ def test_warm_cache_outputs_equal_hf(reference, engine_args):
     assert [o.token_ids for o in turns] == [o.token_ids[MAX_TOKENS:] for o in longer]
     llm.engine.block_manager.check_invariants()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    if spec and spec["method"] == "draft_model":  # the draft's own cache names its blocks the same way
+        draft = llm.engine.spec.proposer.block_manager
+        assert draft.enable_prefix_caching and draft.pool.cached
+        draft.check_invariants()
 
 
 def test_turning_it_off_finds_nothing(reference):

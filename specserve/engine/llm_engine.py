@@ -147,6 +147,7 @@ class LLMEngine:
                 config.attention_backend,
                 num_blocks,
                 block_size,
+                self.block_manager.enable_prefix_caching,
             )
             self.spec = build_decoder(config.speculative_config, self.max_model_len, target)
         self.eos_token_ids = set(self.model_config.eos_token_ids)

@@ -3,7 +3,9 @@
 Per engine step it runs k batched forwards over every speculating sequence: the first also catches the
 draft cache up on tokens it has not seen (the prompt on first use, then the accepted tokens and bonus token
 of the last verification), the rest feed back the token just drafted. After verification the draft cache is
-truncated to the tokens that survived, like the target's.
+truncated to the tokens that survived, like the target's. With prefix caching the draft cache shares
+prefixes the same way: a sequence's first catch-up starts after its longest cached prefix, and the blocks
+its committed tokens fill are named after each proposal.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from specserve.spec.proposer import Draft
 
 
 class DraftModelProposer:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, enable_prefix_caching: bool = False
+    ) -> None:
         self.model = model
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.num_cached: dict[int, int] = {}  # seq_id -> tokens whose K/V the draft cache holds
 
@@ -29,6 +33,8 @@ class DraftModelProposer:
         active: list[tuple[Sequence, int]] = []
         drafts: dict[int, Draft] = {}
         for seq, k in requests:
+            if seq.seq_id not in self.block_manager.tables:  # first use: start after a cached prefix
+                self.num_cached[seq.seq_id] = self.block_manager.allocate_prefix(seq.seq_id, seq.token_ids)
             # room for every token plus the k-1 drafts whose K/V the later forwards write
             if self.block_manager.ensure(seq.seq_id, seq.num_tokens + k - 1):
                 active.append((seq, k))
@@ -71,6 +77,8 @@ class DraftModelProposer:
                 if q is not None and not bool(rows.greedy[j]):
                     probs[seq.seq_id].append(q[j])
         for seq, k in active:
+            # step 0 wrote every committed token's K/V: their full blocks can be shared
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_tokens)
             self.num_cached[seq.seq_id] = seq.num_tokens + k - 1
             p = probs[seq.seq_id]
             drafts[seq.seq_id] = Draft(proposed[seq.seq_id], torch.stack(p) if p else None)

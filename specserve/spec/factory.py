@@ -25,6 +25,7 @@ class TargetInfo:
     attention_backend: str
     num_blocks: int
     block_size: int
+    enable_prefix_caching: bool = False  # the draft's cache shares prefixes as the target's does
 
 
 def build_decoder(config: SpeculativeConfig, max_model_len: int, target: TargetInfo) -> SpeculativeDecoder:
@@ -57,4 +58,4 @@ def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:
     ) != target.tokenizer.encode(probe):
         raise ValueError("draft model's tokenizer differs from the target's: it cannot propose target tokens")
     model = LlamaModel(draft_cfg, ckpt.state_dict, target.dtype, target.device, target.attention_backend)
-    return DraftModelProposer(model, target.num_blocks, target.block_size)
+    return DraftModelProposer(model, target.num_blocks, target.block_size, target.enable_prefix_caching)
