@@ -56,6 +56,7 @@ def test_finalize(last, ending, error, status, reason, has_error, error_field):
             "total_tokens": 9,
             "draft_proposed": 2,
             "draft_accepted": 1,
+            "cached_tokens": 0,
         }
         assert final.hash_fields["completion_tokens"] == "5"
     else:
