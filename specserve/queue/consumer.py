@@ -159,6 +159,17 @@ class StreamConsumer:
             entries.append(RequestEntry.from_fields(p[0], fields))
         return entries
 
+    async def entries(self, entry_ids: list[str]) -> list[RequestEntry]:
+        """The entries with these ids that are still in the stream, with their fields."""
+        found = await self._fast.pipeline(
+            [("XRANGE", self.keys.requests, i, i) for i in entry_ids], raise_on_error=False
+        )
+        return [
+            RequestEntry.from_fields(items[0][0], fields_dict(items[0][1]))
+            for items in found
+            if isinstance(items, list) and items
+        ]
+
     async def claim(self, entries: list[tuple[RequestEntry, float | None]]) -> list[Claim | Exception]:
         """Run CLAIM for each (entry, deadline) in one round trip. Entries must carry a request id, and
         deadlines must be bounded (wire.parse_body does it). An entry whose script fails (its status key

@@ -58,6 +58,20 @@ class Keys:
         """A producer's reply stream: the final results (and, if asked, deltas) of the requests naming it."""
         return f"{self.prefix}:reply:{name}"
 
+    def warm(self, route_key: str) -> str:
+        """Sorted set: the workers that recently started a request with this routing key (queue/routing.py),
+        scored by when that stops counting."""
+        return f"{self.prefix}:warm:{route_key}"
+
+    @property
+    def load(self) -> str:
+        """Hash: worker -> "in-flight free-room server-ms", refreshed by workers that route by prefix."""
+        return f"{self.prefix}:load"
+
+    def passes(self, worker: str) -> str:
+        """Stream of the entries other workers passed to this one (queue/routing.py)."""
+        return f"{self.prefix}:pass:{worker}"
+
     def wake(self, reader_id: str) -> str:
         """Private stream an output reader blocks on alongside its output streams, to be woken up."""
         return f"{self.prefix}:wake:{reader_id}"

@@ -12,6 +12,7 @@ from typing import Any
 from specserve.queue.client import Limits
 from specserve.queue.consumer import ConsumerConfig
 from specserve.queue.keys import DEFAULT_PREFIX
+from specserve.queue.routing import RoutingConfig
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class WorkerConfig:
     dead_letter_ttl_s: float = _QUEUE.dead_ttl_ms / 1000
     reply_maxlen: int = 10_000  # a producer's reply stream is trimmed (MAXLEN ~) to about this many entries
     access_log: bool = False  # one log line per request that ends (logger specserve.access)
+    routing: RoutingConfig = RoutingConfig()  # prefix-aware claiming (queue/routing.py)
 
     @property
     def heartbeat_s(self) -> float:
@@ -211,6 +213,18 @@ class ServiceConfig:
         _WORKER.reply_maxlen,
         "entries a reply stream keeps (about; oldest first out)",
     )
+    prefix_routing: bool = _opt(
+        "SPECSERVE_PREFIX_ROUTING",
+        _WORKER.routing.enabled,
+        "pass a request to a worker that holds its prompt's prefix (queue/routing.py)",
+        kind=bool,
+    )
+    prefix_routing_wait_ms: int = _opt(
+        "SPECSERVE_PREFIX_ROUTING_WAIT_MS",
+        _WORKER.routing.wait_ms,
+        "how long a passed request waits for the warm worker before the passer runs it",
+        kind=int,
+    )
     worker_name: str | None = _opt("SPECSERVE_WORKER_NAME", None, "consumer name (default host-pid)")
     access_log: bool = _opt(
         "SPECSERVE_ACCESS_LOG",
@@ -283,6 +297,7 @@ class ServiceConfig:
             dead_letter_ttl_s=self.dead_letter_ttl,
             reply_maxlen=self.reply_maxlen,
             access_log=self.access_log,
+            routing=RoutingConfig(enabled=self.prefix_routing, wait_ms=self.prefix_routing_wait_ms),
         )
 
     def limits(self) -> Limits:
@@ -352,10 +367,8 @@ def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None)
         env = meta.get("env")
         kind = _kind(f)
         kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{meta['help']} [env {env}]"}
-        if kind is bool and f.default is None:  # unset means the engine's default: say on or off
+        if kind is bool:  # --x / --no-x: either way from the default (unset: the engine's)
             kw["action"] = argparse.BooleanOptionalAction
-        elif kind is bool:
-            kw.update(action="store_const", const=True)
         elif kind in (int, float):
             kw["type"] = kind
         if "choices" in meta:

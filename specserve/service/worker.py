@@ -26,9 +26,11 @@ from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_fore
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
+from specserve.queue.routing import Router
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
 from specserve.service.outcome import Ending, Final, Outcome, finalize, reply_fields, unstarted
+from specserve.service.routing import PrefixRouting
 from specserve.service.running import (
     LONG_PROMPT_CHARS,
     RequestState,
@@ -70,6 +72,13 @@ class Worker:
         self.publisher = Publisher(self.conns, keys, name, ttl_ms, self.cfg.reply_maxlen)
         self.clock = ServerClock()
         self.runner = Runner(engine, self.publisher, self.telemetry, self.clock, keys)
+        self.routing: PrefixRouting | None = None
+        if self.cfg.routing.enabled:
+            block_ms = self.consumer.cfg.block_ms
+            router = Router(
+                self.conns.fast, self.conns.blocking(block_ms), block_ms, keys, name, self.cfg.routing
+            )
+            self.routing = PrefixRouting(self.consumer, router, self.cfg.routing, ttl_ms)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
         self._capacity = asyncio.Event()
@@ -100,6 +109,12 @@ class Worker:
             spawn(self._pull_loop(), name="pull"),
             spawn(self._every(self.cfg.reclaim_s, self._reclaim, pulling=True), name="reclaim"),
         ]
+        if self.routing is not None:
+            self._pulling.append(
+                spawn(self.routing.receive(self._admit_passed, lambda: self.draining), name="passes")
+            )
+            load_s = self.cfg.routing.load_every_ms / 1000
+            self._background.append(spawn(self._every(load_s, self._publish_load), name="load"))
         self.started = True
         log.info("worker %s serving %s from %s", self.name, self.engine.model_name, self.keys.requests)
 
@@ -213,10 +228,25 @@ class Worker:
                 log.info("reclaimed %d idle entries", len(entries))
                 await self._admit(entries)
 
-    async def _admit(self, entries: list[RequestEntry], fresh: bool = False) -> None:
+    async def _taken_back(self, entries: list[RequestEntry]) -> None:
+        """A request this worker passed on came back unclaimed: run it here, or hand it back if draining."""
+        if not self.draining:
+            await self._admit(entries)
+            return
+        for e in entries:
+            if e.request_id is not None:
+                await retry_forever(
+                    lambda e=e: self.consumer.handback(e.request_id, e.entry_id), what="handback"
+                )
+
+    async def _admit_passed(self, entries: list[RequestEntry]) -> None:
+        await self._admit(entries, fresh=True, route=False)
+
+    async def _admit(self, entries: list[RequestEntry], fresh: bool = False, route: bool = True) -> None:
         """Decode, claim and start a batch of entries. Every step is per entry: whatever one entry holds
         (bytes that are not UTF-8, a body that does not parse, a number out of range, a status key of the
-        wrong type), it ends that entry alone, failed or dead-lettered with a reason."""
+        wrong type), it ends that entry alone, failed or dead-lettered with a reason. With prefix routing,
+        fresh entries a warm worker should run are passed to it first (service/routing.py)."""
         if self.draining:
             return  # read as the drain began: they stay pending here and are handed back
         self._admitting += len(entries)
@@ -230,6 +260,13 @@ class Worker:
                 if running is not None and running.entry.entry_id == e.entry_id:
                     continue  # our own entry came back through XAUTOCLAIM; it is still running here
                 batch.append((e, self._decode(e)))
+            route_keys = self.routing.keys_of(batch) if self.routing is not None else {}
+            if route_keys and fresh and route and self.routing is not None:
+                passed = await self.routing.offer([e for e, _ in batch], route_keys)
+                for e, _ in batch:
+                    if e.entry_id in passed:
+                        self._detach(self.routing.take_back_later(e, passed[e.entry_id], self._taken_back))
+                batch = [(e, b) for e, b in batch if e.entry_id not in passed]
             if not batch:
                 return
             pairs = [(e, b.deadline if isinstance(b, RequestBody) else None) for e, b in batch]
@@ -244,6 +281,7 @@ class Worker:
                 for started in early.values():
                     self._detach(self.runner.abort(started))
                 raise
+            started_keys: list[str] = []
             for (e, body), claim in zip(batch, claims):
                 begun = early.pop(e.entry_id, None)
                 try:
@@ -251,11 +289,15 @@ class Worker:
                         raise claim
                     self.clock.offset = claim.now_ms / 1000 - time.time()
                     self._on_claim(e, body, claim, begun)
+                    if claim.verdict is ClaimVerdict.RUN and e.entry_id in route_keys:
+                        started_keys.append(route_keys[e.entry_id])
                 except Exception as err:
                     log.exception("entry %s (request %s) could not be taken", e.entry_id, e.request_id)
                     if begun is not None:
                         self._detach(self.runner.abort(begun))
                     self._detach(self._dead_letter(e, f"could not be taken: {err}"))
+            if started_keys and (routing := self.routing) is not None:
+                self._detach(retry_forever(lambda: routing.started(started_keys), what="advertise"))
         finally:
             self._admitting -= len(entries)
 
@@ -477,6 +519,11 @@ class Worker:
                 log.warning("request %s was taken over by another worker; stopping it here", state.request_id)
             self._end(state, Ending.LOST)
         await self._register()
+
+    async def _publish_load(self) -> None:
+        assert self.routing is not None
+        room = 0 if self.draining else self._room()
+        await self.routing.router.publish_load(len(self.inflight) + self._admitting, room)
 
     async def _register(self) -> None:
         await self.consumer.register_model(
