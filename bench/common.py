@@ -177,6 +177,7 @@ def run_vllm(
     repeats: int = 1,
     bind: str = "0-1",
     timeout: float = 1800.0,
+    ttft: bool = False,
 ) -> PeerResult:
     """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir."""
     spec = {
@@ -187,6 +188,7 @@ def run_vllm(
         "speculative_config": speculative_config,
         "repeats": repeats,
         "batches": batches,
+        "ttft": ttft,
         "requests": [
             {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload.requests
         ],

@@ -129,11 +129,20 @@ def main() -> None:
         "prefix waves", [Request("", args.max_tokens, prompt_token_ids=ids) for ids in prompts]
     )
     print("  vLLM (prefix caching on, its default): starting (start-up takes minutes) ...", flush=True)
-    peer = run_vllm(python, model_dir, workload, args.out_dir, "prefix", dtype=args.dtype, batches=waves)
+    peer = run_vllm(
+        python, model_dir, workload, args.out_dir, "prefix", dtype=args.dtype, batches=waves, ttft=True
+    )
     run0 = peer.runs[0]
     vllm = run0["output_tokens"] / run0["seconds"]
-    print(f"  vLLM: {vllm:6.1f} tok/s ({run0['seconds']:.1f} s) | load {os.getloadavg()[0]:.1f}")
+    ttft = run0.get("mean_ttft_s")
+    ttft_text = "n/a" if ttft is None else f"{ttft * 1e3:7.1f} ms"
+    print(
+        f"  vLLM: {vllm:6.1f} tok/s ({run0['seconds']:.1f} s), mean TTFT {ttft_text} | "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
     print(f"specserve caching on / vLLM: {on / vllm:.2f}x tok/s (target >= 1.0)")
+    if ttft:
+        print(f"specserve caching on / vLLM mean TTFT: {ttft_on / ttft:.2f}x (lower is better)")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ with model, dtype, max_num_seqs, max_num_batched_tokens, speculative_config, kv_
 requests ([{prompt_token_ids, max_tokens}]) and optionally batches (lists of request indices run one after
 another, e.g. one request at a time). Prompts arrive as token ids so every system sees the same tokens.
 Output, written to the result file: {"load_seconds", "runs": [{"seconds", "output_tokens", "proposed",
-"accepted"}]}.
+"accepted", "mean_ttft_s"}]}; mean_ttft_s only with "ttft": true in the spec, which turns vLLM's stat
+logging on (off by default for offline use: it costs a little per step) to read its TTFT histogram.
 
     /work/vllm-venv/bin/python bench/vllm_peer.py spec.json result.json
 """
@@ -32,6 +33,7 @@ def main(path: str, result_path: str) -> int:
         # which on a shared machine is whatever the neighbours left.
         kv_cache_memory_bytes=spec.get("kv_cache_bytes", 2 << 30),
         seed=0,
+        disable_log_stats=not spec.get("ttft", False),
     )
     load_seconds = time.perf_counter() - t0
     requests = spec["requests"]
@@ -39,7 +41,7 @@ def main(path: str, result_path: str) -> int:
 
     def run_once() -> dict:
         total_seconds, total_tokens = 0.0, 0
-        before = _spec_metrics(llm)
+        before, ttft_before = _spec_metrics(llm), _ttft(llm, spec)
         for batch in batches:
             prompts = [{"prompt_token_ids": requests[i]["prompt_token_ids"]} for i in batch]
             params = [
@@ -53,12 +55,16 @@ def main(path: str, result_path: str) -> int:
                 total_tokens += len(o.outputs[0].token_ids)
         after = _spec_metrics(llm)
         proposed, accepted = (after[0] - before[0], after[1] - before[1]) if after and before else (0, 0)
-        return {
+        run = {
             "seconds": total_seconds,
             "output_tokens": total_tokens,
             "proposed": proposed,
             "accepted": accepted,
         }
+        ttft_after = _ttft(llm, spec)
+        if ttft_before is not None and ttft_after is not None and ttft_after[1] > ttft_before[1]:
+            run["mean_ttft_s"] = (ttft_after[0] - ttft_before[0]) / (ttft_after[1] - ttft_before[1])
+        return run
 
     # Warm-up on a few short requests: lazy initialisation and compilation do not belong in the timing.
     warm = [{"prompt_token_ids": requests[0]["prompt_token_ids"]}] * 2
@@ -68,6 +74,16 @@ def main(path: str, result_path: str) -> int:
     with open(result_path, "w", encoding="utf-8") as fh:
         json.dump({"load_seconds": load_seconds, "runs": runs}, fh)
     return 0
+
+
+def _ttft(llm, spec: dict) -> tuple[float, int] | None:
+    """vLLM's cumulative time-to-first-token histogram as (sum of seconds, count)."""
+    if not spec.get("ttft"):
+        return None
+    for m in llm.get_metrics():
+        if m.name == "vllm:time_to_first_token_seconds":
+            return m.sum, m.count
+    return None
 
 
 def _spec_metrics(llm) -> tuple[int, int] | None:
