@@ -12,7 +12,7 @@ import openai
 import orjson
 import pytest
 from aiohttp import web
-from valkey_helpers import api_stack, free_port, run
+from valkey_helpers import api_stack, free_port, run, wait_for
 
 from specserve import SamplingParams
 from specserve.queue.client import QueueClient
@@ -332,8 +332,14 @@ def test_readiness_follows_redis(valkey, tiny_model_dir):
             async with http.get(f"{base}/healthz") as r:
                 assert r.status == 200  # alive all the same: nothing to restart
             await asyncio.to_thread(valkey.start)
-            async with http.get(f"{base}/readyz") as r:
-                assert r.status == 200
+
+            async def ready() -> bool:
+                async with http.get(f"{base}/readyz") as r:
+                    return r.status == 200
+
+            # The worker is ready again at its next Redis call that succeeds (its load is published every
+            # 200 ms), not necessarily at the very moment the server is back.
+            await wait_for(ready, timeout=10, what="ready again")
 
     run(main())
 

@@ -735,6 +735,14 @@ def test_worker_logging_settings_reach_the_workers_config() -> None:
     assert default.access_log is False and default.log_stats_interval == 10
 
 
+def test_prefix_routing_settings_reach_the_workers_config() -> None:
+    off = from_args(environ=kubelet_env(container(deployment(rendered("all-on"), "worker"), "worker")))
+    assert off.prefix_routing is False and off.prefix_routing_wait_ms == 80
+    default = from_args(environ=kubelet_env(container(deployment(rendered("default"), "worker"), "worker")))
+    assert default.prefix_routing is True and default.prefix_routing_wait_ms == 50
+    assert default.worker_config().routing.enabled and default.worker_config().routing.wait_ms == 50
+
+
 def test_alerts_and_dashboard_are_off_by_default() -> None:
     docs = rendered("default")
     assert find(docs, "PrometheusRule") == [] and find(docs, "ConfigMap", "rel-specserve-dashboard") == []

@@ -89,9 +89,11 @@ def test_pass_goes_only_to_a_live_warm_worker_with_room_and_not_much_busier(valk
         await offer(nothing)  # 5 in flight against 2: more than the slack
         await a.publish_load(4, 3)
         passed = await offer(nothing)  # within the slack: passed
+        assert (await client.r.hget(KEYS.load, "a")).startswith("5 2 ")  # the pass counts in a's load at once
+        await offer(nothing)  # so the next one stays: 5 against 2 again
         await b.advertise([key])
         await offer(nothing)  # b is warm itself: it keeps it
-        assert verdicts == ["", "", "", "", "a", ""]
+        assert verdicts == ["", "", "", "", "a", "", ""]
 
         # The passed entry is a's pending entry now, not a new delivery, and a hears of it.
         pending = await client.r.xpending_range(
