@@ -139,6 +139,9 @@ def test_requests_go_to_the_worker_that_ran_their_prefix(valkey, tiny_model_dir,
                 ids = [(await client.enqueue({"messages": _chat(q), **GREEDY})).id for q in questions]
                 results = [await client.wait(i) for i in ids]
                 infos = [await client.info(i) for i in ids]
+                await cold._refresh_stats()
+                metrics = cold.telemetry.metrics_text().decode()
+                assert f"specserve_prefix_routing_passed_total {float(len(ids))}" in metrics.splitlines()
                 return results, infos, cold.routing.passed, warm.routing.received
 
     results, infos, passed, received = run(main())

@@ -87,6 +87,10 @@ class EngineGauges:
     last_batch_size: int = 0
     model_name: str = ""  # empty until the worker's first refresh: nothing engine-side is exported before
     dead_letters: int = 0  # entries in the dead-letter stream (the worker reads it with the engine's stats)
+    # Prefix-aware claiming (service/routing.py): requests this worker passed on, was passed, took back.
+    routing_passed: int = 0
+    routing_received: int = 0
+    routing_taken_back: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -229,6 +233,21 @@ class Telemetry:
         )
         counter(
             "specserve_draft_tokens_accepted", "draft tokens accepted", lambda: self.engine.draft_accepted
+        )
+        counter(
+            "specserve_prefix_routing_passed",
+            "requests this worker passed to a worker warm for their prompt",
+            lambda: self.engine.routing_passed,
+        )
+        counter(
+            "specserve_prefix_routing_received",
+            "requests other workers passed to this one",
+            lambda: self.engine.routing_received,
+        )
+        counter(
+            "specserve_prefix_routing_taken_back",
+            "passed requests the warm worker did not claim in time, run here after all",
+            lambda: self.engine.routing_taken_back,
         )
         self.registry.register(_EngineCollector(self))
         reg, model = self.registry, ["model_name"]

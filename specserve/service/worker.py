@@ -553,5 +553,8 @@ class Worker:
         g.draft_proposed, g.draft_accepted = s.draft_proposed, s.draft_accepted
         g.prefix_cache_queries, g.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
         g.model_name = self.engine.model_name
+        if (routing := self.routing) is not None:
+            g.routing_passed, g.routing_received = routing.passed, routing.received
+            g.routing_taken_back = routing.taken_back
         self.telemetry.queue = await self.consumer.stats()
         g.dead_letters = await self.r.xlen(self.keys.dead)
