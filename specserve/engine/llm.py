@@ -62,6 +62,7 @@ class LLM:
                         seq.num_cached_tokens,
                     ),
                     metrics={"ttft": ttft, "e2e": finished_at[rid] - start},
+                    logprobs=None if seq.logprobs is None else seq.logprobs[: seq.num_output_tokens],
                 )
             )
         return outputs

@@ -26,6 +26,7 @@ from specserve.blockmgr import BlockManager
 from specserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from specserve.engine.cpu_tuning import keep_freed_memory_in_heap
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.logprobs import with_logprobs
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
@@ -377,4 +378,7 @@ class LLMEngine:
             vocab = logits.shape[-1]
             rows = RowParams.build([q.params for q in sampling], [q.generator for q in sampling], vocab)
             verified = iter(Accepted((t,)) for t in sample(logits, rows, self._generator).tolist())
-        return [next(verified) if s.samples else NOTHING for s in plan.scheduled]
+        accepted = [next(verified) if s.samples else NOTHING for s in plan.scheduled]
+        if any(s.samples and s.seq.params.logprobs is not None for s in plan.scheduled):
+            accepted = with_logprobs(plan, drafts, logits, accepted)
+        return accepted

@@ -78,6 +78,8 @@ class OutputProcessor:
             finished=final,
             finish_reason=seq.finish_reason,
         )
+        if seq.logprobs is not None:  # a stop string may have cut tokens whose logprobs were kept
+            delta.logprobs = seq.logprobs[seq.num_emitted_tokens : seq.num_output_tokens]
         seq.num_emitted_tokens = seq.num_output_tokens
         seq.num_emitted_chars = text_end
         if final:

@@ -14,6 +14,17 @@ class Usage:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token's log-probability and, best first, the most likely tokens at its position with
+    theirs (as many as the request asked for). Under the target model, from the forward that produced the
+    token, before temperature, top-k and top-p (vLLM's default); a constrained request's grammar mask is
+    applied first, so tokens it forbids are -inf."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class StepDelta:
     """New output of one request after one engine step (what the async engine streams)."""
@@ -26,6 +37,7 @@ class StepDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     usage: Usage | None = None  # set on the final delta
     first_token_time: float | None = None  # time.monotonic() of the first output token; on the final delta
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when the request asked
 
 
 @dataclass
@@ -39,3 +51,4 @@ class RequestOutput:
     finish_reason: str | None
     usage: Usage
     metrics: dict[str, float] = field(default_factory=dict)  # ttft, e2e seconds
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when the request asked

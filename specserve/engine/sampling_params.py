@@ -55,6 +55,7 @@ class StructuredOutputsParams:
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (completions' logprobs allows 5; vLLM takes 20 for both)
 # What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
 # whole engine (every running request) down with it.
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
@@ -78,6 +79,9 @@ class SamplingParams:
     speculation: str | int = "auto"
     # Constrained decoding (engine/structured.py); the wire sends it as a dict, made a StructuredOutputsParams
     structured_outputs: StructuredOutputsParams | None = None
+    # Log-probabilities of the generated tokens and of this many most likely tokens at each position (vLLM's
+    # logprobs); None: none. Values are the target's (engine/sampler.py token_logprobs says which).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # the two spellings OpenAI clients send, normalised once (the only writes a frozen instance gets)
@@ -133,6 +137,12 @@ class SamplingParams:
             spec in ("auto", "off") or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
             "speculation",
             f'must be "auto", "off" or an integer in [0, {MAX_SPECULATIVE_TOKENS}]',
+        )
+        lp = self.logprobs
+        check(
+            lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be an integer in [0, {MAX_LOGPROBS}] or null",
         )
         so = self.structured_outputs
         check(

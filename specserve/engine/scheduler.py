@@ -141,8 +141,10 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = time.monotonic()
             reason = None
-            for token in acc.token_ids:
+            for j, token in enumerate(acc.token_ids):
                 seq.token_ids.append(token)
+                if acc.logprobs is not None and seq.logprobs is not None:
+                    seq.logprobs.append(acc.logprobs[j])
                 reason = self._stop_reason(seq, token)
                 if reason is not None:
                     break

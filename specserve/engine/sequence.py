@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.outputs import TokenLogprobs
 from specserve.engine.sampling_params import SamplingParams
 
 
@@ -38,10 +39,13 @@ class Sequence:
     draft_accepted: int = 0
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     stream: bool = True  # hand out a delta every step; False: only the final one, with every token
+    logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.outputs import TokenLogprobs
 from specserve.engine.sequence import Sequence
 
 
@@ -64,7 +65,7 @@ class Accepted:
     token_ids: tuple[int, ...] = ()  # empty mid-prompt
     num_accepted_drafts: int = 0
     num_draft_tokens: int = 0  # drafts verified this step
-    logprobs: tuple[float, ...] | None = None  # per token, when asked for (not yet computed)
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when the request asked
 
 
 NOTHING = Accepted()
