@@ -194,11 +194,14 @@ class QueueClient:
         """Wait for the final entry and return the whole result."""
         ids: list[int] = []
         parts: list[str] = []
+        logprobs: list[dict[str, Any]] | None = None
         final: OutputEntry | None = None
         async with aclosing(self.stream(request_id)) as deltas:
             async for d in deltas:
                 ids.extend(d.token_ids)
                 parts.append(d.text)
+                if d.logprobs is not None:
+                    logprobs = (logprobs or []) + d.logprobs
                 final = d.final or final
         assert final is not None
         return Result(
@@ -210,4 +213,5 @@ class QueueClient:
             usage=final.usage,
             error=final.error,
             error_field=final.error_field,
+            logprobs=logprobs,
         )

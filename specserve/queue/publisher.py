@@ -47,8 +47,11 @@ def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
     ):
         last.token_ids = last.token_ids + e.token_ids
         last.text += e.text
+        if last.logprobs is not None or e.logprobs is not None:
+            last.logprobs = (last.logprobs or []) + (e.logprobs or [])
     else:
-        buf.append(OutputEntry(e.run, e.offset, e.text_offset, list(e.token_ids), e.text))
+        logprobs = None if e.logprobs is None else list(e.logprobs)
+        buf.append(OutputEntry(e.run, e.offset, e.text_offset, list(e.token_ids), e.text, logprobs=logprobs))
 
 
 class Publisher:

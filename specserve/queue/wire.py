@@ -275,6 +275,9 @@ class OutputEntry:
     usage: dict[str, int] | None = None
     error: str | None = None
     error_field: str | None = None
+    # One per token_ids entry when the request asked for logprobs: {"token", "logprob", "top_logprobs":
+    # [{"id", "token", "logprob"}, ...]} (docs/wire-format.md).
+    logprobs: list[dict[str, Any]] | None = None
 
     @property
     def final(self) -> bool:
@@ -288,6 +291,8 @@ class OutputEntry:
             "ids": orjson.dumps(self.token_ids).decode(),
             "text": self.text,
         }
+        if self.logprobs is not None:
+            f["logprobs"] = orjson.dumps(self.logprobs).decode()
         if self.finish_reason is not None:
             f["finish_reason"] = self.finish_reason
             f["status"] = self.status or FINISHED
@@ -313,7 +318,18 @@ class OutputEntry:
             usage=orjson.loads(usage) if usage else None,
             error=f.get("error"),
             error_field=f.get("error_field"),
+            logprobs=_logprobs_of(f.get("logprobs")),
         )
+
+
+def _logprobs_of(raw: str | None) -> list[dict[str, Any]] | None:
+    if not raw:
+        return None
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return value if isinstance(value, list) else None
 
 
 @dataclass
@@ -324,6 +340,7 @@ class Delta:
     text: str
     offset: int  # token offset of token_ids[0]
     final: OutputEntry | None = None
+    logprobs: list[dict[str, Any]] | None = None  # one per token_ids entry, when the request asked
 
 
 @dataclass
@@ -338,15 +355,17 @@ class OutputCursor:
         if self.done:
             return None
         # Within a run offsets are contiguous; after a restart they go back to 0 and we skip what we showed.
-        ids = e.token_ids[max(0, self.tokens - e.offset) :] if e.offset <= self.tokens else e.token_ids
+        skip = max(0, self.tokens - e.offset) if e.offset <= self.tokens else 0
+        ids = e.token_ids[skip:]
+        logprobs = e.logprobs[skip:] if e.logprobs is not None else None
         text = e.text[max(0, self.chars - e.text_offset) :] if e.text_offset <= self.chars else e.text
         start = self.tokens
         self.tokens = max(self.tokens, e.offset + len(e.token_ids))
         self.chars = max(self.chars, e.text_offset + len(e.text))
         if e.final:
             self.done = True
-            return Delta(ids, text, start, e)
-        return Delta(ids, text, start) if ids or text else None
+            return Delta(ids, text, start, e, logprobs)
+        return Delta(ids, text, start, logprobs=logprobs) if ids or text else None
 
 
 @dataclass
@@ -362,9 +381,10 @@ class Result:
     error: str | None = None
     error_field: str | None = None
     info: dict[str, str] = field(default_factory=dict)  # the raw status hash
+    logprobs: list[dict[str, Any]] | None = None  # one per token_ids entry, when the request asked
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "id": self.id,
             "status": self.status,
             "text": self.text,
@@ -374,6 +394,9 @@ class Result:
             "error": self.error,
             "error_field": self.error_field,
         }
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
 
 
 def assemble(request_id: str, info: dict[str, str], entries: list[OutputEntry]) -> Result:
@@ -381,11 +404,14 @@ def assemble(request_id: str, info: dict[str, str], entries: list[OutputEntry]) 
     cursor = OutputCursor()
     ids: list[int] = []
     parts: list[str] = []
+    logprobs: list[dict[str, Any]] | None = None
     final: OutputEntry | None = None
     for e in entries:
         d = cursor.feed(e)
         if d is None:
             continue
+        if d.logprobs is not None:
+            logprobs = (logprobs or []) + d.logprobs
         ids.extend(d.token_ids)
         parts.append(d.text)
         if d.final is not None:
@@ -403,4 +429,5 @@ def assemble(request_id: str, info: dict[str, str], entries: list[OutputEntry]) 
         error=(final.error if final else None) or info.get("error"),
         error_field=(final.error_field if final else None) or info.get("error_field"),
         info=info,
+        logprobs=logprobs,
     )

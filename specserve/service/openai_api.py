@@ -49,8 +49,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""),
@@ -62,7 +60,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),
 }
-_NEUTRAL_IN_BOTH = {"presence_penalty", "frequency_penalty", "logprobs", "logit_bias"}
+_NEUTRAL_IN_BOTH = {"presence_penalty", "frequency_penalty", "logit_bias"}
 _NEUTRAL_IN_BOTH |= {"repetition_penalty", "min_p"}
 # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs and its older guided_* aliases.
 GUIDED = {
@@ -72,10 +70,14 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
+LOGPROBS = {"logprobs", "return_tokens_as_token_ids"}  # vLLM's extra: tokens named "token_id:<id>"
+MAX_LOGPROBS = 20  # vLLM's bound for both routes (OpenAI's completions stop at 5, its chat at 20)
 COMPLETION_FIELDS = (
-    COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | {"prompt", "echo", "best_of", "suffix"}
+    COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | LOGPROBS | {"prompt", "echo", "best_of", "suffix"}
 )
-CHAT_FIELDS = COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = (
+    COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | LOGPROBS | {"messages", "max_completion_tokens"}
+)
 CHAT_FIELDS |= {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 
 
@@ -130,6 +132,65 @@ def _structured_field(param: str, data: dict[str, Any]) -> str:
     return next((k for k in GUIDED if data.get(k) is not None), param)
 
 
+def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
+    """How many top logprobs the wire asks for (0: the chosen tokens' only), None for none. Chat says it
+    as `logprobs: true` and `top_logprobs: n`; completions as `logprobs: n`."""
+
+    def count(name: str) -> int:
+        n = data[name]
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS:
+            raise ApiError(400, f"{name}: must be an integer in [0, {MAX_LOGPROBS}]", name)
+        return n
+
+    if not chat:
+        return None if data.get("logprobs") is None else count("logprobs")
+    wanted = data.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ApiError(400, "logprobs: must be a boolean", "logprobs")
+    top = None if data.get("top_logprobs") is None else count("top_logprobs")
+    if top is not None and not wanted:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _token_name(entry: dict[str, Any], token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else str(entry.get("token", ""))
+
+
+def chat_logprobs(logprobs: list[dict[str, Any]], token_ids: list[int], as_ids: bool) -> dict[str, Any]:
+    """The wire's logprobs as a chat choice's `logprobs` (OpenAI: content, each with bytes and its top)."""
+
+    def item(e: dict[str, Any], token_id: int) -> dict[str, Any]:
+        name = _token_name(e, token_id, as_ids)
+        return {"token": name, "logprob": e.get("logprob"), "bytes": list(name.encode())}
+
+    return {
+        "content": [
+            {**item(e, t), "top_logprobs": [item(x, x.get("id", 0)) for x in e.get("top_logprobs", [])]}
+            for e, t in zip(logprobs, token_ids)
+        ]
+    }
+
+
+def completion_logprobs(
+    logprobs: list[dict[str, Any]], token_ids: list[int], as_ids: bool, text_offset: int = 0
+) -> dict[str, Any]:
+    """The wire's logprobs as a completion choice's `logprobs` (OpenAI's legacy shape: parallel lists; each
+    position's top_logprobs maps token to logprob and holds the chosen token too, as vLLM's does).
+    text_offset: where the first token's text starts (its running total while streaming)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for e, t in zip(logprobs, token_ids):
+        name = _token_name(e, t, as_ids)
+        tokens.append(name)
+        values.append(e.get("logprob"))
+        top = {_token_name(x, x.get("id", 0), as_ids): x.get("logprob") for x in e.get("top_logprobs", [])}
+        top.setdefault(name, e.get("logprob"))
+        tops.append(top)
+        offsets.append(text_offset)
+        text_offset += len(str(e.get("token", "")))
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
 def _single_prompt(prompt: Any) -> Any:
     """OpenAI allows a batch of prompts; we take exactly one (string or token ids)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -176,9 +237,16 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
     structured = _structured(data)
     if structured is not None:
         body["structured_outputs"] = structured
+    logprobs = _logprobs(data, chat)
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    as_ids = data.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise ApiError(400, "return_tokens_as_token_ids: must be a boolean", "return_tokens_as_token_ids")
     if not stream:
         body["stream"] = False  # we answer once, at the end: the worker need not write every step
     meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
+    meta["token_ids"] = bool(as_ids)  # return_tokens_as_token_ids
     return gateway.validate(body), meta
 
 
@@ -211,12 +279,18 @@ def _raise_for(final: OutputEntry | Result) -> None:
         )
 
 
-def completion_body(rid: str, created: int, model: str, chat: bool, result: Result) -> dict[str, Any]:
+def completion_body(
+    rid: str, created: int, model: str, chat: bool, result: Result, as_ids: bool = False
+) -> dict[str, Any]:
     """A whole (non-streaming) completion or chat completion, as OpenAI answers it."""
+    logprobs = None
+    if result.logprobs is not None:
+        shape = chat_logprobs if chat else completion_logprobs
+        logprobs = shape(result.logprobs, result.token_ids, as_ids)
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None}
+        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
     else:
-        choice = {"index": 0, "text": result.text, "logprobs": None}
+        choice = {"index": 0, "text": result.text, "logprobs": logprobs}
     choice["finish_reason"] = result.finish_reason
     obj = "chat.completion" if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
@@ -350,7 +424,7 @@ class OpenAIRoutes:
 
     @staticmethod
     def _whole(rid, created, meta, chat, result: Result) -> web.Response:
-        return json_response(completion_body(rid, created, meta["model"], chat, result))
+        return json_response(completion_body(rid, created, meta["model"], chat, result, meta["token_ids"]))
 
     async def _stream(self, request, rid, created, meta, chat, first: Delta, deltas) -> web.StreamResponse:
         resp = await sse_start(request)
@@ -363,25 +437,40 @@ class OpenAIRoutes:
     async def _send_chunks(self, resp, rid, created, meta, chat, first: Delta, deltas) -> None:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict[str, Any]:
+        shown_chars = 0  # the completion's text so far, for the legacy logprobs' text_offset
+
+        def logprobs_of(d: Delta | None) -> dict[str, Any] | None:
+            nonlocal shown_chars
+            if d is None or not d.logprobs:
+                return None
+            if chat:
+                return chat_logprobs(d.logprobs, d.token_ids, meta["token_ids"])
+            out = completion_logprobs(d.logprobs, d.token_ids, meta["token_ids"], shown_chars)
+            shown_chars += sum(len(str(e.get("token", ""))) for e in d.logprobs)
+            return out
+
+        def chunk(
+            text: str | None, finish: str | None, role: bool = False, d: Delta | None = None
+        ) -> dict[str, Any]:
+            logprobs = logprobs_of(d)
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-                if text:
-                    delta["content"] = text
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if text or logprobs:
+                    delta["content"] = text or ""
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             return {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
 
         if chat:
             await sse_send(resp, chunk(None, None, role=True))
         final = first.final
-        if first.text:
-            await sse_send(resp, chunk(first.text, None))
+        if first.text or first.logprobs:
+            await sse_send(resp, chunk(first.text, None, d=first))
         if final is None:
             async for d in deltas:
-                if d.text:
-                    await sse_send(resp, chunk(d.text, None))
+                if d.text or d.logprobs:
+                    await sse_send(resp, chunk(d.text, None, d=d))
                 if d.final is not None:
                     final = d.final
                     break

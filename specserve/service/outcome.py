@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import orjson
 
@@ -38,6 +39,7 @@ class Outcome:
     # the whole output (earlier runs' included), kept only for a request with a reply stream
     token_ids: list[int] | None = None
     text: str | None = None
+    logprobs: list[dict[str, Any]] | None = None  # the final delta's tokens', on the wire, when asked
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ def finalize(o: Outcome) -> Final:
         usage=usage_fields(last) if last is not None else None,
         error=error,
         error_field=error_field,
+        logprobs=o.logprobs if last is not None else None,
     )
     return _final(entry, o.engine_ms)
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Span
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 # Prompts longer than this are tokenized in a thread, inside their own request's task: tokenizing takes a
 # while, and on the loop that does every request's Redis I/O it held up the pull loop and its batch-mates.
 LONG_PROMPT_CHARS = 8192
+LOGPROB_FLOOR = -9999.0  # what -inf is written as (vLLM's choice): JSON has no infinity
 
 
 def prompt_chars(body: RequestBody) -> int:
@@ -154,6 +157,8 @@ class Runner:
         self.clock = clock
         self.models = model_aliases(engine.model_name)
         self.preparing = 0  # requests being tokenized in a thread, not yet in the engine
+        # A token's text for logprobs, decoded alone; a top-20 request decodes 21 a token, mostly the same few
+        self._token_text = functools.lru_cache(maxsize=65_536)(lambda t: engine.tokenizer.decode([t]))
 
     # ---- into the engine ------------------------------------------------------------------------------
 
@@ -274,6 +279,7 @@ class Runner:
         base = started.base_tokens
         text_offset = started.base_chars
         last: StepDelta | None = None
+        last_logprobs: list[dict[str, Any]] | None = None
         error: str | None = None
         body = state.body
         reply_key = self.keys.reply(body.reply_to) if body.reply_stream and body.reply_to else None
@@ -301,9 +307,11 @@ class Runner:
                         whole[1].append(d.text)
                     if d.finished:
                         last = _after(d, base)  # its tokens go out with the final entry
+                        last_logprobs = self.wire_logprobs(d)
                         state.engine_end = time.monotonic()
                     elif d.token_ids or d.text:
                         entry = OutputEntry(state.run, base + d.offset, text_offset, d.token_ids, d.text)
+                        entry.logprobs = self.wire_logprobs(d)
                         self.publisher.push(rid, entry, reply_key)
                         text_offset += len(d.text)
         except Exception as err:
@@ -316,7 +324,25 @@ class Runner:
         if state.engine_end is not None:
             engine_ms = 1000 * (state.engine_end - state.engine_start)
         ids, text = (whole[0], "".join(whole[1])) if whole is not None else (None, None)
-        return Outcome(state.run, state.ending, last, text_offset, error, engine_ms, ids, text)
+        return Outcome(state.run, state.ending, last, text_offset, error, engine_ms, ids, text, last_logprobs)
+
+    def wire_logprobs(self, d: StepDelta) -> list[dict[str, Any]] | None:
+        """A delta's logprobs as output entries carry them, each token with its text (the worker has the
+        tokenizer; readers need not). -inf (a token a grammar forbids) is written as -9999.0, as vLLM
+        does: JSON has no infinity."""
+        if d.logprobs is None:
+            return None
+        token = self._token_text
+        return [
+            {
+                "token": token(t),
+                "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                "top_logprobs": [
+                    {"id": i, "token": token(i), "logprob": max(v, LOGPROB_FLOOR)} for i, v in lp.top
+                ],
+            }
+            for t, lp in zip(d.token_ids, d.logprobs)
+        ]
 
 
 @contextlib.contextmanager
