@@ -30,6 +30,7 @@ from specserve.engine.logprobs import with_logprobs
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
+from specserve.engine.penalties import adjust_logits
 from specserve.engine.sampler import RowParams, sample
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
 from specserve.engine.scheduler import Scheduler
@@ -372,12 +373,14 @@ class LLMEngine:
         sampling = [s.seq for s in plan.scheduled if s.samples]
         if not sampling:
             return [NOTHING] * len(plan.scheduled)
+        eos = self.eos_token_ids
         if drafts is not None:
-            verified = iter(self.spec.verify(plan, drafts, logits, self._generator))
+            verified = iter(self.spec.verify(plan, drafts, logits, self._generator, eos))
         else:
             vocab = logits.shape[-1]
             rows = RowParams.build([q.params for q in sampling], [q.generator for q in sampling], vocab)
-            verified = iter(Accepted((t,)) for t in sample(logits, rows, self._generator).tolist())
+            adjusted = adjust_logits(logits[:, None, :], sampling, None, eos)[:, 0]
+            verified = iter(Accepted((t,)) for t in sample(adjusted, rows, self._generator).tolist())
         accepted = [next(verified) if s.samples else NOTHING for s in plan.scheduled]
         if any(s.samples and s.seq.params.logprobs is not None for s in plan.scheduled):
             accepted = with_logprobs(plan, drafts, logits, accepted)

@@ -46,6 +46,8 @@ class OutputProcessor:
             # A stop string completed by this token ends inside its new text; it may start just before it.
             tail_from = max(0, len(seq.text) - longest + 1)
             seq.text += seq.detokenizer.step(seq.token_ids)
+            if seq.num_output_tokens < seq.params.min_tokens:  # too early for a stop string (vLLM's rule)
+                continue
             for stop in stops:
                 at = seq.text.find(stop, tail_from)
                 if at != -1:

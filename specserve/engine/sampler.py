@@ -23,6 +23,7 @@ class RowParams:
     greedy: torch.Tensor  # [R] bool
     all_greedy: bool
     generators: list[torch.Generator | None]
+    min_p: torch.Tensor | None = None  # [R], None when no row uses it
 
     @classmethod
     def build(
@@ -38,7 +39,10 @@ class RowParams:
         top_p = None
         if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
             top_p = torch.tensor([p.top_p for p in params])
-        return cls(temps, top_k, top_p, torch.tensor(greedy), all(greedy), generators)
+        min_p = None
+        if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
+            min_p = torch.tensor([p.min_p for p in params])
+        return cls(temps, top_k, top_p, torch.tensor(greedy), all(greedy), generators, min_p)
 
     def select(self, rows: torch.Tensor | list[int]) -> RowParams:
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -50,7 +54,13 @@ class RowParams:
             self.greedy[idx],
             bool(self.greedy[idx].all()),
             [self.generators[i] for i in ids],
+            None if self.min_p is None else self.min_p[idx],
         )
+
+    def per_position(self, n: int) -> RowParams:
+        """Each row repeated n times in place (a speculative step's positions of one sequence)."""
+        rep = torch.arange(len(self.generators)).repeat_interleave(n)
+        return self.select(rep)
 
 
 def apply_top_k_top_p(
@@ -72,8 +82,13 @@ def apply_top_k_top_p(
 
 
 def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """The distribution each row samples from (temperature, top-k, top-p applied); float32."""
+    """The distribution each row samples from (temperature, min_p, top-k, top-p applied, in vLLM's order);
+    float32."""
     logits = logits / rows.temperature
+    if rows.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        floor = rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     logits = apply_top_k_top_p(logits, rows.top_k, rows.top_p)
     return logits.softmax(dim=-1)
 

@@ -82,6 +82,13 @@ class SamplingParams:
     # Log-probabilities of the generated tokens and of this many most likely tokens at each position (vLLM's
     # logprobs); None: none. Values are the target's (engine/sampler.py token_logprobs says which).
     logprobs: int | None = None
+    # vLLM's and OpenAI's adjustments (engine/penalties.py applies them, per verify position too)
+    presence_penalty: float = 0.0  # minus this for every token the output already holds
+    frequency_penalty: float = 0.0  # minus this times how often the output holds the token
+    repetition_penalty: float = 1.0  # logits of tokens in the prompt or output: / it if > 0, * it if < 0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many
 
     def __post_init__(self) -> None:
         # the two spellings OpenAI clients send, normalised once (the only writes a frozen instance gets)
@@ -93,6 +100,11 @@ class SamplingParams:
             )
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.logit_bias, dict) and all(
+            isinstance(k, str) and k.isdigit() for k in self.logit_bias
+        ):  # OpenAI's JSON keys are token ids as strings
+            bias = {int(k): v for k, v in self.logit_bias.items()}
+            object.__setattr__(self, "logit_bias", bias or None)
         self.validate()
 
     @property
@@ -143,6 +155,24 @@ class SamplingParams:
             lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
             "logprobs",
             f"must be an integer in [0, {MAX_LOGPROBS}] or null",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            check(is_num(v) and -2.0 <= v <= 2.0, name, "must be a number in [-2, 2]")
+        rp = self.repetition_penalty
+        check(is_num(rp) and 0.0 < rp <= 10.0, "repetition_penalty", "must be a number in (0, 10]")
+        check(is_num(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p", "must be a number in [0, 1]")
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be an integer >= 0")
+        lb = self.logit_bias
+        check(
+            lb is None
+            or (
+                isinstance(lb, dict)
+                and len(lb) <= 1024
+                and all(is_int(k) and k >= 0 and is_num(v) and -100 <= v <= 100 for k, v in lb.items())
+            ),
+            "logit_bias",
+            "must map token ids (integers >= 0, at most 1024 of them) to numbers in [-100, 100]",
         )
         so = self.structured_outputs
         check(

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.engine.penalties import adjust_logits
 from specserve.engine.sampler import RowParams
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
@@ -129,7 +130,12 @@ class SpeculativeDecoder:
         self.policy.target.observe(num_tokens, seconds)
 
     def verify(
-        self, plan: SchedulerOutput, drafts: DraftBatch, logits: torch.Tensor, generator: torch.Generator
+        self,
+        plan: SchedulerOutput,
+        drafts: DraftBatch,
+        logits: torch.Tensor,
+        generator: torch.Generator,
+        eos_token_ids: Seq[int] = (),
     ) -> list[Accepted]:
         """Accepted drafts + the next token per sampling sequence, in plan order (mid-prompt chunks are
         skipped); logits hold 1 + its number of drafts rows per sampling sequence."""
@@ -153,6 +159,8 @@ class SpeculativeDecoder:
             for row, i in enumerate(rows_of):
                 if drafts.probs[i] is not None:
                     draft_probs[row, : counts[row]] = drafts.probs[i]
+        # penalties and biases at each position count the drafts before it (engine/penalties.py)
+        target_logits = adjust_logits(target_logits, seqs, draft_tokens, eos_token_ids)
         rows = RowParams.build([s.params for s in seqs], [s.generator for s in seqs], vocab)
         result = verify(VerifyBatch(target_logits, draft_tokens, count_t, draft_probs, rows), generator)
         num_accepted = result.num_accepted.tolist()

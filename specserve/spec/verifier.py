@@ -50,14 +50,7 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
     accept = target_argmax[:, :k] == batch.draft_tokens
 
     if not rows.all_greedy:
-        per_pos = RowParams(
-            rows.temperature.repeat_interleave(k_plus_1, dim=0),
-            None if rows.top_k is None else rows.top_k.repeat_interleave(k_plus_1),
-            None if rows.top_p is None else rows.top_p.repeat_interleave(k_plus_1),
-            rows.greedy.repeat_interleave(k_plus_1),
-            False,
-            [g for g in rows.generators for _ in range(k_plus_1)],
-        )
+        per_pos = rows.per_position(k_plus_1)
         p = probabilities(logits.reshape(-1, vocab), per_pos).view(num_seqs, k_plus_1, vocab)
         p_draft = p[:, :k].gather(2, batch.draft_tokens[:, :, None]).squeeze(2)  # p(x) [S, K]
         if batch.draft_probs is None:
