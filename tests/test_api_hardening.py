@@ -157,7 +157,7 @@ NUMERIC_FIELDS = ["max_tokens", "temperature", "top_p", "top_k", "seed", "timeou
 # OpenAI's numeric fields we accept only at their neutral value (or not at all on one of the routes), and
 # stop_token_ids, whose numbers sit in a list.
 NUMERIC_FIELDS += ["n", "best_of", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs"]
-NUMERIC_FIELDS += ["max_completion_tokens", "stop_token_ids"]
+NUMERIC_FIELDS += ["max_completion_tokens", "stop_token_ids", "repetition_penalty", "min_p", "min_tokens"]
 FUZZ_VALUES = ["NaN", "Infinity", "-Infinity", "1e999", "1e308", "-1e308", "-0", str(2**64), "-1", "0.5"]
 
 

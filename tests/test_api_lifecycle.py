@@ -121,9 +121,9 @@ def test_with_no_worker_the_deadline_is_answered_and_the_request_ends(valkey, st
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-def test_vllm_neutral_sampling_extras_are_accepted(valkey, tiny_model_dir, path):
-    """`vllm bench serve` sends repetition_penalty 1.0; the neutral values of vLLM's extras change nothing,
-    others are refused naming the field until they are implemented."""
+def test_vllm_sampling_extras_are_accepted(valkey, tiny_model_dir, path):
+    """`vllm bench serve` sends repetition_penalty 1.0 and min_p 0; other values work too (they are applied
+    by engine/penalties.py), and a value out of range is refused naming the field."""
     model = str(tiny_model_dir)
     base_body = {"model": model, "max_tokens": 2}
     base_body |= {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"}
@@ -134,13 +134,17 @@ def test_vllm_neutral_sampling_extras_are_accepted(valkey, tiny_model_dir, path)
             aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
         ):
             out = []
-            for extra in ({"repetition_penalty": 1.0, "min_p": 0.0}, {"repetition_penalty": 1.3}):
+            for extra in (
+                {"repetition_penalty": 1.0, "min_p": 0.0},
+                {"repetition_penalty": 1.3, "min_p": 0.1, "presence_penalty": 0.5, "logit_bias": {"11": 5}},
+                {"repetition_penalty": 0},
+            ):
                 async with http.post(base + path, json=base_body | extra) as r:
                     out.append((r.status, await r.json()))
             return out
 
-    (ok_status, _), (bad_status, bad) = run(main())
-    assert ok_status == 200
+    (ok_status, _), (adjusted_status, _), (bad_status, bad) = run(main())
+    assert ok_status == 200 and adjusted_status == 200
     assert bad_status == 400 and bad["error"]["param"] == "repetition_penalty"
 
 

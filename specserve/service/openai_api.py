@@ -31,7 +31,9 @@ WATCH_S = 0.5  # how often a waiting non-streaming request looks whether its cli
 DEADLINE_GRACE_S = 1.0
 
 # Our extensions beyond OpenAI's fields.
-EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout"}
+EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout", "min_tokens"}
+# OpenAI's penalties and bias, and vLLM's sampling extras: passed to the wire as they are
+ADJUSTMENTS = {"presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_p"}
 COMMON = {
     "model",
     "max_tokens",
@@ -49,19 +51,11 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True),
-    # vLLM's sampling extras, which its clients send at these values (`vllm bench serve` does)
-    "repetition_penalty": (None, 1, 1.0),
-    "min_p": (None, 0, 0.0),
 }
-_NEUTRAL_IN_BOTH = {"presence_penalty", "frequency_penalty", "logit_bias"}
-_NEUTRAL_IN_BOTH |= {"repetition_penalty", "min_p"}
 # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs and its older guided_* aliases.
 GUIDED = {
     "guided_json": "json",
@@ -73,10 +67,10 @@ STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
 LOGPROBS = {"logprobs", "return_tokens_as_token_ids"}  # vLLM's extra: tokens named "token_id:<id>"
 MAX_LOGPROBS = 20  # vLLM's bound for both routes (OpenAI's completions stop at 5, its chat at 20)
 COMPLETION_FIELDS = (
-    COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | LOGPROBS | {"prompt", "echo", "best_of", "suffix"}
+    COMMON | EXTENSIONS | ADJUSTMENTS | STRUCTURED | LOGPROBS | {"prompt", "echo", "best_of", "suffix"}
 )
 CHAT_FIELDS = (
-    COMMON | EXTENSIONS | _NEUTRAL_IN_BOTH | STRUCTURED | LOGPROBS | {"messages", "max_completion_tokens"}
+    COMMON | EXTENSIONS | ADJUSTMENTS | STRUCTURED | LOGPROBS | {"messages", "max_completion_tokens"}
 )
 CHAT_FIELDS |= {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
 
@@ -229,7 +223,14 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
         body["prompt"] = _single_prompt(data["prompt"])
         if data.get("max_tokens") is not None:
             body["max_tokens"] = data["max_tokens"]
-    for key in ("temperature", "top_p", "seed", "stop", *sorted(EXTENSIONS - {"timeout"})):
+    for key in (
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        *sorted(EXTENSIONS - {"timeout"}),
+        *sorted(ADJUSTMENTS),
+    ):
         if data.get(key) is not None:
             body[key] = data[key]
     if data.get("timeout") is not None:
