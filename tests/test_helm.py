@@ -224,7 +224,7 @@ def test_env_references_resolve_to_earlier_variables(value_set: str) -> None:
     ("value_set", "resource", "count", "device", "variant"),
     [
         ("default", "nvidia.com/gpu", 1, "cuda", "cuda"),
-        ("all-on", "nvidia.com/gpu", 2, "cuda", "cuda12"),
+        ("all-on", "nvidia.com/gpu", 1, "cuda", "cuda12"),
         ("external-redis", "nvidia.com/mig-3g.40gb", 1, "cuda", "cuda"),
     ],
 )
@@ -276,6 +276,11 @@ def test_default_grace_period_is_derived_from_the_drain_timeout() -> None:
     )
     assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 2 + 300 + 15
     assert env_of(container(dep, "worker"))["SPECSERVE_DRAIN_TIMEOUT"] == "300"
+
+
+def test_more_than_one_gpu_per_worker_is_refused_until_tensor_parallelism() -> None:
+    message = helm_error({"worker": {"gpu": {"count": 2}}})
+    assert "worker.gpu.count=2" in message and "one GPU" in message
 
 
 def test_grace_period_shorter_than_the_drain_is_refused() -> None:
