@@ -15,7 +15,8 @@ DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 @dataclass
 class EngineConfig:
-    model: str | None = None  # HF dir or .gguf; None serves the demo SmolLM2-135M-Instruct
+    model: str | None = None  # HF dir, .gguf or Hugging Face id; None serves the demo SmolLM2-135M-Instruct
+    revision: str | None = None  # of a Hugging Face id: a branch, tag or commit (None: main)
     dtype: str = "auto"
     device: str = "auto"
     max_num_seqs: int = 64

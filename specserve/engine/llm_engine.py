@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
 from specserve.engine.structured import StructuredOutputs
 from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer
+from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer, resolve_model
 from specserve.spec.decoder import SpeculativeDecoder
 from specserve.spec.factory import TargetInfo, build_decoder
 
@@ -106,7 +105,7 @@ class _Totals:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        path = Path(config.model) if config.model else demo_model_path()
+        path = resolve_model(config.model, config.revision) if config.model else demo_model_path()
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)

@@ -137,11 +137,40 @@ def demo_model_path() -> Path:
     )
 
 
+# What a model repository must give us: config, safetensors weights, tokenizer files, chat templates. Never
+# pickles (*.bin, *.pt), which we refuse to load anyway, nor other formats' copies of the weights.
+HF_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
+
+
+def resolve_model(model: str | Path, revision: str | None = None) -> Path:
+    """A local file or directory as it is; otherwise a Hugging Face model id (`org/name`), taken from the
+    hub's cache or downloaded into it (huggingface_hub's rules: HF_TOKEN, HF_HOME / HF_HUB_CACHE, and
+    HF_HUB_OFFLINE=1 to use the cache alone). Anything else is a FileNotFoundError in one line."""
+    p = Path(model).expanduser()
+    if p.exists():
+        return p
+    name = str(model)
+    if not _HF_ID.match(name) or name.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model {name}: does not exist (no such path, nor a Hugging Face id)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=HF_PATTERNS))
+    except LocalEntryNotFoundError:
+        at = f" at revision {revision}" if revision else ""
+        raise FileNotFoundError(
+            f"model {name}{at}: not in the Hugging Face cache, and the hub cannot be reached "
+            "(HF_HUB_OFFLINE is set, or no network); download it first or give a local path"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise FileNotFoundError(f"model {name}: {reason}") from None
+
+
 def _existing(path: str | Path) -> Path:
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"checkpoint path does not exist: {p}")
-    return p
+    return resolve_model(path)
 
 
 # ---------------------------------------------------------------- HF safetensors directories

@@ -92,7 +92,13 @@ class ServiceConfig:
     )
     prefix: str = _opt("SPECSERVE_PREFIX", DEFAULT_PREFIX, "prefix of every Redis key")
     model: str | None = _opt(
-        "SPECSERVE_MODEL", None, "HF model dir or GGUF file (default: demo SmolLM2-135M)"
+        "SPECSERVE_MODEL",
+        None,
+        "HF model dir, GGUF file or Hugging Face id (org/name; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE apply) "
+        "(default: demo SmolLM2-135M)",
+    )
+    revision: str | None = _opt(
+        "SPECSERVE_REVISION", None, "branch, tag or commit of a Hugging Face model id (default: main)"
     )
     dtype: str = _opt(
         "SPECSERVE_DTYPE",
@@ -343,6 +349,7 @@ def _flag(name: str, meta: dict[str, Any]) -> str:
 
 
 _ENGINE_KNOBS = (
+    "revision",
     "max_num_seqs",
     "kv_cache_bytes",
     "max_num_batched_tokens",
