@@ -278,6 +278,24 @@ def test_default_grace_period_is_derived_from_the_drain_timeout() -> None:
     assert env_of(container(dep, "worker"))["SPECSERVE_DRAIN_TIMEOUT"] == "300"
 
 
+def test_a_hugging_face_id_reaches_the_worker_with_its_revision_token_and_offline_switch() -> None:
+    values = {
+        "model": {
+            "path": "Qwen/Qwen3-0.6B",
+            "revision": "v1.1",
+            "huggingface": {"tokenSecret": {"name": "hf-token"}, "offline": True},
+        }
+    }
+    worker = container(deployment(tuple(render(values)), "worker"), "worker")
+    env = env_of(worker)
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert env["HF_HUB_OFFLINE"] == "1" and env["HF_HOME"].startswith("/cache")
+    cfg = from_args(environ=kubelet_env(worker))
+    assert cfg.model == "Qwen/Qwen3-0.6B" and cfg.revision == "v1.1"
+    default = env_of(container(deployment(rendered("default"), "worker"), "worker"))
+    assert not {"HF_TOKEN", "HF_HUB_OFFLINE", "SPECSERVE_REVISION"} & set(default)
+
+
 def test_more_than_one_gpu_per_worker_is_refused_until_tensor_parallelism() -> None:
     message = helm_error({"worker": {"gpu": {"count": 2}}})
     assert "worker.gpu.count=2" in message and "one GPU" in message
