@@ -296,6 +296,15 @@ def test_a_hugging_face_id_reaches_the_worker_with_its_revision_token_and_offlin
     assert not {"HF_TOKEN", "HF_HUB_OFFLINE", "SPECSERVE_REVISION"} & set(default)
 
 
+def test_gpu_memory_utilization_reaches_the_engine() -> None:
+    worker = container(
+        deployment(tuple(render({"engine": {"gpuMemoryUtilization": 0.8}})), "worker"), "worker"
+    )
+    assert from_args(environ=kubelet_env(worker)).engine_kwargs()["gpu_memory_utilization"] == 0.8
+    message = helm_error({"engine": {"gpuMemoryUtilization": 1.5}})
+    assert "gpuMemoryUtilization" in message
+
+
 def test_more_than_one_gpu_per_worker_is_refused_until_tensor_parallelism() -> None:
     message = helm_error({"worker": {"gpu": {"count": 2}}})
     assert "worker.gpu.count=2" in message and "one GPU" in message

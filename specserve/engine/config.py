@@ -10,7 +10,6 @@ import torch
 from specserve.spec.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 @dataclass
@@ -23,7 +22,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
+    kv_cache_bytes: int | None = None  # None: sized from the device's memory (engine/memory.py)
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the device the engine may fill (vLLM's)
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     # Share the K/V of prompt prefixes already computed (vLLM's name and default); static batching never does.
@@ -45,6 +45,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, not {value!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0.0 < u <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {u!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

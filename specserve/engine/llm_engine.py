@@ -22,10 +22,11 @@ import torch
 from jinja2 import TemplateError
 
 from specserve.blockmgr import BlockManager
-from specserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from specserve.engine.config import EngineConfig
 from specserve.engine.cpu_tuning import keep_freed_memory_in_heap
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.logprobs import with_logprobs
+from specserve.engine.memory import activation_reserve_bytes, kv_pool_bytes, plan_kv_cache
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
@@ -120,17 +121,26 @@ class LLMEngine:
         del ckpt
 
         block_size = config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            1,
-            (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
-            // (self.model_config.kv_bytes_per_token(self.dtype) * block_size),
+        mc = self.model_config
+        per_token = mc.kv_bytes_per_token(self.dtype)
+        if config.num_kv_blocks:  # tests and benchmarks: an exact pool
+            pool, why = config.num_kv_blocks * block_size * per_token, "num_kv_blocks"
+        else:
+            dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
+            reserve = activation_reserve_bytes(
+                config.max_num_batched_tokens,
+                mc.hidden_size,
+                mc.intermediate_size,
+                mc.vocab_size,
+                dtype_bytes,
+            )
+            pool, why = kv_pool_bytes(
+                self.device, config.kv_cache_bytes, config.gpu_memory_utilization, reserve
+            )
+        plan = plan_kv_cache(
+            pool, why, per_token, block_size, config.max_model_len, mc.max_position_embeddings
         )
-        # A sequence must fit in the pool on its own, or preemption could never make room for it.
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-            num_blocks * block_size,
-        )
+        num_blocks, self.max_model_len = plan.num_blocks, plan.max_model_len
         self.block_manager = BlockManager(
             num_blocks, block_size, config.enable_prefix_caching and not config.static_batching
         )

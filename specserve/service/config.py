@@ -114,7 +114,19 @@ class ServiceConfig:
     num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")
     # The engine's knobs (vLLM's names); unset, the engine's own default (engine/config.py) applies.
     max_num_seqs: int | None = _opt("SPECSERVE_MAX_NUM_SEQS", None, "most sequences in a batch", kind=int)
-    kv_cache_bytes: int | None = _opt("SPECSERVE_KV_CACHE_BYTES", None, "KV cache size in bytes", kind=int)
+    kv_cache_bytes: int | None = _opt(
+        "SPECSERVE_KV_CACHE_BYTES",
+        None,
+        "KV cache size in bytes (unset: CUDA, gpu_memory_utilization of the device; CPU, a tenth of the "
+        "memory limit within 0.25-8 GiB)",
+        kind=int,
+    )
+    gpu_memory_utilization: float | None = _opt(
+        "SPECSERVE_GPU_MEMORY_UTILIZATION",
+        None,
+        "CUDA: share of the device's memory the engine may fill, weights and KV cache (0.9)",
+        kind=float,
+    )
     max_num_batched_tokens: int | None = _opt(
         "SPECSERVE_MAX_NUM_BATCHED_TOKENS", None, "most tokens in one engine step (prefill chunks)", kind=int
     )
@@ -352,6 +364,7 @@ _ENGINE_KNOBS = (
     "revision",
     "max_num_seqs",
     "kv_cache_bytes",
+    "gpu_memory_utilization",
     "max_num_batched_tokens",
     "block_size",
     "max_model_len",
