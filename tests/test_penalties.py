@@ -179,3 +179,27 @@ def test_bad_values_name_the_field(field, value):
     with pytest.raises(InvalidParameter) as e:
         SamplingParams(**{field: value})
     assert e.value.field == field
+
+
+def test_bad_words_are_never_generated_and_match_hf(model_dir, tiny_model_factory):
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    tokenizer = load_tokenizer(model_dir)
+    llm = LLM(str(model_dir), dtype="float32")
+    plain = llm.generate(PROMPTS, _greedy())
+    # one word the greedy output would produce mid-way, another of several tokens from another prompt
+    words = [tokenizer.decode(plain[0].token_ids[3:4]), tokenizer.decode(plain[1].token_ids[5:8])]
+    words = [w for w in words if w.strip()]
+    ids = llm.engine.bad_words_ids(words)
+    assert any(len(w) > 1 for w in ids)
+    spec = spec_configs(tiny_model_factory)["draft_self"]
+    for engine in (llm, LLM(str(model_dir), dtype="float32", speculative_config=spec)):
+        outs = engine.generate(PROMPTS, _greedy(bad_words=words, speculation=4))
+        for prompt, out in zip(PROMPTS, outs):
+            prompt_ids = tokenizer.encode(prompt)
+            no_bad = LogitsProcessorList([NoBadWordsLogitsProcessor(ids, eos_token_id=None)])
+            assert out.token_ids == _hf(model_dir, prompt_ids, no_bad)
+            for w in ids:
+                n = len(w)
+                assert all(out.token_ids[k : k + n] != w for k in range(len(out.token_ids) - n + 1))
+        assert outs[0].token_ids != plain[0].token_ids

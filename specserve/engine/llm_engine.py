@@ -267,12 +267,23 @@ class LLMEngine:
             arrival_time=time.monotonic(),
             generator=gen,
             stream=stream,
+            bad_words_ids=self.bad_words_ids(params.bad_words) if params.bad_words else None,
         )
         structured = self.compile_grammar(params)
         if structured is not None:
             structured.add(seq)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as it would appear alone and after a space (vLLM's rule), distinct."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort(self, request_id: str) -> bool:
         seq = self._requests.get(request_id)

@@ -28,6 +28,7 @@ def adjusts(params: SamplingParams) -> bool:
         or params.repetition_penalty != 1.0
         or params.frequency_penalty
         or params.presence_penalty
+        or params.bad_words
     )
 
 
@@ -67,6 +68,8 @@ def adjust_logits(
             stops = {*p.stop_token_ids} | (set() if p.ignore_eos else {*eos_token_ids})
             if stops and bool(early.any()):
                 row[early[:, None] & _one_hot(stops, vocab)[None, :]] = float("-inf")
+        if seq.bad_words_ids:
+            _ban_bad_words(row, seq.bad_words_ids, seq.output_token_ids, draft_tokens, i, num_pos, vocab)
         if p.repetition_penalty != 1.0:
             present = counts > 0
             present |= _one_hot(seq.prompt_token_ids, vocab)[None, :]
@@ -86,3 +89,23 @@ def _one_hot(token_ids: Seq[int], vocab: int) -> torch.Tensor:
         ids = torch.tensor(list(token_ids), dtype=torch.long)
         mask[ids[ids < vocab]] = True
     return mask
+
+
+def _ban_bad_words(
+    row: torch.Tensor,
+    words: list[list[int]],
+    output: list[int],
+    draft_tokens: torch.Tensor | None,
+    i: int,
+    num_pos: int,
+    vocab: int,
+) -> None:
+    """A bad word's last token is banned at a position whose preceding tokens (the output, then the drafts
+    before it) end with the rest of the word; a one-token word is banned everywhere."""
+    drafts = draft_tokens[i, : num_pos - 1].tolist() if draft_tokens is not None and num_pos > 1 else []
+    longest = max(len(w) for w in words) - 1
+    for j in range(num_pos):
+        tail = (output[-longest:] if longest else []) + drafts[:j]
+        for w in words:
+            if w[-1] < vocab and (len(w) == 1 or tail[len(tail) - len(w) + 1 :] == w[:-1]):
+                row[j, w[-1]] = float("-inf")

@@ -89,6 +89,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (after temperature)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end the output before this many
+    bad_words: list[str] | None = None  # never generated (vLLM's): each as tokenized alone and after a space
 
     def __post_init__(self) -> None:
         # the two spellings OpenAI clients send, normalised once (the only writes a frozen instance gets)
@@ -173,6 +174,15 @@ class SamplingParams:
             ),
             "logit_bias",
             "must map token ids (integers >= 0, at most 1024 of them) to numbers in [-100, 100]",
+        )
+        bw = self.bad_words
+        check(
+            bw is None
+            or (
+                isinstance(bw, list) and len(bw) <= 256 and all(isinstance(w, str) and w.strip() for w in bw)
+            ),
+            "bad_words",
+            "must be a list of at most 256 non-blank strings",
         )
         so = self.structured_outputs
         check(

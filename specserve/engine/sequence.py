@@ -40,6 +40,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     stream: bool = True  # hand out a delta every step; False: only the final one, with every token
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
+    bad_words_ids: list[list[int]] | None = None  # params.bad_words as token ids (the engine tokenizes them)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

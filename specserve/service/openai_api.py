@@ -33,7 +33,8 @@ DEADLINE_GRACE_S = 1.0
 # Our extensions beyond OpenAI's fields.
 EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout", "min_tokens"}
 # OpenAI's penalties and bias, and vLLM's sampling extras: passed to the wire as they are
-ADJUSTMENTS = {"presence_penalty", "frequency_penalty", "logit_bias", "repetition_penalty", "min_p"}
+ADJUSTMENTS = {"presence_penalty", "frequency_penalty", "logit_bias"}
+ADJUSTMENTS |= {"repetition_penalty", "min_p", "bad_words"}
 COMMON = {
     "model",
     "max_tokens",
