@@ -121,3 +121,34 @@ def _assert_same_logprobs(got, want) -> None:
         torch.testing.assert_close(
             torch.tensor([v for _, v in a.top]), torch.tensor([v for _, v in b.top]), atol=ATOL, rtol=0
         )
+
+
+def test_prompt_logprobs_equal_hf_across_chunks_a_warm_cache_and_speculation(model_dir, tiny_model_factory):
+    """vLLM's prompt_logprobs: position 0 has none, position i the prompt token's logprob given tokens
+    before it, with its rank and the top-k; a prompt over the 256-token chunk is computed in pieces, and a
+    prompt already in the prefix cache is computed again rather than read from it."""
+    tokenizer = load_tokenizer(model_dir)
+    long_prompt = " ".join(PROMPTS) * 12
+    ids = tokenizer.encode(long_prompt)[:600]
+    ref = _hf_logprobs(model_dir, ids[:1], ids[1:])  # rows predict ids[1:]
+    want = ref.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    want_rank = (ref > want[:, None]).sum(-1) + 1
+    spec = spec_configs(tiny_model_factory)["ngram"]
+    engines = (
+        LLM(str(model_dir), dtype="float32"),
+        LLM(str(model_dir), dtype="float32", speculative_config=spec),
+    )
+    for llm in engines:
+        for _ in range(2):  # the second run finds the prompt in the prefix cache, and must not use it
+            out = llm.generate([ids], _params(max_tokens=4, logprobs=None, prompt_logprobs=3))[0]
+            got = out.prompt_logprobs
+            assert got is not None and len(got) == len(ids) and got[0] is None
+            got_lp = torch.tensor([g.logprob for g in got[1:]])
+            torch.testing.assert_close(got_lp, want, atol=ATOL, rtol=0)
+            # ranks count tokens strictly more likely: random tiny-model logits tie within fp32 noise now and then
+            rank_diff = (torch.tensor([g.rank for g in got[1:]]) - want_rank).abs()
+            assert int(rank_diff.max()) <= 2 and int((rank_diff > 0).sum()) <= len(ids) // 50
+            assert all(len(g.top) == 3 for g in got[1:])
+            assert out.usage.cached_tokens == 0
+    plain = LLM(str(model_dir), dtype="float32").generate([ids], _params(max_tokens=4))[0]
+    assert plain.prompt_logprobs is None

@@ -63,6 +63,7 @@ class LLM:
                     ),
                     metrics={"ttft": ttft, "e2e": finished_at[rid] - start},
                     logprobs=None if seq.logprobs is None else seq.logprobs[: seq.num_output_tokens],
+                    prompt_logprobs=seq.prompt_logprobs,
                 )
             )
         return outputs

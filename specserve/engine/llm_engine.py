@@ -25,7 +25,7 @@ from specserve.blockmgr import BlockManager
 from specserve.engine.config import EngineConfig
 from specserve.engine.cpu_tuning import keep_freed_memory_in_heap
 from specserve.engine.detokenizer import IncrementalDetokenizer
-from specserve.engine.logprobs import with_logprobs
+from specserve.engine.logprobs import record_prompt_logprobs, with_logprobs
 from specserve.engine.memory import activation_reserve_bytes, kv_pool_bytes, plan_kv_cache
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
@@ -362,6 +362,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         entries = []
         table = self.block_manager.block_table
+        prompt_rows: list[tuple[Sequence, int, int]] = []  # (seq, first position, rows) of prompt logprobs
         for i, s in enumerate(plan.scheduled):
             seq = s.seq
             start = seq.num_computed_tokens
@@ -369,13 +370,19 @@ class LLMEngine:
             num_drafts = drafts.num_drafts(i) if drafts is not None else 0
             if num_drafts:
                 tokens = tokens + list(drafts.drafts(i))
-            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), 1 + num_drafts if s.samples else 0))
+            num_logits = 1 + num_drafts if s.samples else 0
+            if seq.wants_prompt_rows:  # every row of the chunk (the last may also be the sampling row)
+                num_logits = len(tokens)
+                prompt_rows.append((seq, start, len(tokens) - (1 if s.samples else 0)))
+            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), num_logits))
         num_real = len(entries)
         for row in plan.padding:  # padded static batching: computed like HF's padding, then dropped
             entries.append(ForwardEntry([row.token_id], row.position, table(row.seq_id), 1))
         logits = self.runner.run(entries)
         if plan.padding:
             logits = logits[: sum(e.num_logits for e in entries[:num_real])]
+        if prompt_rows:
+            logits = self._take_prompt_logprobs(plan, entries[:num_real], logits)
         num_tokens = sum(len(e.token_ids) for e in entries)
         times = self._totals.times
         times.steps += 1
@@ -385,6 +392,21 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.record_forward(num_tokens, time.perf_counter() - t0)
         return logits
+
+    def _take_prompt_logprobs(
+        self, plan: SchedulerOutput, entries: list[ForwardEntry], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Record prompt logprobs from the rows asked for them; the sampling rows, as _forward returns."""
+        keep: list[int] = []
+        at = 0
+        for s, e in zip(plan.scheduled, entries):
+            seq = s.seq
+            num_sampling = e.num_logits if not seq.wants_prompt_rows else (1 if s.samples else 0)
+            if seq.wants_prompt_rows:
+                record_prompt_logprobs(seq, e.start_pos, logits[at : at + e.num_logits - num_sampling])
+            keep.extend(range(at + e.num_logits - num_sampling, at + e.num_logits))
+            at += e.num_logits
+        return logits[keep]
 
     def _sample(
         self, plan: SchedulerOutput, drafts: DraftBatch | None, logits: torch.Tensor

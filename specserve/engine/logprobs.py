@@ -12,6 +12,7 @@ import dataclasses
 import torch
 
 from specserve.engine.outputs import TokenLogprobs
+from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 
 
@@ -61,3 +62,25 @@ def with_logprobs(
         out[i] = dataclasses.replace(acc, logprobs=per_token)
         at += n
     return out
+
+
+def record_prompt_logprobs(seq: Sequence, start: int, rows: torch.Tensor) -> None:
+    """rows[r] are the logits at position start + r, which predict the token at start + r + 1: store that
+    prompt token's logprob (and top-k, and rank) once; positions past the prompt are ignored (a preempted
+    sequence recomputes its output tokens too)."""
+    assert seq.prompt_logprobs is not None
+    num_prompt = seq.num_prompt_tokens
+    n = max(0, min(rows.shape[0], num_prompt - 1 - start))
+    if n == 0:
+        return
+    targets = torch.tensor(seq.prompt_token_ids[start + 1 : start + 1 + n])
+    num_top = seq.params.prompt_logprobs or 0
+    logp = rows[:n].float().log_softmax(dim=-1)
+    chosen = logp.gather(1, targets[:, None])[:, 0]
+    ranks = (logp > chosen[:, None]).sum(dim=-1) + 1
+    top_lp, top_ids = logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], targets[:, None][:, :0])
+    for r, (lp, rank, ids, lps) in enumerate(
+        zip(chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
+    ):
+        if seq.prompt_logprobs[start + 1 + r] is None:
+            seq.prompt_logprobs[start + 1 + r] = TokenLogprobs(lp, tuple(zip(ids, lps)), rank)

@@ -80,6 +80,9 @@ class OutputProcessor:
             finished=final,
             finish_reason=seq.finish_reason,
         )
+        if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent:
+            delta.prompt_logprobs = seq.prompt_logprobs
+            seq.prompt_logprobs_sent = True
         if seq.logprobs is not None:  # a stop string may have cut tokens whose logprobs were kept
             delta.logprobs = seq.logprobs[seq.num_emitted_tokens : seq.num_output_tokens]
         seq.num_emitted_tokens = seq.num_output_tokens

@@ -23,6 +23,7 @@ class TokenLogprobs:
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs carry it, as vLLM's)
 
 
 @dataclass
@@ -38,6 +39,9 @@ class StepDelta:
     usage: Usage | None = None  # set on the final delta
     first_token_time: float | None = None  # time.monotonic() of the first output token; on the final delta
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when the request asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, None for the first
+    # on a request's first delta, when it asked: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -52,3 +56,4 @@ class RequestOutput:
     usage: Usage
     metrics: dict[str, float] = field(default_factory=dict)  # ttft, e2e seconds
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when the request asked
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, None for the first

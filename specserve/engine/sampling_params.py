@@ -82,6 +82,9 @@ class SamplingParams:
     # Log-probabilities of the generated tokens and of this many most likely tokens at each position (vLLM's
     # logprobs); None: none. Values are the target's (engine/sampler.py token_logprobs says which).
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob (the first has none) and this many alternatives.
+    # The prompt is then computed whole (no prefix cache hit), in chunks of at most PROMPT_LOGPROBS_CHUNK.
+    prompt_logprobs: int | None = None
     # vLLM's and OpenAI's adjustments (engine/penalties.py applies them, per verify position too)
     presence_penalty: float = 0.0  # minus this for every token the output already holds
     frequency_penalty: float = 0.0  # minus this times how often the output holds the token
@@ -151,12 +154,13 @@ class SamplingParams:
             "speculation",
             f'must be "auto", "off" or an integer in [0, {MAX_SPECULATIVE_TOKENS}]',
         )
-        lp = self.logprobs
-        check(
-            lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
-            "logprobs",
-            f"must be an integer in [0, {MAX_LOGPROBS}] or null",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            check(
+                lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
+                name,
+                f"must be an integer in [0, {MAX_LOGPROBS}] or null",
+            )
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             check(is_num(v) and -2.0 <= v <= 2.0, name, "must be a number in [-2, 2]")

@@ -21,6 +21,10 @@ from specserve.blockmgr import BlockManager
 from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.engine.step import Accepted, ScheduledSeq, SchedulerOutput
 
+# A prompt-logprobs request's prefill chunk returns logits for every position: [chunk, vocab] floats, 50 MB
+# for a 49k vocabulary, 268 MB for Gemma's 262k, instead of the whole step budget's worth.
+PROMPT_LOGPROBS_CHUNK = 256
+
 # Given the running sequences, how many draft tokens each decoding one may propose this step (seq_id -> k).
 LookaheadPolicy = Callable[[list[Sequence]], dict[int, int]]
 
@@ -71,6 +75,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.wants_prompt_rows:
+                n = min(n, PROMPT_LOGPROBS_CHUNK)
             k = min(ks.get(seq.seq_id, 0), budget - n) if ks and seq.in_decode else 0
             if k and not self._allocate(seq, n + k):
                 k = 0  # speculation yields to memory before anyone is preempted
@@ -91,10 +97,11 @@ class Scheduler:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.bm.allocate_prefix(seq.seq_id, seq.token_ids)
+            # prompt logprobs need every prompt position computed: no prefix cache hit then
+            cached = self.bm.allocate_prefix(seq.seq_id, [] if seq.wants_prompt_rows else seq.token_ids)
             seq.num_computed_tokens = cached
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
+            n = min(remaining, budget, PROMPT_LOGPROBS_CHUNK if seq.wants_prompt_rows else budget)
             if (not self.chunked and remaining > budget) or not self._allocate(seq, n):
                 self.bm.free(seq.seq_id)  # the cached blocks go back, still cached
                 seq.num_computed_tokens = 0

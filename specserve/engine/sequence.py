@@ -41,12 +41,21 @@ class Sequence:
     stream: bool = True  # hand out a delta every step; False: only the final one, with every token
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
     bad_words_ids: list[list[int]] | None = None  # params.bad_words as token ids (the engine tokenizes them)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when params ask
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Prompt logprobs still to compute: the prompt must then be computed (not taken from the cache)."""
+        return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens - 1
 
     @property
     def num_prompt_tokens(self) -> int:
