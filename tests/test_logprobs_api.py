@@ -160,3 +160,38 @@ def test_bad_values_are_a_400_naming_the_field(serve, route, extra, field):
         else:
             client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=extra)
     assert e.value.body["param"] == field
+
+
+def test_prompt_logprobs_in_vllms_shape_whole_and_streamed(serve, tiny_model_dir):
+    client, model, _ = serve
+    from specserve.models.loader import load_tokenizer
+
+    ids = load_tokenizer(tiny_model_dir).encode(PROMPT)
+    extra = {"prompt_logprobs": 2, "ignore_eos": True}
+    whole = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=extra
+    )
+    prompt = whole.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt) == len(ids) and prompt[0] is None
+    want = LLM(str(tiny_model_dir), dtype="float32").generate(
+        [PROMPT], SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2)
+    )[0]
+    for pos, (entry, ref) in enumerate(zip(prompt[1:], want.prompt_logprobs[1:]), start=1):
+        assert str(ids[pos]) in entry  # the prompt token itself, with its rank
+        assert entry[str(ids[pos])]["logprob"] == pytest.approx(ref.logprob, abs=ATOL)
+        assert entry[str(ids[pos])]["rank"] == ref.rank
+        assert 2 <= len(entry) <= 3 and {v["rank"] for v in entry.values()} >= {1, 2}
+    stream = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=3, temperature=0, extra_body=extra, stream=True
+    )
+    streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in stream if c.choices]
+    assert [p for p in streamed if p is not None] == [prompt]  # once, with the first tokens
+    chat = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=2, temperature=0, extra_body=extra
+    )
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) > 5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 99}
+        )
+    assert e.value.body["param"] == "prompt_logprobs"

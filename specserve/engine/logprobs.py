@@ -79,8 +79,8 @@ def record_prompt_logprobs(seq: Sequence, start: int, rows: torch.Tensor) -> Non
     chosen = logp.gather(1, targets[:, None])[:, 0]
     ranks = (logp > chosen[:, None]).sum(dim=-1) + 1
     top_lp, top_ids = logp.topk(num_top, dim=-1) if num_top else (logp[:, :0], targets[:, None][:, :0])
-    for r, (lp, rank, ids, lps) in enumerate(
-        zip(chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
+    for r, (token, lp, rank, ids, lps) in enumerate(
+        zip(targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist())
     ):
         if seq.prompt_logprobs[start + 1 + r] is None:
-            seq.prompt_logprobs[start + 1 + r] = TokenLogprobs(lp, tuple(zip(ids, lps)), rank)
+            seq.prompt_logprobs[start + 1 + r] = TokenLogprobs(lp, tuple(zip(ids, lps)), rank, token)

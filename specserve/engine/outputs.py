@@ -24,6 +24,7 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
     rank: int | None = None  # 1 + how many tokens were more likely (prompt logprobs carry it, as vLLM's)
+    token_id: int | None = None  # the token itself, on prompt logprobs (a delta's tokens are in token_ids)
 
 
 @dataclass

@@ -195,6 +195,7 @@ class QueueClient:
         ids: list[int] = []
         parts: list[str] = []
         logprobs: list[dict[str, Any]] | None = None
+        prompt_logprobs: list[dict[str, Any] | None] | None = None
         final: OutputEntry | None = None
         async with aclosing(self.stream(request_id)) as deltas:
             async for d in deltas:
@@ -202,6 +203,7 @@ class QueueClient:
                 parts.append(d.text)
                 if d.logprobs is not None:
                     logprobs = (logprobs or []) + d.logprobs
+                prompt_logprobs = prompt_logprobs or d.prompt_logprobs
                 final = d.final or final
         assert final is not None
         return Result(
@@ -214,4 +216,5 @@ class QueueClient:
             error=final.error,
             error_field=final.error_field,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

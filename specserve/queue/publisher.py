@@ -49,9 +49,12 @@ def _merge(buf: list[OutputEntry], e: OutputEntry) -> None:
         last.text += e.text
         if last.logprobs is not None or e.logprobs is not None:
             last.logprobs = (last.logprobs or []) + (e.logprobs or [])
+        last.prompt_logprobs = last.prompt_logprobs or e.prompt_logprobs
     else:
         logprobs = None if e.logprobs is None else list(e.logprobs)
-        buf.append(OutputEntry(e.run, e.offset, e.text_offset, list(e.token_ids), e.text, logprobs=logprobs))
+        entry = OutputEntry(e.run, e.offset, e.text_offset, list(e.token_ids), e.text, logprobs=logprobs)
+        entry.prompt_logprobs = e.prompt_logprobs
+        buf.append(entry)
 
 
 class Publisher:

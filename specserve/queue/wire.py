@@ -278,6 +278,9 @@ class OutputEntry:
     # One per token_ids entry when the request asked for logprobs: {"token", "logprob", "top_logprobs":
     # [{"id", "token", "logprob"}, ...]} (docs/wire-format.md).
     logprobs: list[dict[str, Any]] | None = None
+    # On a request's first entry, when it asked (vLLM's prompt_logprobs): one per prompt token, null for the
+    # first, {"id", "token", "logprob", "rank", "top_logprobs"} for the others.
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     @property
     def final(self) -> bool:
@@ -293,6 +296,8 @@ class OutputEntry:
         }
         if self.logprobs is not None:
             f["logprobs"] = orjson.dumps(self.logprobs).decode()
+        if self.prompt_logprobs is not None:
+            f["prompt_logprobs"] = orjson.dumps(self.prompt_logprobs).decode()
         if self.finish_reason is not None:
             f["finish_reason"] = self.finish_reason
             f["status"] = self.status or FINISHED
@@ -319,6 +324,7 @@ class OutputEntry:
             error=f.get("error"),
             error_field=f.get("error_field"),
             logprobs=_logprobs_of(f.get("logprobs")),
+            prompt_logprobs=_logprobs_of(f.get("prompt_logprobs")),
         )
 
 
@@ -341,6 +347,7 @@ class Delta:
     offset: int  # token offset of token_ids[0]
     final: OutputEntry | None = None
     logprobs: list[dict[str, Any]] | None = None  # one per token_ids entry, when the request asked
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # with the request's first tokens
 
 
 @dataclass
@@ -362,10 +369,11 @@ class OutputCursor:
         start = self.tokens
         self.tokens = max(self.tokens, e.offset + len(e.token_ids))
         self.chars = max(self.chars, e.text_offset + len(e.text))
+        prompt = e.prompt_logprobs if start == 0 else None  # shown once, with the first tokens
         if e.final:
             self.done = True
-            return Delta(ids, text, start, e, logprobs)
-        return Delta(ids, text, start, logprobs=logprobs) if ids or text else None
+            return Delta(ids, text, start, e, logprobs, prompt)
+        return Delta(ids, text, start, logprobs=logprobs, prompt_logprobs=prompt) if ids or text else None
 
 
 @dataclass
@@ -382,6 +390,7 @@ class Result:
     error_field: str | None = None
     info: dict[str, str] = field(default_factory=dict)  # the raw status hash
     logprobs: list[dict[str, Any]] | None = None  # one per token_ids entry, when the request asked
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {
@@ -396,6 +405,8 @@ class Result:
         }
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs
         return out
 
 
@@ -405,11 +416,13 @@ def assemble(request_id: str, info: dict[str, str], entries: list[OutputEntry]) 
     ids: list[int] = []
     parts: list[str] = []
     logprobs: list[dict[str, Any]] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
     final: OutputEntry | None = None
     for e in entries:
         d = cursor.feed(e)
         if d is None:
             continue
+        prompt_logprobs = prompt_logprobs or d.prompt_logprobs
         if d.logprobs is not None:
             logprobs = (logprobs or []) + d.logprobs
         ids.extend(d.token_ids)
@@ -430,4 +443,5 @@ def assemble(request_id: str, info: dict[str, str], entries: list[OutputEntry]) 
         error_field=(final.error_field if final else None) or info.get("error_field"),
         info=info,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

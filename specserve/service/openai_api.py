@@ -65,7 +65,8 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
-LOGPROBS = {"logprobs", "return_tokens_as_token_ids"}  # vLLM's extra: tokens named "token_id:<id>"
+# vLLM's extras: tokens named "token_id:<id>", and the prompt's own logprobs
+LOGPROBS = {"logprobs", "return_tokens_as_token_ids", "prompt_logprobs"}
 MAX_LOGPROBS = 20  # vLLM's bound for both routes (OpenAI's completions stop at 5, its chat at 20)
 COMPLETION_FIELDS = (
     COMMON | EXTENSIONS | ADJUSTMENTS | STRUCTURED | LOGPROBS | {"prompt", "echo", "best_of", "suffix"}
@@ -186,6 +187,24 @@ def completion_logprobs(
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def vllm_prompt_logprobs(prompt: list[dict[str, Any] | None], as_ids: bool) -> list[dict[str, Any] | None]:
+    """The wire's prompt logprobs in vLLM's shape: per position None or {token id: {logprob, rank,
+    decoded_token}}, the prompt token itself and the most likely ones (ranked 1, 2, ... in order)."""
+    out: list[dict[str, Any] | None] = []
+    for e in prompt:
+        if e is None:
+            out.append(None)
+            continue
+        entry = {}
+        for rank, x in enumerate(e.get("top_logprobs", []), start=1):
+            name = _token_name(x, x.get("id", 0), as_ids)
+            entry[str(x.get("id"))] = {"logprob": x.get("logprob"), "rank": rank, "decoded_token": name}
+        name = _token_name(e, e.get("id", 0), as_ids)
+        entry[str(e.get("id"))] = {"logprob": e.get("logprob"), "rank": e.get("rank"), "decoded_token": name}
+        out.append(entry)
+    return out
+
+
 def _single_prompt(prompt: Any) -> Any:
     """OpenAI allows a batch of prompts; we take exactly one (string or token ids)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -242,6 +261,8 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
     logprobs = _logprobs(data, chat)
     if logprobs is not None:
         body["logprobs"] = logprobs
+    if data.get("prompt_logprobs") is not None:
+        body["prompt_logprobs"] = data["prompt_logprobs"]  # SamplingParams checks it, naming the field
     as_ids = data.get("return_tokens_as_token_ids")
     if as_ids is not None and not isinstance(as_ids, bool):
         raise ApiError(400, "return_tokens_as_token_ids: must be a boolean", "return_tokens_as_token_ids")
@@ -296,6 +317,8 @@ def completion_body(
     choice["finish_reason"] = result.finish_reason
     obj = "chat.completion" if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if result.prompt_logprobs is not None:  # where vLLM puts them: the choice, or the whole chat response
+        (body if chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(result.prompt_logprobs, as_ids)
     body["usage"] = openai_usage(result.usage)
     return body
 
@@ -462,12 +485,17 @@ class OpenAIRoutes:
                 choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            return {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
+            out = {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
+            if d is not None and d.prompt_logprobs is not None:  # with the first tokens, where vLLM puts them
+                (out if chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(
+                    d.prompt_logprobs, meta["token_ids"]
+                )
+            return out
 
         if chat:
             await sse_send(resp, chunk(None, None, role=True))
         final = first.final
-        if first.text or first.logprobs:
+        if first.text or first.logprobs or first.prompt_logprobs:
             await sse_send(resp, chunk(first.text, None, d=first))
         if final is None:
             async for d in deltas:

@@ -40,6 +40,7 @@ class Outcome:
     token_ids: list[int] | None = None
     text: str | None = None
     logprobs: list[dict[str, Any]] | None = None  # the final delta's tokens', on the wire, when asked
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # when the final delta is the first too
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,7 @@ def finalize(o: Outcome) -> Final:
         error=error,
         error_field=error_field,
         logprobs=o.logprobs if last is not None else None,
+        prompt_logprobs=o.prompt_logprobs if last is not None else None,
     )
     return _final(entry, o.engine_ms)
 

@@ -280,6 +280,8 @@ class Runner:
         text_offset = started.base_chars
         last: StepDelta | None = None
         last_logprobs: list[dict[str, Any]] | None = None
+        # a resumed run's prompt holds the earlier runs' tokens: its prompt logprobs are not the request's
+        last_prompt: list[dict[str, Any] | None] | None = None
         error: str | None = None
         body = state.body
         reply_key = self.keys.reply(body.reply_to) if body.reply_stream and body.reply_to else None
@@ -308,10 +310,12 @@ class Runner:
                     if d.finished:
                         last = _after(d, base)  # its tokens go out with the final entry
                         last_logprobs = self.wire_logprobs(d)
+                        last_prompt = None if base else self.wire_prompt_logprobs(d)
                         state.engine_end = time.monotonic()
                     elif d.token_ids or d.text:
                         entry = OutputEntry(state.run, base + d.offset, text_offset, d.token_ids, d.text)
                         entry.logprobs = self.wire_logprobs(d)
+                        entry.prompt_logprobs = None if base else self.wire_prompt_logprobs(d)
                         self.publisher.push(rid, entry, reply_key)
                         text_offset += len(d.text)
         except Exception as err:
@@ -324,7 +328,40 @@ class Runner:
         if state.engine_end is not None:
             engine_ms = 1000 * (state.engine_end - state.engine_start)
         ids, text = (whole[0], "".join(whole[1])) if whole is not None else (None, None)
-        return Outcome(state.run, state.ending, last, text_offset, error, engine_ms, ids, text, last_logprobs)
+        return Outcome(
+            state.run,
+            state.ending,
+            last,
+            text_offset,
+            error,
+            engine_ms,
+            ids,
+            text,
+            last_logprobs,
+            last_prompt,
+        )
+
+    def wire_prompt_logprobs(self, d: StepDelta) -> list[dict[str, Any] | None] | None:
+        """A first delta's prompt logprobs as output entries carry them (None for the first token)."""
+        if d.prompt_logprobs is None:
+            return None
+        token = self._token_text
+        out: list[dict[str, Any] | None] = []
+        for lp in d.prompt_logprobs:
+            if lp is None or lp.token_id is None:
+                out.append(None)
+                continue
+            top = [{"id": i, "token": token(i), "logprob": max(v, LOGPROB_FLOOR)} for i, v in lp.top]
+            out.append(
+                {
+                    "id": lp.token_id,
+                    "token": token(lp.token_id),
+                    "logprob": max(lp.logprob, LOGPROB_FLOOR),
+                    "rank": lp.rank,
+                    "top_logprobs": top,
+                }
+            )
+        return out
 
     def wire_logprobs(self, d: StepDelta) -> list[dict[str, Any]] | None:
         """A delta's logprobs as output entries carry them, each token with its text (the worker has the
