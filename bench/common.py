@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -237,3 +238,20 @@ def cpu_line() -> str:
     flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
     isa = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")]
     return f"{model} ({' '.join(isa)})"
+
+
+def on_off_ratios(results: dict[str, list[dict[str, float]]]) -> tuple[float, float]:
+    """(on / off mean output tok/s, on / off mean TTFT) of an on/off A/B's runs."""
+
+    def mean(name: str, key: str) -> float:
+        return statistics.fmean(r[key] for r in results[name])
+
+    return mean("on", "tok_s") / mean("off", "tok_s"), mean("on", "mean_ttft_s") / mean("off", "mean_ttft_s")
+
+
+def run_line(label: str, r: dict[str, float], extra: str = "") -> str:
+    """One run of an A/B: throughput, wall time, mean TTFT, cache share, whatever else, the load."""
+    speed = f"{r['tok_s']:6.1f} tok/s ({r['seconds']:.1f} s)"
+    ttft = f"mean TTFT {r['mean_ttft_s'] * 1e3:7.1f} ms"
+    cache = f"prompt tokens from cache {r['cached_share']:.0%}"
+    return f"  {label}: {speed}, {ttft}, {cache}{extra} | load {os.getloadavg()[0]:.1f}"

@@ -21,7 +21,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, Request, Workload, cpu_line, ensure_target_dir, run_vllm, vllm_python  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    Request,
+    Workload,
+    cpu_line,
+    ensure_target_dir,
+    on_off_ratios,
+    run_line,
+    run_vllm,
+    vllm_python,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve import LLM, SamplingParams  # noqa: E402
@@ -109,17 +119,11 @@ def main() -> None:
         llms[name].engine.block_manager.reset_prefix_cache()  # each run starts cold
         r = run(llms[name], prompts, waves, args.max_tokens)
         results[name].append(r)
-        print(
-            f"  caching {name:<3}: {r['tok_s']:6.1f} tok/s ({r['seconds']:.1f} s), mean TTFT "
-            f"{r['mean_ttft_s'] * 1e3:7.1f} ms, prompt tokens from cache {r['cached_share']:.0%} | "
-            f"load {os.getloadavg()[0]:.1f}",
-            flush=True,
-        )
+        print(run_line(f"caching {name:<3}", r), flush=True)
+    tok_ratio, ttft_ratio = on_off_ratios(results)
+    print(f"caching on/off: {tok_ratio:.2f}x tok/s (target >= 2), mean TTFT {ttft_ratio:.2f}x")
     on = statistics.fmean(r["tok_s"] for r in results["on"])
-    off = statistics.fmean(r["tok_s"] for r in results["off"])
     ttft_on = statistics.fmean(r["mean_ttft_s"] for r in results["on"])
-    ttft_off = statistics.fmean(r["mean_ttft_s"] for r in results["off"])
-    print(f"caching on/off: {on / off:.2f}x tok/s (target >= 2), mean TTFT {ttft_on / ttft_off:.2f}x")
     python = vllm_python(args.vllm_python)
     if python is None:
         print("vLLM: no venv found (--vllm-python); skipped")

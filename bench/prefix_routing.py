@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line  # noqa: E402
+from common import cpu_line, on_off_ratios, run_line  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.queue.client import QueueClient  # noqa: E402
@@ -168,17 +168,10 @@ async def main_async(args: argparse.Namespace) -> None:
         for i, name in enumerate(("off", "on", "on", "off")):
             r = await run(server.url, f"{i}-{name}", name == "on", args, texts, Path(tmp))
             results[name].append(r)
-            print(
-                f"  routing {name:<3}: {r['tok_s']:6.1f} tok/s ({r['seconds']:.1f} s), mean TTFT "
-                f"{r['mean_ttft_s'] * 1e3:7.1f} ms, from cache {r['cached_share']:.0%}, split {r['split']}, "
-                f"passed {r['passed']} (taken back {r['taken_back']}) | load {os.getloadavg()[0]:.1f}",
-                flush=True,
-            )
-    on = statistics.fmean(r["tok_s"] for r in results["on"])
-    off = statistics.fmean(r["tok_s"] for r in results["off"])
-    ttft_on = statistics.fmean(r["mean_ttft_s"] for r in results["on"])
-    ttft_off = statistics.fmean(r["mean_ttft_s"] for r in results["off"])
-    print(f"routing on/off: {on / off:.2f}x tok/s, mean TTFT {ttft_on / ttft_off:.2f}x")
+            extra = f", split {r['split']}, passed {r['passed']} (taken back {r['taken_back']})"
+            print(run_line(f"routing {name:<3}", r, extra), flush=True)
+    tok_ratio, ttft_ratio = on_off_ratios(results)
+    print(f"routing on/off: {tok_ratio:.2f}x tok/s, mean TTFT {ttft_ratio:.2f}x")
 
 
 def main() -> None:

@@ -5,14 +5,12 @@ engine's own values without speculation; the native status API and the wire carr
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Iterator
 
 import aiohttp
 import openai
 import pytest
-from test_structured_api import TINY_ENV, _ready
-from valkey_helpers import free_port, run, spawn_cli, wait_for
+from valkey_helpers import run, serve_process, wait_for
 
 from specserve import LLM, SamplingParams
 
@@ -23,28 +21,10 @@ ATOL = 2e-4  # batched verify vs one-row decode in fp32: see tests/test_logprobs
 
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[openai.OpenAI, str, str]]:
-    port = free_port()
     tmp = tmp_path_factory.mktemp("serve-logprobs")
-    env = {
-        **TINY_ENV,
-        "SPECSERVE_MODEL": str(tiny_model_dir),
-        "SPECSERVE_PORT": str(port),
-        "SPECSERVE_SPEC_METHOD": "ngram",
-        "REDIS_URL": "",
-    }
-    proc = spawn_cli(["serve", "--data-dir", str(tmp / "data")], env, tmp / "serve.log")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        run(wait_for(lambda: _ready(f"{base}/readyz"), timeout=180, what="serve ready"), timeout=200)
+    with serve_process(tiny_model_dir, tmp, SPECSERVE_SPEC_METHOD="ngram") as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
         yield client, tiny_model_dir.name, base
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ worker does not claim them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from valkey_helpers import run, service_stack, wait_for
 
@@ -117,32 +118,41 @@ def test_pass_goes_only_to_a_live_warm_worker_with_room_and_not_much_busier(valk
     run(main())
 
 
+@contextlib.asynccontextmanager
+async def _warm_then_cold(url: str, model_dir, wait_ms: int, hears_passes: bool):
+    """A worker warm for SYSTEM (it ran one request behind it) that no longer reads the group, and a cold
+    one beside it; both publish their loads. `hears_passes`: whether the warm one still reads its passes."""
+    routing = {"routing": RoutingConfig(enabled=True, wait_ms=wait_ms)}
+    async with service_stack(url, model_dir, name="warm", **routing) as (warm, client):
+        first = (await client.enqueue({"messages": _chat("Hi."), **GREEDY})).id
+        assert (await client.wait(first)).status == "finished"
+        await warm._stop(warm._pulling[:2] if hears_passes else warm._pulling)
+        await _blocked_read_ends()
+        async with service_stack(url, model_dir, name="cold", engine_args=OTHER_ENGINE, **routing) as (
+            cold,
+            _,
+        ):
+            await wait_for(lambda: _loaded(client, ("warm", "cold")), what="both loads published")
+            yield warm, cold, client
+
+
 def test_requests_go_to_the_worker_that_ran_their_prefix(valkey, tiny_model_dir, tiny_engines):
     questions = ["What is 2+2?", "Name a colour.", "Say hello.", "Count to three."]
     ref = _reference(tiny_engines, tiny_model_dir, questions)
-    routing = {"routing": RoutingConfig(enabled=True, wait_ms=5000)}
 
     async def main():
-        async with service_stack(valkey.url, tiny_model_dir, name="warm", **routing) as (warm, client):
-            first = (await client.enqueue({"messages": _chat("Hi."), **GREEDY})).id
-            assert (await client.wait(first)).status == "finished"
-            await warm._stop(warm._pulling[:2])  # it stops reading the group; passes still reach it
-            await _blocked_read_ends()
-            async with service_stack(
-                valkey.url,
-                tiny_model_dir,
-                name="cold",
-                engine_args={"enable_prefix_caching": True},
-                **routing,
-            ) as (cold, _):
-                await wait_for(lambda: _loaded(client, ("warm", "cold")), what="both loads published")
-                ids = [(await client.enqueue({"messages": _chat(q), **GREEDY})).id for q in questions]
-                results = [await client.wait(i) for i in ids]
-                infos = [await client.info(i) for i in ids]
-                await cold._refresh_stats()
-                metrics = cold.telemetry.metrics_text().decode()
-                assert f"specserve_prefix_routing_passed_total {float(len(ids))}" in metrics.splitlines()
-                return results, infos, cold.routing.passed, warm.routing.received
+        async with _warm_then_cold(valkey.url, tiny_model_dir, 5000, hears_passes=True) as (
+            warm,
+            cold,
+            client,
+        ):
+            ids = [(await client.enqueue({"messages": _chat(q), **GREEDY})).id for q in questions]
+            results = [await client.wait(i) for i in ids]
+            infos = [await client.info(i) for i in ids]
+            await cold._refresh_stats()
+            metrics = cold.telemetry.metrics_text().decode()
+            assert f"specserve_prefix_routing_passed_total {float(len(ids))}" in metrics.splitlines()
+            return results, infos, cold.routing.passed, warm.routing.received
 
     results, infos, passed, received = run(main())
     assert [r.token_ids for r in results] == [r.token_ids for r in ref]
@@ -152,29 +162,16 @@ def test_requests_go_to_the_worker_that_ran_their_prefix(valkey, tiny_model_dir,
     assert passed == received == len(results)
 
 
-def test_a_passed_request_comes_back_when_the_warm_worker_does_not_claim_it(
+def test_a_passed_request_comes_back_when_the_warm_one_does_not_claim_it(
     valkey, tiny_model_dir, tiny_engines
 ):
     ref = _reference(tiny_engines, tiny_model_dir, ["Say hello."])
-    routing = {"routing": RoutingConfig(enabled=True, wait_ms=50)}
 
     async def main():
-        async with service_stack(valkey.url, tiny_model_dir, name="warm", **routing) as (warm, client):
-            first = (await client.enqueue({"messages": _chat("Hi."), **GREEDY})).id
-            assert (await client.wait(first)).status == "finished"
-            await warm._stop(warm._pulling)  # alive (it publishes its load) but deaf to passes
-            await _blocked_read_ends()
-            async with service_stack(
-                valkey.url,
-                tiny_model_dir,
-                name="cold",
-                engine_args={"enable_prefix_caching": True},
-                **routing,
-            ) as (cold, _):
-                await wait_for(lambda: _loaded(client, ("warm", "cold")), what="both loads published")
-                rid = (await client.enqueue({"messages": _chat("Say hello."), **GREEDY})).id
-                result = await asyncio.wait_for(client.wait(rid), 60)
-                return result, await client.info(rid), cold.routing.taken_back
+        async with _warm_then_cold(valkey.url, tiny_model_dir, 50, hears_passes=False) as (_, cold, client):
+            rid = (await client.enqueue({"messages": _chat("Say hello."), **GREEDY})).id
+            result = await asyncio.wait_for(client.wait(rid), 60)
+            return result, await client.info(rid), cold.routing.taken_back
 
     result, info, taken_back = run(main())
     assert result.token_ids == ref[0].token_ids

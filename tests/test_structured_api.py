@@ -6,21 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 from collections.abc import Iterator
 
-import aiohttp
 import jsonschema
 import openai
 import orjson
 import pytest
 import redis.asyncio as aioredis
 import xgrammar as xgr
-from valkey_helpers import free_port, run, service_stack, spawn_cli, wait_for
+from valkey_helpers import run, serve_process, service_stack
 
 pytest_plugins = ("valkey_fixtures",)
 
-TINY_ENV = {"SPECSERVE_DTYPE": "float32", "SPECSERVE_KV_CACHE_BYTES": str(4 << 20), "SPECSERVE_DEVICE": "cpu"}
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -35,41 +32,16 @@ SCHEMA = {
 MESSAGES = [{"role": "user", "content": "Ann is 31, a gold member. Give her record as JSON."}]
 
 
-async def _ready(url: str) -> bool:
-    try:
-        async with aiohttp.ClientSession() as http, http.get(url) as r:
-            return r.status == 200
-    except aiohttp.ClientError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir, tmp_path_factory) -> Iterator[tuple[openai.OpenAI, str]]:
     """`specserve serve` (embedded valkey, one worker, n-gram speculation) and an openai client on it."""
-    port = free_port()
-    tmp = tmp_path_factory.mktemp("serve")
-    env = {
-        **TINY_ENV,
-        "SPECSERVE_MODEL": str(tiny_model_dir),
-        "SPECSERVE_PORT": str(port),
-        "SPECSERVE_SPEC_METHOD": "ngram",
-        "REDIS_URL": "",
-    }
-    proc = spawn_cli(["serve", "--data-dir", str(tmp / "data")], env, tmp / "serve.log")
-    base = f"http://127.0.0.1:{port}"
-    try:
-        run(wait_for(lambda: _ready(f"{base}/readyz"), timeout=180, what="serve ready"), timeout=200)
+    with serve_process(
+        tiny_model_dir, tmp_path_factory.mktemp("serve"), SPECSERVE_SPEC_METHOD="ngram"
+    ) as base:
         yield (
             openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60),
             tiny_model_dir.name,
         )
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
 
 
 def _chat(client, model, **kw):

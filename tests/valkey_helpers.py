@@ -146,3 +146,43 @@ async def api_stack(
             yield f"http://127.0.0.1:{port}", worker, client
         finally:
             await runner.cleanup()
+
+
+# A tiny `specserve serve`: fp32 on the CPU, a small KV cache, its own embedded valkey.
+TINY_SERVE_ENV = {
+    "SPECSERVE_DTYPE": "float32",
+    "SPECSERVE_KV_CACHE_BYTES": str(4 << 20),
+    "SPECSERVE_DEVICE": "cpu",
+}
+
+
+async def http_ready(url: str) -> bool:
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession() as http, http.get(url) as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+@contextlib.contextmanager
+def serve_process(model_dir: Path, tmp: Path, **env: str):
+    """`specserve serve` on `model_dir` (embedded valkey, one worker; `env` adds settings) until the block
+    ends; yields its base URL once it is ready."""
+    import signal
+
+    port = free_port()
+    full = {**TINY_SERVE_ENV, "SPECSERVE_MODEL": str(model_dir), "SPECSERVE_PORT": str(port), "REDIS_URL": ""}
+    proc = spawn_cli(["serve", "--data-dir", str(tmp / "data")], {**full, **env}, tmp / "serve.log")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        run(wait_for(lambda: http_ready(f"{base}/readyz"), timeout=180, what="serve ready"), timeout=200)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
