@@ -255,3 +255,17 @@ def run_line(label: str, r: dict[str, float], extra: str = "") -> str:
     ttft = f"mean TTFT {r['mean_ttft_s'] * 1e3:7.1f} ms"
     cache = f"prompt tokens from cache {r['cached_share']:.0%}"
     return f"  {label}: {speed}, {ttft}, {cache}{extra} | load {os.getloadavg()[0]:.1f}"
+
+
+# The prefix benches' chat traffic: system prompts from these modules' pydoc text, and short questions.
+DOC_MODULES = ("json", "argparse", "collections", "pathlib", "itertools", "functools", "logging", "re")
+QUESTIONS = (
+    "Which function should I use to read a file?",
+    "Summarise the module in one sentence.",
+    "Give one example call.",
+    "What is the most common mistake with it?",
+    "Name two related modules.",
+    "Is it thread-safe?",
+    "What changed in recent versions?",
+    "How do I test code that uses it?",
+)

@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     DEFAULT_OUT,
+    DOC_MODULES,
+    QUESTIONS,
     Request,
     Workload,
     cpu_line,
@@ -36,24 +38,12 @@ from common import (  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve import LLM, SamplingParams  # noqa: E402
 
-MODULES = ("json", "argparse", "collections", "pathlib", "itertools", "functools")
-QUESTIONS = (
-    "Which function should I use to read a file?",
-    "Summarise the module in one sentence.",
-    "Give one example call.",
-    "What is the most common mistake with it?",
-    "Name two related modules.",
-    "Is it thread-safe?",
-    "What changed in recent versions?",
-    "How do I test code that uses it?",
-)
-
 
 def build(llm: LLM, args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
     """Token ids of every request, and the waves (lists of request indices) in arrival order."""
     tok = llm.engine.tokenizer
     systems = []
-    for name in MODULES[: args.systems]:
+    for name in DOC_MODULES[: args.systems]:
         doc = pydoc.render_doc(__import__(name), renderer=pydoc.plaintext)
         ids = tok.encode(doc)[: args.system_tokens]
         systems.append("You answer questions about this documentation:\n\n" + tok.decode(ids))

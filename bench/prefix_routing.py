@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_line, on_off_ratios, run_line  # noqa: E402
+from common import DOC_MODULES, QUESTIONS, cpu_line, on_off_ratios, run_line  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.queue.client import QueueClient  # noqa: E402
@@ -35,23 +35,12 @@ from specserve.queue.connection import connect  # noqa: E402
 from specserve.queue.embedded import EmbeddedValkey  # noqa: E402
 from specserve.queue.keys import Keys  # noqa: E402
 
-MODULES = ("json", "argparse", "collections", "pathlib", "itertools", "functools", "logging", "re")
-QUESTIONS = (
-    "Which function should I use to read a file?",
-    "Summarise the module in one sentence.",
-    "Give one example call.",
-    "What is the most common mistake with it?",
-    "Name two related modules.",
-    "Is it thread-safe?",
-    "What changed in recent versions?",
-    "How do I test code that uses it?",
-)
 WORKERS = ("w0", "w1")
 
 
 def systems(n: int, chars: int) -> list[str]:
     out = []
-    for name in MODULES[:n]:
+    for name in DOC_MODULES[:n]:
         doc = pydoc.render_doc(__import__(name), renderer=pydoc.plaintext)
         out.append("You answer questions about this documentation:\n\n" + doc[:chars])
     return out
