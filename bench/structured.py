@@ -14,6 +14,7 @@ The machine is shared and noisy: configurations run in the order A B C C B A (AB
 per pass from adjacent runs; the load average and the CPU are printed with the figures.
 
     python bench/structured.py [--requests 16] [--batch-requests 64] [--batch 32] [--max-tokens 96]
+        [--dtype auto]
 """
 
 from __future__ import annotations
@@ -23,13 +24,12 @@ import json
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT  # noqa: E402
+from common import DEFAULT_OUT, cpu_line  # noqa: E402
 
 SCHEMA = {
     "type": "object",
@@ -133,11 +133,7 @@ def run_config(llm, chats, max_tokens: int, batch: int, schema: bool, spec: str)
 
 
 def machine() -> dict:
-    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((line.split(":", 1)[1].strip() for line in cpu.splitlines() if "Model name" in line), "?")
-    flags = next((line for line in cpu.splitlines() if line.startswith("Flags")), "")
-    simd = sorted({f for f in flags.split() if f.startswith("avx2") or f.startswith("avx512")})
-    return {"cpu": name, "simd": simd, "cores": os.cpu_count(), "python": platform.python_version()}
+    return {"cpu": cpu_line(), "cores": os.cpu_count(), "python": platform.python_version()}
 
 
 def main() -> None:
@@ -148,6 +144,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (n-gram)")
     ap.add_argument("--model", default=None, help="default: the demo SmolLM2-135M-Instruct GGUF")
+    ap.add_argument(
+        "--dtype", default="auto", help="auto: the CPU's fast dtype (bf16 where native, else fp32)"
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT / "structured.json")
     args = ap.parse_args()
 
@@ -156,11 +155,12 @@ def main() -> None:
     torch_threads = os.environ.get("OMP_NUM_THREADS", "default")
     llm = LLM(
         model=args.model,
-        dtype="float32",
+        dtype=args.dtype,
         max_num_seqs=args.batch,
         speculative_config={"method": "ngram", "num_speculative_tokens": args.k},
     )
-    info = {**machine(), "torch_threads": torch_threads, "load_before": os.getloadavg()}
+    info = {**machine(), "dtype": str(llm.engine.dtype), "torch_threads": torch_threads}
+    info["load_before"] = os.getloadavg()
     print(json.dumps(info))
     warm = prompts(2, seed=99)
     run_config(llm, warm, 16, 1, True, "auto")  # tokenizer info, compile, first forwards
@@ -186,7 +186,8 @@ def main() -> None:
             r = run_config(llm, chats, args.max_tokens, batch, schema, spec)
             runs[label].append(r)
             print(
-                f"{name} {label:6s} tok/s {r['tok_s']:7.1f}  tokens {r['tokens']:5d}  wall {r['wall_s']:6.1f}s  "
+                f"{name} {label:6s} tok/s {r['tok_s']:7.1f}  tokens {r['tokens']:5d}  "
+                f"wall {r['wall_s']:6.1f}s  "
                 f"valid {r['valid']}/{r['n']}  drafts {r['accepted']}/{r['proposed']}  "
                 f"ms/step {json.dumps({k: round(v, 2) for k, v in r['ms_per_step'].items()})}  "
                 f"load {os.getloadavg()[0]:.2f}",
