@@ -241,3 +241,24 @@ def test_engine_constrained_outputs_are_valid_and_equal_with_speculation_on_and_
     ]
     for o, c in zip(llm.generate([prompts[0]] * len(params), params), CONSTRAINTS * 2):
         assert o.finish_reason == "stop" and _valid(o.text, c), o.text
+
+
+def test_bitmask_application_equals_xgrammars_kernel():
+    import xgrammar as xgr
+
+    from specserve.engine.structured import apply_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (49152, 1000, 33):
+        bitmask = xgr.allocate_token_bitmask(6, vocab)
+        bitmask.copy_(
+            torch.randint(-(2**31), 2**31 - 1, bitmask.shape, generator=gen, dtype=torch.int64).int()
+        )
+        bitmask[1] = 0  # everything forbidden
+        bitmask[2] = -1  # everything allowed
+        logits = torch.randn(6, vocab, generator=gen)
+        want, got = logits.clone(), logits.clone()
+        rows = [0, 1, 2, 4]
+        xgr.apply_token_bitmask_inplace(want, bitmask, indices=rows)
+        apply_bitmask(got, bitmask, rows)
+        assert torch.equal(got, want)

@@ -142,6 +142,9 @@ class StructuredOutputs:
         self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._states: dict[int, _State] = {}
+        # Fills every sequence's next-position mask in one call, on the cores the forward just left idle:
+        # 0.9 ms instead of 1.6 ms for 32 JSON-schema matchers on the 2-core EPYC (bench/structured.py's).
+        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
 
     def __len__(self) -> int:
         return len(self._states)
@@ -206,32 +209,31 @@ class StructuredOutputs:
     def mask(self, plan: SchedulerOutput, drafts: DraftBatch | None, logits: torch.Tensor) -> None:
         """Mask, in place, every logits row of a constrained sequence: its next position, and after each of
         its drafts (the rows are packed: 1 + drafts per sampling sequence, in plan order)."""
-        bitmask: torch.Tensor | None = None
-        rows: list[int] = []
+        constrained: list[tuple[_State, int, int]] = []  # (state, its first row, plan index)
         row = 0
         for i, s in enumerate(plan.scheduled):
             if not s.samples:
                 continue
-            n = drafts.num_drafts(i) if drafts is not None else 0
             state = self._states.get(s.seq.seq_id)
             if state is not None:
-                if bitmask is None:
-                    bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.info.vocab_size)
-                m = state.matcher
-                m.fill_next_token_bitmask(bitmask, row)
-                rows.append(row)
-                for j, t in enumerate(drafts.drafts(i) if n else ()):
-                    # draft() lets only valid tokens through; were one not, row j (filled before it) forbids
-                    # it, so the verifier rejects it there and the rows after it are never read
-                    if t in self.stop_token_ids or not m.accept_token(t):
-                        break
-                    state.pending += 1
-                    m.fill_next_token_bitmask(bitmask, row + 1 + j)
-                    rows.append(row + 1 + j)
-            row += 1 + n
-        if rows:
-            assert bitmask is not None
-            self._xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+                constrained.append((state, row, i))
+            row += 1 + (drafts.num_drafts(i) if drafts is not None else 0)
+        if not constrained:
+            return
+        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.info.vocab_size)
+        rows = [first for _, first, _ in constrained]
+        self._batch.batch_fill_next_token_bitmask([st.matcher for st, _, _ in constrained], bitmask, rows)
+        for state, first, i in constrained:
+            m = state.matcher
+            for j, t in enumerate(drafts.drafts(i) if drafts is not None and drafts.num_drafts(i) else ()):
+                # draft() lets only valid tokens through; were one not, row j (filled before it) forbids it,
+                # so the verifier rejects it there and the rows after it are never read
+                if t in self.stop_token_ids or not m.accept_token(t):
+                    break
+                state.pending += 1
+                m.fill_next_token_bitmask(bitmask, first + 1 + j)
+                rows.append(first + 1 + j)
+        apply_bitmask(logits, bitmask, rows)
 
     def advance(self, plan: SchedulerOutput, accepted: Seq[Accepted]) -> None:
         """After the scheduler applied the step: rejected drafts roll back, the sampled token advances."""
@@ -253,3 +255,18 @@ class StructuredOutputs:
                     log.error("grammar refused token %d of %s; unconstrained from here", t, s.seq.request_id)
                     del self._states[s.seq.seq_id]
                     break
+
+
+# Bit i of a byte b, for every byte: a packed bitmask row read as bytes (little-endian int32 words, as
+# xgrammar packs them) becomes a bool row with one gather.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+
+
+@torch.inference_mode()  # the runner's logits are inference tensors
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Forbidden tokens' logits to -inf, in place, on `rows`. xgrammar's CPU kernel tests one bit at a time:
+    5 ms for 32 rows of a 49k vocabulary with almost every token forbidden (a JSON schema's usual state),
+    2.2 ms a step on average in bench/structured.py at 32 in flight; this is 1.3 ms for the first case."""
+    index = torch.tensor(rows, dtype=torch.long)
+    allowed = _BYTE_BITS[bitmask[index].view(torch.uint8).long()].view(len(rows), -1)[:, : logits.shape[1]]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
