@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import orjson
 from valkey_helpers import run, service_stack, wait_for
 
 from specserve import SamplingParams
@@ -111,6 +112,15 @@ def test_pass_goes_only_to_a_live_warm_worker_with_room_and_not_much_busier(valk
         )
         assert pending[0]["consumer"] == "b" and pending[0]["times_delivered"] == 1
         assert await b.take_back(passed, "a") is None  # not a's any more
+
+        # A raw XADD (no status hash until its first claim) is passed too, and its hash expires.
+        await client.r.xadd(KEYS.requests, {"id": "raw-1", "body": orjson.dumps(body).decode()})
+        (raw,) = await cb.read_new(1, block_ms=100)
+        await a.publish_load(0, 3)
+        await a.advertise(["other-prompt"])  # b is warm for `key` by now: another key a alone holds
+        assert await b.offer([(raw, "other-prompt")], ttl_ms=60_000) == {raw.entry_id: "a"}
+        assert await client.r.hget(KEYS.req("raw-1"), "passed") == "a"
+        assert 0 < await client.r.pttl(KEYS.req("raw-1")) <= 60_000
         for c in (conns_a, conns_b):
             await c.aclose(close_redis=True)
         await client.aclose()
