@@ -17,13 +17,27 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Give the pages of freed blocks back to the OS (glibc's malloc_trim): after loading, the transients of
+    casting and fusing weights would otherwise stay in the process's RSS."""
+    libc = _libc() if sys.platform.startswith("linux") else None
+    trim = getattr(libc, "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
 def keep_freed_memory_in_heap() -> bool:
+    """Called after the model is loaded: a load's transients are freed for good, a step's are reused."""
     if not sys.platform.startswith("linux") or os.environ.get("SPECSERVE_KEEP_MALLOC") == "1":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
         return False
     # glibc caps the mmap threshold at 32 MiB on 64-bit (HEAP_MAX/2); larger blocks still come from mmap.
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))

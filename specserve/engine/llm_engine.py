@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.config import EngineConfig
-from specserve.engine.cpu_tuning import keep_freed_memory_in_heap
+from specserve.engine.cpu_tuning import keep_freed_memory_in_heap, release_freed_memory
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.logprobs import record_prompt_logprobs, with_logprobs
 from specserve.engine.memory import activation_reserve_bytes, kv_pool_bytes, plan_kv_cache
@@ -110,15 +110,16 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        if self.device.type == "cpu":
-            keep_freed_memory_in_heap()
-        ckpt = load_checkpoint(path, dtype=torch.float32)
+        ckpt = load_checkpoint(path, dtype=self.dtype)
         self.model_config = ModelConfig.from_hf(ckpt.config)
         self.tokenizer = load_tokenizer(path, self.model_config.model_type)
         self.model = LlamaModel(
             self.model_config, ckpt.state_dict, self.dtype, self.device, config.attention_backend
         )
         del ckpt
+        if self.device.type == "cpu":
+            release_freed_memory()
+            keep_freed_memory_in_heap()
 
         block_size = config.block_size
         mc = self.model_config

@@ -55,11 +55,12 @@ class Layer:
     """One decoder layer's weights, with q/k/v and gate/up fused so each is one matmul."""
 
     def __init__(self, sd: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, index: int) -> None:
+        # Taken out of `sd` as used: a loaded tensor is released once its fused copy exists (bench/load.py).
         def w(name: str) -> torch.Tensor:
-            return sd[prefix + name]
+            return sd.pop(prefix + name)
 
         def b(name: str) -> torch.Tensor | None:
-            return sd.get(prefix + name)
+            return sd.pop(prefix + name, None)
 
         fam = cfg.family
         att = "self_attn."
@@ -146,13 +147,15 @@ class LlamaModel:
         self.device = torch.device(device)
         self.backend: AttentionBackend = select_backend(self.device, attention_backend)
         fam = cfg.family
-        sd = {
+        # The model takes the tensors out of `state_dict` (it is left empty): loaded in the serving dtype, a
+        # weight is then never held twice.
+        sd = {}
+        for k in list(state_dict):
+            v = state_dict.pop(k)
             # Gemma's RMSNorm scales by (1 + w): folded into the weight once, in float32.
-            k: (v.float() + 1.0 if fam.norm_plus_one and k.endswith("norm.weight") else v).to(
-                device=self.device, dtype=dtype
-            )
-            for k, v in state_dict.items()
-        }
+            if fam.norm_plus_one and k.endswith("norm.weight"):
+                v = v.float() + 1.0
+            sd[k] = v.to(device=self.device, dtype=dtype)
         self.embed = sd["model.embed_tokens.weight"]
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the model's dtype, as HF does.
         self.embed_scale = (

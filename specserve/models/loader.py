@@ -94,7 +94,10 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
-    """Load an HF model directory (config.json + safetensors) or a .gguf file, dequantized to `dtype`."""
+    """Load an HF model directory (config.json + safetensors) or a .gguf file, one tensor at a time: each
+    matrix is cast (or dequantized) to `dtype` as it is read, so the host never holds the whole model in
+    float32 when it is served in bf16 (issue 19). Vectors (norms, biases) stay float32: the model folds
+    Gemma's (1 + w) in float32 before its own cast, and they are small."""
     p = _existing(path)
     if p.is_file() and p.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{p}: refusing pickle checkpoint ({p.suffix}); convert it to safetensors or GGUF")
@@ -188,7 +191,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str,
             for name in fh.keys():
                 # Old checkpoints carry the rotary inverse frequencies; they are derived from the config.
                 if not name.endswith("rotary_emb.inv_freq"):
-                    state[name] = fh.get_tensor(name).to(dtype)
+                    state[name] = _cast(fh.get_tensor(name), dtype)
     if config["tie_word_embeddings"]:
         # Some tied checkpoints still store a copy of the embedding as lm_head; tied means use the embedding.
         state.pop("lm_head.weight", None)
@@ -280,8 +283,12 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
         if not w.flags.writeable:
             # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
             w = w.copy()
-        state[name] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype)
+        state[name] = _cast(torch.from_numpy(np.ascontiguousarray(w)), dtype)
     return config, _join_experts(state)
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.dim() >= 2 else t.float()
 
 
 def _join_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

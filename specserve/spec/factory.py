@@ -44,7 +44,7 @@ def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:
     from specserve.models.loader import load_checkpoint, load_tokenizer
     from specserve.spec.draft_model import DraftModelProposer
 
-    ckpt = load_checkpoint(path, dtype=torch.float32)
+    ckpt = load_checkpoint(path, dtype=target.dtype)
     draft_cfg = ModelConfig.from_hf(ckpt.config)
     if draft_cfg.vocab_size != target.vocab_size:
         raise ValueError(
