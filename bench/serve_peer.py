@@ -86,6 +86,48 @@ def client(python: Path, port: int, model: str, args: argparse.Namespace) -> dic
     return json.loads(line.removeprefix("RESULT "))
 
 
+def ours(python: Path, model: str, args: argparse.Namespace, tmp: Path, env: dict, layout: str) -> dict:
+    """`specserve serve` (API, worker and valkey in one process), or the API and the worker as processes of
+    their own on one valkey, as a deployment runs them (and as vLLM runs its API server and engine core)."""
+    from specserve.queue.embedded import EmbeddedValkey
+
+    port = free_port()
+    engine = [
+        "--model",
+        model,
+        "--dtype",
+        args.dtype,
+        "--max-num-seqs",
+        "64",
+        "--kv-cache-bytes",
+        str(2 << 30),
+    ]
+    cli = [sys.executable, "-m", "specserve.service.cli"]
+    log = open(tmp / f"specserve-{layout.replace('+', '-')}.log", "wb")
+    procs: list[subprocess.Popen] = []
+    server = None
+    try:
+        if layout == "serve":
+            data = ["--data-dir", str(tmp / "data-serve"), "--health-port", "0"]
+            procs.append(subprocess.Popen(cli + ["serve", "--port", str(port), *engine, *data], cwd=REPO,
+                                          env=env, stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        else:
+            server = EmbeddedValkey(tmp / "valkey").start()
+            url = ["--redis-url", server.url, "--health-port", "0"]
+            procs.append(subprocess.Popen(cli + ["worker", *url, *engine], cwd=REPO, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))  # fmt: skip
+            procs.append(subprocess.Popen(cli + ["api", *url, "--port", str(port)], cwd=REPO, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
+        for proc in procs:
+            wait_http(f"http://127.0.0.1:{port}/readyz", proc, 600)
+        return client(python, port, model, args)
+    finally:
+        for proc in procs:
+            stop(proc)
+        if server is not None:
+            server.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
@@ -106,19 +148,9 @@ def main() -> None:
     )
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        port = free_port()
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        ours = subprocess.Popen(
-            [sys.executable, "-m", "specserve.service.cli", "serve", "--model", model, "--port", str(port),
-             "--dtype", args.dtype, "--data-dir", str(Path(tmp) / "data"), "--max-num-seqs", "64",
-             "--kv-cache-bytes", str(2 << 30), "--health-port", "0"],
-            cwd=REPO, env=env, stdout=open(Path(tmp) / "specserve.log", "wb"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            wait_http(f"http://127.0.0.1:{port}/readyz", ours, 600)
-            results["specserve"] = client(python, port, model, args)
-        finally:
-            stop(ours)
+        for layout in ("serve", "api+worker"):
+            results[f"specserve {layout}"] = ours(python, model, args, Path(tmp), env, layout)
         port = free_port()
         theirs = subprocess.Popen(
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
@@ -133,17 +165,20 @@ def main() -> None:
             stop(theirs)
     for name, r in results.items():
         print(
-            f"  {name:<9}: {r['completed']} requests, {r['total_output_tokens']} output tokens, "
+            f"  {name:<20}: {r['completed']} requests, {r['total_output_tokens']} output tokens, "
             f"{r['output_throughput']:.1f} tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
             f"ITL p50 {r['p50_itl_ms']:.1f} ms p99 {r['p99_itl_ms']:.1f} ms",
             flush=True,
         )
-    ours, theirs = results["specserve"], results["vllm"]
-    print(
-        f"specserve / vLLM: output tokens {ours['total_output_tokens']} vs {theirs['total_output_tokens']}, "
-        f"throughput {ours['output_throughput'] / theirs['output_throughput']:.2f}x (target >= 1.0), "
-        f"ITL p99 {ours['p99_itl_ms'] / theirs['p99_itl_ms']:.2f}x (target <= 1.5)"
-    )
+    theirs = results["vllm"]
+    for name, r in results.items():
+        if name == "vllm":
+            continue
+        print(
+            f"{name} / vLLM: output tokens {r['total_output_tokens']} vs {theirs['total_output_tokens']}, "
+            f"throughput {r['output_throughput'] / theirs['output_throughput']:.2f}x (target >= 1.0), "
+            f"ITL p99 {r['p99_itl_ms'] / theirs['p99_itl_ms']:.2f}x (target <= 1.5)"
+        )
 
 
 if __name__ == "__main__":
