@@ -474,7 +474,7 @@ def test_a_full_redis_holds_outputs_and_claims_until_there_is_room(valkey, tiny_
     """maxmemory with noeviction refuses writes (OOM): the worker's outputs, finals and claims wait for room
     instead of being dropped or dead-lettered, and every request then finishes exactly once."""
     ref = _reference(tiny_engines, tiny_model_dir, VALID)
-    long = {"max_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+    long = {"max_tokens": 400, "temperature": 0.0, "ignore_eos": True}  # still running when polled
     ref_long = tiny_engines.llm(tiny_model_dir).generate([VALID[0]], SamplingParams(**long))[0].token_ids
 
     async def main():
