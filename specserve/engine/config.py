@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from specserve.models.quant import check_mode as check_quantization
 from specserve.spec.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,6 +36,10 @@ class EngineConfig:
     # A dict (vLLM's shape, as LLM(...) and the service pass it) becomes a SpeculativeConfig here.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     attention_backend: str = "auto"
+    # Weight-only int8/int4 decoder matrices (models/quant.py). auto: a GGUF's quantized matrices stay
+    # quantized where torch's packed-int kernels are vectorised (bf16 on AVX-512), and are dequantized
+    # elsewhere; none: always dequantized; int8/int4: every decoder matrix quantized on load.
+    quantization: str = "auto"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -50,6 +55,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], not {u!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
+        check_quantization(self.quantization)
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if isinstance(self.speculative_config, dict):

@@ -38,6 +38,7 @@ from specserve.engine.sequence import Sequence
 from specserve.engine.static_scheduler import StaticScheduler
 from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
 from specserve.engine.structured import StructuredOutputs
+from specserve.models import quant
 from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaModel
 from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer, resolve_model
@@ -110,11 +111,17 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        ckpt = load_checkpoint(path, dtype=self.dtype)
+        self.quantization = quant.effective_mode(config.quantization, self.device, self.dtype)
+        ckpt = load_checkpoint(path, dtype=self.dtype, quantization=self.quantization)
         self.model_config = ModelConfig.from_hf(ckpt.config)
         self.tokenizer = load_tokenizer(path, self.model_config.model_type)
         self.model = LlamaModel(
-            self.model_config, ckpt.state_dict, self.dtype, self.device, config.attention_backend
+            self.model_config,
+            ckpt.state_dict,
+            self.dtype,
+            self.device,
+            config.attention_backend,
+            self.quantization,
         )
         del ckpt
         if self.device.type == "cpu":

@@ -10,13 +10,16 @@ plugs in.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from specserve.kernels import AttentionBackend, select_backend
 from specserve.kernels.huge_pages import advise_huge_pages
+from specserve.models import quant
 from specserve.models.config import ModelConfig
 
 
@@ -51,13 +54,22 @@ def _prepacked_linear(
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class Layer:
-    """One decoder layer's weights, with q/k/v and gate/up fused so each is one matmul."""
+Quantize = Callable[[Any], Any]
 
-    def __init__(self, sd: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, index: int) -> None:
+
+class Layer:
+    """One decoder layer's weights, with q/k/v and gate/up fused so each is one matmul. Matrices may be
+    dense tensors or quantized (models/quant.py); `quantize` says what each becomes as it is taken."""
+
+    def __init__(
+        self, sd: dict[str, Any], prefix: str, cfg: ModelConfig, index: int, quantize: Quantize
+    ) -> None:
         # Taken out of `sd` as used: a loaded tensor is released once its fused copy exists (bench/load.py).
         def w(name: str) -> torch.Tensor:
             return sd.pop(prefix + name)
+
+        def m(name: str) -> Any:  # a matrix
+            return quantize(sd.pop(prefix + name))
 
         def b(name: str) -> torch.Tensor | None:
             return sd.pop(prefix + name, None)
@@ -65,18 +77,18 @@ class Layer:
         fam = cfg.family
         att = "self_attn."
         if prefix + "self_attn.qkv_proj.weight" in sd:  # Phi-3 stores them fused already
-            self.qkv = w("self_attn.qkv_proj.weight")
+            self.qkv = m("self_attn.qkv_proj.weight")
             self.qkv_bias = b("self_attn.qkv_proj.bias")
         else:
-            self.qkv = torch.cat(
-                [w(att + "q_proj.weight"), w(att + "k_proj.weight"), w(att + "v_proj.weight")]
+            self.qkv = quant.cat(
+                [m(att + "q_proj.weight"), m(att + "k_proj.weight"), m(att + "v_proj.weight")]
             )
             self.qkv_bias = (
                 torch.cat([b(att + "q_proj.bias"), b(att + "k_proj.bias"), b(att + "v_proj.bias")])
                 if cfg.qkv_bias
                 else None
             )
-        self.o = w("self_attn.o_proj.weight")
+        self.o = m("self_attn.o_proj.weight")
         self.o_bias = b("self_attn.o_proj.bias") if cfg.o_bias else None
         self.q_norm = b("self_attn.q_norm.weight") if fam.qk_norm else None
         self.k_norm = b("self_attn.k_norm.weight") if fam.qk_norm else None
@@ -91,26 +103,26 @@ class Layer:
         self.window = cfg.layer_window[index]
         self.rope = cfg.layer_rope[index]
         self.router: torch.Tensor | None = None
-        self.experts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gate_up, down) per expert
+        self.experts: list[tuple[Any, Any]] = []  # (gate_up, down) per expert
         if cfg.layer_moe[index]:
-            self.router, self.experts = _experts(sd, prefix, cfg.num_experts)
+            self.router, self.experts = _experts(sd, prefix, cfg.num_experts, quantize)
             self.gate_up = self.down = None
             self.gate_up_bias = self.down_bias = None
             return
         if prefix + "mlp.gate_up_proj.weight" in sd:  # Phi-3
-            self.gate_up = w("mlp.gate_up_proj.weight")
+            self.gate_up = m("mlp.gate_up_proj.weight")
         else:
-            self.gate_up = torch.cat([w("mlp.gate_proj.weight"), w("mlp.up_proj.weight")])
+            self.gate_up = quant.cat([m("mlp.gate_proj.weight"), m("mlp.up_proj.weight")])
         self.gate_up_bias = (
             torch.cat([b("mlp.gate_proj.bias"), b("mlp.up_proj.bias")]) if cfg.mlp_bias else None
         )
-        self.down = w("mlp.down_proj.weight")
+        self.down = m("mlp.down_proj.weight")
         self.down_bias = b("mlp.down_proj.bias") if cfg.mlp_bias else None
 
 
 def _experts(
-    sd: dict[str, torch.Tensor], prefix: str, num_experts: int
-) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    sd: dict[str, Any], prefix: str, num_experts: int, quantize: Quantize
+) -> tuple[torch.Tensor, list[tuple[Any, Any]]]:
     """Router and per-expert (gate_up, down) weights from Qwen3-MoE's names (mlp.experts.E.gate_proj),
     Mixtral's (block_sparse_moe.experts.E.w1/w3/w2) or transformers 5's fused 3-D tensors."""
     if prefix + "block_sparse_moe.gate.weight" in sd:
@@ -121,12 +133,13 @@ def _experts(
         names = ("gate_proj", "up_proj", "down_proj")
     if moe + "experts.gate_up_proj" in sd:
         gate_up, down = sd[moe + "experts.gate_up_proj"], sd[moe + "experts.down_proj"]
-        return sd[moe + "gate.weight"], [(gate_up[e], down[e]) for e in range(num_experts)]
+        experts = [(quantize(gate_up[e]), quantize(down[e])) for e in range(num_experts)]
+        return sd[moe + "gate.weight"], experts
     gate, up, down = names
     experts = [
         (
-            torch.cat([sd[f"{moe}experts.{e}.{gate}.weight"], sd[f"{moe}experts.{e}.{up}.weight"]]),
-            sd[f"{moe}experts.{e}.{down}.weight"],
+            quantize(torch.cat([sd[f"{moe}experts.{e}.{gate}.weight"], sd[f"{moe}experts.{e}.{up}.weight"]])),
+            quantize(sd[f"{moe}experts.{e}.{down}.weight"]),
         )
         for e in range(num_experts)
     ]
@@ -141,6 +154,7 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
+        quantization: str = "none",
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -155,13 +169,15 @@ class LlamaModel:
             # Gemma's RMSNorm scales by (1 + w): folded into the weight once, in float32.
             if fam.norm_plus_one and k.endswith("norm.weight"):
                 v = v.float() + 1.0
-            sd[k] = v.to(device=self.device, dtype=dtype)
+            # quantized matrices stay as the loader gave them until packed for the device below
+            sd[k] = v.to(device=self.device, dtype=dtype) if isinstance(v, torch.Tensor) else v
         self.embed = sd["model.embed_tokens.weight"]
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the model's dtype, as HF does.
         self.embed_scale = (
             torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device=self.device) if fam.embed_scale else None
         )
-        self.layers = [Layer(sd, f"model.layers.{i}.", cfg, i) for i in range(cfg.num_layers)]
+        quantize = quant.quantizer(quantization)
+        self.layers = [Layer(sd, f"model.layers.{i}.", cfg, i, quantize) for i in range(cfg.num_layers)]
         self.norm = sd["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
         self.linear = F.linear
@@ -173,8 +189,7 @@ class LlamaModel:
             and dtype in (torch.float32, torch.bfloat16)
             and all(r.rotary_dim == cfg.head_dim for r in cfg.ropes)
         )
-        if prepacked_linear_available(self.device, dtype):
-            self._prepack()
+        self._pack_weights(prepacked_linear_available(self.device, dtype))
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.scale
@@ -184,22 +199,36 @@ class LlamaModel:
         self._rope_len = 0
         self._rope_cache(min(cfg.max_position_embeddings, 4096))
 
-    def _prepack(self) -> None:
-        """Hand oneDNN its weights once in its own blocked layout, instead of on every call.
+    def _pack_weights(self, prepack: bool) -> None:
+        """Quantized matrices into the layout of torch's packed-int kernels; with `prepack`, dense ones into
+        oneDNN's own blocked layout once, instead of on every call.
 
         F.linear on a bfloat16 CPU tensor reorders the weight into oneDNN's layout at each call; prepacked,
         the decode-sized matmuls of a step run about 1.5x faster with bit-identical results.
         """
-        pack = torch.ops.mkldnn._reorder_linear_weight
+
+        def pack(w: Any) -> Any:
+            if isinstance(w, quant.Int8Weight | quant.Int4Weight):
+                return quant.pack(w, self.dtype, self.device)
+            return torch.ops.mkldnn._reorder_linear_weight(w) if prepack else w
+
+        quantized = False
         for layer in self.layers:
+            quantized |= any(
+                isinstance(w, quant.Int8Weight | quant.Int4Weight)
+                for w in [layer.qkv, layer.o, layer.gate_up, layer.down, *sum(layer.experts, ())]
+            )
             layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
             if layer.router is None:
                 layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
             else:
                 layer.router = pack(layer.router)
                 layer.experts = [(pack(gu), pack(d)) for gu, d in layer.experts]
-        self.lm_head = pack(self.lm_head)  # a packed copy: the embedding lookup still needs the dense one
-        self.linear = _prepacked_linear
+        self.quantized = quantized
+        if prepack:
+            self.lm_head = pack(self.lm_head)  # a packed copy: the embedding lookup still needs the dense one
+        dense = _prepacked_linear if prepack else F.linear
+        self.linear = quant.with_packed(dense) if quantized else dense
 
     def _rope_cache(self, length: int) -> None:
         # float32 angles as HF computes them, then cast: bit-identical rotations in fp32.

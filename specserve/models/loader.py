@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from specserve.models import quant
 from specserve.models.chat_templates import FALLBACK_TEMPLATES
 from specserve.models.config import FAMILIES, UnsupportedModel
 
@@ -86,23 +87,34 @@ _HF_LAYER_RE = re.compile(
 )
 
 
+# GGUF types that are tinygemm's int4 exactly: groups of 32 with a scale and a minimum (or a symmetric scale).
+GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
 @dataclass
 class Checkpoint:
     config: dict[str, Any]
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, Any]  # tensors, and quant.Int4Weight / Int8Weight for matrices kept quantized
     source: Path
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+def load_checkpoint(
+    path: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "none"
+) -> Checkpoint:
     """Load an HF model directory (config.json + safetensors) or a .gguf file, one tensor at a time: each
     matrix is cast (or dequantized) to `dtype` as it is read, so the host never holds the whole model in
     float32 when it is served in bf16 (issue 19). Vectors (norms, biases) stay float32: the model folds
-    Gemma's (1 + w) in float32 before its own cast, and they are small."""
+    Gemma's (1 + w) in float32 before its own cast, and they are small.
+
+    With `quantization` auto, a GGUF's quantized decoder matrices are kept quantized instead: Q4_0, Q4_1
+    and Q4_K as the int4 they are, other types as int8 per channel; with int4, the Q4 types are kept as
+    they are (the model quantizes the rest itself)."""
+    quant.check_mode(quantization)
     p = _existing(path)
     if p.is_file() and p.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{p}: refusing pickle checkpoint ({p.suffix}); convert it to safetensors or GGUF")
     if p.is_file() and p.suffix == ".gguf":
-        config, state = _load_gguf(p, dtype)
+        config, state = _load_gguf(p, dtype, quantization)
     elif p.is_dir():
         config, state = _load_hf_dir(p, dtype)
     else:
@@ -252,7 +264,7 @@ def _normalize_hf_config(raw: dict[str, Any], d: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- GGUF
 
 
-def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _load_gguf(p: Path, dtype: torch.dtype, quantization: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -265,8 +277,15 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
     config = _gguf_config(reader, arch, p)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     names = {"gemma3": _GGUF_GEMMA_NAMES, "phi3": _GGUF_PHI3_NAMES}.get(arch, _GGUF_BLOCK_NAMES)
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}
     for t in reader.tensors:
+        kept = _kept_quantized(t, quantization)
+        if kept is not None:
+            name = _hf_name(t.name, p, names)
+            if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+                kept = _permute_rows(kept, heads if ".attn_q." in t.name else kv_heads)
+            state[name] = kept
+            continue
         # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
         w = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
         if t.name in _GGUF_ROPE_FACTORS:
@@ -285,6 +304,69 @@ def _load_gguf(p: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, t
             w = w.copy()
         state[name] = _cast(torch.from_numpy(np.ascontiguousarray(w)), dtype)
     return config, _join_experts(state)
+
+
+def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
+    """A decoder matrix of a quantized type, in the form `quantization` keeps it in (None: dequantize)."""
+    qtype = t.tensor_type.name
+    if (
+        quantization not in ("auto", "int4")
+        or qtype in ("F32", "F16", "BF16")
+        or len(t.shape) != 2
+        or not t.name.startswith("blk.")
+    ):
+        return None
+    k, n = (int(x) for x in t.shape)
+    if qtype in GGUF_INT4_TYPES and quant.fits_int4(n, k):
+        return _gguf_int4(np.asarray(t.data).reshape(-1), qtype, n, k)
+    if quantization == "int4":
+        return None  # the model quantizes it from the dequantized values
+    from gguf.quants import dequantize
+
+    w = dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k)
+    return quant.quantize_int8(torch.from_numpy(np.ascontiguousarray(w)))
+
+
+def _gguf_int4(raw: np.ndarray, qtype: str, n: int, k: int) -> quant.Int4Weight:
+    """Codes, scales and zeros read from GGUF's 4-bit blocks, no re-quantization: each 32 values are
+    q * scale + minimum (Q4_1, Q4_K's sub-blocks) or (q - 8) * scale (Q4_0), which is tinygemm's
+    (q - 8) * scale + zero with zero = minimum + 8 * scale."""
+    from gguf.quants import Q4_K
+
+    def f16(b: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] bytes -> [..., 32] codes: low nibbles first
+        return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+    if qtype == "Q4_K":  # 144 bytes: d, dmin, 12 bytes of 6-bit scales/mins, 128 bytes of codes
+        blocks = raw.reshape(-1, 144)
+        d, dmin = f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+        qs = blocks[:, 16:].reshape(-1, 4, 32)  # each 32 bytes hold two sub-blocks: low, then high nibbles
+        codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
+        scales = d * sc.astype(np.float32)
+        zeros = 8.0 * scales - dmin * mn.astype(np.float32)
+    else:
+        size = 18 if qtype == "Q4_0" else 20
+        blocks = raw.reshape(-1, size)
+        scales = f16(blocks[:, 0:2])[:, 0]
+        codes = nibbles(blocks[:, size - 16 :])
+        zeros = np.zeros_like(scales) if qtype == "Q4_0" else f16(blocks[:, 2:4])[:, 0] + 8.0 * scales
+    return quant.Int4Weight(
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)),
+        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(n, k // quant.GROUP)),
+        torch.from_numpy(np.ascontiguousarray(zeros, dtype=np.float32).reshape(n, k // quant.GROUP)),
+    )
+
+
+def _permute_rows(w: quant.QuantizedWeight, n_head: int) -> quant.QuantizedWeight:
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(_unpermute_rope(x.numpy(), n_head)))
+
+    if isinstance(w, quant.Int8Weight):
+        return quant.Int8Weight(rows(w.codes), rows(w.scales))
+    return quant.Int4Weight(rows(w.codes), rows(w.scales), rows(w.zeros))
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -146,6 +146,13 @@ class ServiceConfig:
     prompt_lookup_max: int | None = _opt(
         "SPECSERVE_PROMPT_LOOKUP_MAX", None, "longest n-gram the ngram method matches", kind=int
     )
+    quantization: str | None = _opt(
+        "SPECSERVE_QUANTIZATION",
+        None,
+        "weight-only quantized decoder matrices (default auto: keep a GGUF's quantization where the int "
+        "kernels pay, bf16 on AVX-512; none: dequantize; int8/int4: quantize on load)",
+        choices=[None, "auto", "none", "int8", "int4"],
+    )
     attention_backend: str | None = _opt(
         "SPECSERVE_ATTENTION_BACKEND",
         None,
@@ -371,6 +378,7 @@ _ENGINE_KNOBS = (
     "enable_chunked_prefill",
     "enable_prefix_caching",
     "attention_backend",
+    "quantization",
 )
 
 

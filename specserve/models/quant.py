@@ -1,0 +1,180 @@
+"""Weight-only quantized linears on torch's packed-int kernels (what torchao's CPU layouts and gpt-fast call).
+
+Two stored forms, both plain data until the model packs them for its device:
+- `Int8Weight`: symmetric int8 per output channel; run by `torch._weight_int8pack_mm`.
+- `Int4Weight`: 4-bit codes with a scale and zero per group of 32 along the input, in tinygemm's convention
+  w = (q - 8) * scale + zero; run by `torch._weight_int4pack_mm_for_cpu`. GGUF's Q4_0, Q4_1 and Q4_K are this
+  exactly (groups of 32 with a scale and a minimum), so they load without re-quantizing (models/loader.py).
+
+Only the decoder layers' matrices are quantized: the embedding is a lookup that needs the dense table, and
+the LM head (tied to it in most small models) stays dense because its logits feed the verifier and logprobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("none", "auto", "int8", "int4")
+# GGUF's 4-bit block; a group must divide the input width (SmolLM2's 576 is not a multiple of 128)
+GROUP = 32
+# The CPU int4 packing interleaves output rows in tiles of 16.
+INT4_ROW_TILE = 16
+
+Linear = Callable[[torch.Tensor, object, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] float32
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    codes: torch.Tensor  # [out, in] uint8 in 0..15
+    scales: torch.Tensor  # [out, in // GROUP] float32
+    zeros: torch.Tensor  # [out, in // GROUP] float32: the value of code 8
+
+
+QuantizedWeight = Int8Weight | Int4Weight
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"quantization must be one of {', '.join(MODES)}, not {mode!r}")
+
+
+def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's packed-int CPU kernels have a vectorised path for this compute dtype: bfloat16 on
+    AVX-512 only. In float32 they run a scalar loop (SmolLM2's four layer matmuls at batch 1: int8 4.7 ms,
+    int4 9.9 ms against 0.65 ms for the dense float32 F.linear on the Xeon), so `auto` keeps a GGUF's
+    quantization only where this holds."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.cpu.get_cpu_capability()
+        in (
+            "AVX512",
+            "AVX512_BF16",
+            "AMX",
+        )
+    )
+
+
+def effective_mode(mode: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`auto` keeps a checkpoint's quantization where the kernels pay for it, and dequantizes elsewhere;
+    an explicit int8/int4 is taken as asked."""
+    check_mode(mode)
+    if mode == "auto" and not kernels_fast(device, dtype):
+        return "none"
+    return mode
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    codes = torch.round(w / scales[:, None]).clamp(-128, 127).to(torch.int8)
+    return Int8Weight(codes, scales)
+
+
+def fits_int4(out_features: int, in_features: int) -> bool:
+    return in_features % GROUP == 0 and out_features % INT4_ROW_TILE == 0
+
+
+def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
+    """Asymmetric round-to-nearest per group (min/max), as gpt-fast and torchao's int4 weight-only do; a
+    matrix the kernel cannot take (input width not a multiple of 32, rows not of 16) is kept in int8."""
+    n, k = w.shape
+    if not fits_int4(n, k):
+        return quantize_int8(w)
+    groups = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+    codes = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return Int4Weight(codes.reshape(n, k), scales, lo + 8.0 * scales)
+
+
+def dequantize(w: QuantizedWeight | torch.Tensor) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return w.float()
+    if isinstance(w, Int8Weight):
+        return w.codes.float() * w.scales[:, None]
+    n, k = w.codes.shape
+    groups = w.codes.float().reshape(n, k // GROUP, GROUP) - 8.0
+    return (groups * w.scales[..., None] + w.zeros[..., None]).reshape(n, k)
+
+
+def quantizer(mode: str) -> Callable[[torch.Tensor | QuantizedWeight], torch.Tensor | QuantizedWeight]:
+    """What becomes of a decoder matrix as the model takes it: `auto` keeps what the loader gave (quantized
+    for a GGUF whose kernels pay, dense otherwise); `int8`/`int4` quantize dense matrices on load."""
+    check_mode(mode)
+    if mode == "int8":
+        return lambda w: quantize_int8(w) if isinstance(w, torch.Tensor) else w
+    if mode == "int4":
+        return lambda w: quantize_int4(w) if isinstance(w, torch.Tensor) else w
+    return lambda w: w
+
+
+def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Join matrices along their output rows (q/k/v, gate/up). A GGUF may store the parts in different types
+    (Q4_K_M keeps some attn_v in Q6_K): the join is then int8, the form every part fits."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, Int4Weight) for p in parts):
+        return Int4Weight(
+            torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
+            torch.cat([p.scales for p in parts]),  # type: ignore[union-attr]
+            torch.cat([p.zeros for p in parts]),  # type: ignore[union-attr]
+        )
+    as_int8 = [p if isinstance(p, Int8Weight) else quantize_int8(dequantize(p)) for p in parts]
+    return Int8Weight(torch.cat([p.codes for p in as_int8]), torch.cat([p.scales for p in as_int8]))
+
+
+class PackedInt8:
+    """An int8 matrix as the kernel reads it: codes [out, in], scales in the compute dtype."""
+
+    def __init__(self, w: Int8Weight, dtype: torch.dtype, device: torch.device) -> None:
+        self.codes = w.codes.to(device).contiguous()
+        self.scales = w.scales.to(device=device, dtype=dtype)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
+
+
+class PackedInt4:
+    """An int4 matrix in the CPU kernel's packed layout (two codes a byte, rows tiled by 16), with each
+    group's scale and zero side by side: [in // GROUP, out, 2] in the compute dtype."""
+
+    def __init__(self, w: Int4Weight, dtype: torch.dtype, device: torch.device) -> None:
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
+        self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(device=device, dtype=dtype)
+        self.nbytes = self.packed.nbytes + self.scales_zeros.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)
+
+
+Packed = PackedInt8 | PackedInt4
+
+
+def pack(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> Packed:
+    if device.type != "cpu":
+        # torch's CUDA int4 kernel wants another packing (tensor-core tiles); nothing here can test it.
+        raise ValueError(f"quantization: weight-only int8/int4 runs on CPU only, not on {device.type}")
+    return PackedInt8(w, dtype, device) if isinstance(w, Int8Weight) else PackedInt4(w, dtype, device)
+
+
+def with_packed(dense: Linear) -> Linear:
+    """The model's one linear, taking packed quantized matrices as well as dense (or prepacked) ones."""
+
+    def linear(x: torch.Tensor, w: object, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, PackedInt8 | PackedInt4):
+            y = w.mm(x)
+            return y if bias is None else y + bias
+        return dense(x, w, bias)
+
+    return linear

