@@ -137,7 +137,11 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             if phase != "batch 1" and dtype != native:
                 continue  # float32 at 64 in flight on a bf16 machine says nothing about quantization
             engines[label] = LLM(
-                dtype=dtype, quantization=q, max_num_seqs=n_seqs, max_num_batched_tokens=2048
+                dtype=dtype,
+                quantization=q,
+                max_num_seqs=n_seqs,
+                max_num_batched_tokens=2048,
+                enable_prefix_caching=False,  # every run prefills its prompts (ABBA reruns them)
             )
         tokenize(workload, next(iter(engines.values())).tokenizer)
         ids = [r.prompt_token_ids for r in requests]

@@ -154,3 +154,32 @@ def test_the_demo_model_in_int4_keeps_its_gguf_weights_and_matches_transformers(
     out = llm.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(ids) :]
     assert out.token_ids == ref.tolist()
+
+
+@pytest.mark.skipif(
+    not quant.kernels_fast(torch.device("cpu"), torch.bfloat16),
+    reason="auto keeps quantization on AVX-512 only",
+)
+def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy():
+    """The demo's Q4_1 in bf16 under auto: a step of more than KERNEL_MAX_ROWS rows reads the dequantized
+    copy, so a batch of 12 decodes exactly as the dense model; one sequence alone runs the int4 kernel."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    auto = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=128)
+    dense = LLM(None, dtype="bfloat16", quantization="none", num_kv_blocks=128)
+    layer = auto.engine.model.layers[0]
+    assert isinstance(layer.qkv, quant.PackedInt4) and layer.qkv.dense is not None
+    prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
+    assert [o.token_ids for o in auto.generate(prompts, params)] == [
+        o.token_ids for o in dense.generate(prompts, params)
+    ]
+    x = torch.randn(1, auto.engine.model_config.hidden_size, dtype=torch.bfloat16)
+    ref = (
+        x.float()
+        @ quant.dequantize(
+            load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
+                "model.layers.0.self_attn.o_proj.weight"
+            ]
+        ).t()
+    )
+    got = auto.engine.model.linear(x, layer.o).float()
+    assert (got - ref).abs().max() <= 0.02 * ref.abs().max()

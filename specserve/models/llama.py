@@ -189,7 +189,10 @@ class LlamaModel:
             and dtype in (torch.float32, torch.bfloat16)
             and all(r.rotary_dim == cfg.head_dim for r in cfg.ropes)
         )
-        self._pack_weights(prepacked_linear_available(self.device, dtype))
+        # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy: on AVX-512
+        # the int kernels beat dense only up to a few rows (quant.KERNEL_MAX_ROWS), and widening per call
+        # costs more than the copy's memory; int8/int4 asked for outright hold the weights quantized only.
+        self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto")
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.scale
@@ -199,18 +202,28 @@ class LlamaModel:
         self._rope_len = 0
         self._rope_cache(min(cfg.max_position_embeddings, 4096))
 
-    def _pack_weights(self, prepack: bool) -> None:
-        """Quantized matrices into the layout of torch's packed-int kernels; with `prepack`, dense ones into
-        oneDNN's own blocked layout once, instead of on every call.
+    def _pack_weights(self, prepack: bool, keep_dense: bool) -> None:
+        """Quantized matrices into the layout of torch's packed-int kernels, with a dense copy beside them
+        when `keep_dense`; with `prepack`, dense ones into oneDNN's own blocked layout once, instead of on
+        every call.
 
         F.linear on a bfloat16 CPU tensor reorders the weight into oneDNN's layout at each call; prepacked,
         the decode-sized matmuls of a step run about 1.5x faster with bit-identical results.
         """
 
-        def pack(w: Any) -> Any:
-            if isinstance(w, quant.Int8Weight | quant.Int4Weight):
-                return quant.pack(w, self.dtype, self.device)
+        dense = _prepacked_linear if prepack else F.linear
+
+        def dense_form(w: torch.Tensor) -> torch.Tensor:
             return torch.ops.mkldnn._reorder_linear_weight(w) if prepack else w
+
+        def pack(w: Any) -> Any:
+            if not isinstance(w, quant.Int8Weight | quant.Int4Weight):
+                return dense_form(w)
+            packed = quant.pack(w, self.dtype, self.device)
+            if keep_dense:  # steps of many rows read the dense copy (quant.KERNEL_MAX_ROWS)
+                packed.dense = dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype))
+                packed.dense_linear = dense
+            return packed
 
         quantized = False
         for layer in self.layers:
@@ -227,7 +240,6 @@ class LlamaModel:
         self.quantized = quantized
         if prepack:
             self.lm_head = pack(self.lm_head)  # a packed copy: the embedding lookup still needs the dense one
-        dense = _prepacked_linear if prepack else F.linear
         self.linear = quant.with_packed(dense) if quantized else dense
 
     def _rope_cache(self, length: int) -> None:
