@@ -3,8 +3,9 @@
 Speed, every mode in one process, runs in ABBA order (each mode's figure is the mean of its two runs):
 - batch 1: the first --batch1-requests W1 requests one at a time (the decode-bound case quantization is for);
 - W1 at --max-num-seqs in flight (quantization must not cost throughput at large batch).
-Modes: dense in float32, and dense / int8 / int4 in the machine's native dtype (bf16 where AVX512-BF16 exists;
-on an AVX2 machine float32 is native and every row is float32). int4 on the demo GGUF keeps its Q4_1 blocks.
+Modes: dense in float32, and dense / int8 / int4 / auto in the machine's native dtype (bf16 where AVX512-BF16
+exists; on an AVX2 machine float32 is native and every row is float32). int4 on the demo GGUF keeps its Q4_1
+blocks; auto does too, and runs steps of more than 8 rows on a dense copy (models/quant.py).
 
 Perplexity on a fixed held-out text (docstrings of CPython stdlib modules, --ppl-tokens of them, in windows
 of --ppl-window), for SmolLM2-135M (Q4_1) and Gemma 3 270M (Q4_K_M: mostly Q5_0, some Q4_K, Q6_K, Q8_0): the
@@ -124,8 +125,8 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from specserve import LLM, SamplingParams
 
     native = args.dtype
-    modes = {"float32 dense": ("float32", "none")} if native != "float32" else {}
-    modes |= {f"{native} {q}": (native, q) for q in ("none", "int8", "int4")}
+    modes = {"float32 dense": ("float32", "none")} if native != "float32" and args.with_fp32 else {}
+    modes |= {f"{native} {q}": (native, q) for q in ["none", *args.modes.split(",")]}
     workload = load_workload(args.workload, args.num_requests, args.max_tokens_cap)
     out: dict[str, dict[str, float]] = {}
     for phase, n_seqs, requests in (
@@ -157,7 +158,8 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             runs[label].append(tokens / seconds)
             print(f"  {label:16s} {tokens / seconds:8.1f} tok/s ({seconds:.1f} s)", flush=True)
         base = statistics.fmean(runs[f"{native} none"])
-        fp32 = statistics.fmean(runs["float32 dense"]) if "float32 dense" in runs else base
+        fp32 = statistics.fmean(runs["float32 dense"]) if "float32 dense" in runs else math.nan
+        fp32 = base if native == "float32" else fp32
         print(f"  {phase}, mean of two runs:")
         for label, r in runs.items():
             mean = statistics.fmean(r)
@@ -178,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="the native dtype (default: bf16 where the CPU has it)")
     p.add_argument("--ppl-tokens", type=int, default=8192)
     p.add_argument("--ppl-window", type=int, default=1024)
+    p.add_argument("--modes", default="int8,int4,auto", help="quantization modes timed against none")
+    p.add_argument("--no-fp32", dest="with_fp32", action="store_false", help="skip the float32 dense row")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
