@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -219,11 +220,11 @@ class LlamaModel:
         def pack(w: Any) -> Any:
             if not isinstance(w, quant.Int8Weight | quant.Int4Weight):
                 return dense_form(w)
-            packed = quant.pack(w, self.dtype, self.device)
-            if keep_dense:  # steps of many rows read the dense copy (quant.KERNEL_MAX_ROWS)
-                packed.dense = dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype))
-                packed.dense_linear = dense
-            return packed
+            dense_mm = None
+            if keep_dense:  # steps of many rows read a dense copy (quant.KERNEL_MAX_ROWS)
+                copy = dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype))
+                dense_mm = partial(dense, weight=copy)
+            return quant.pack(w, self.dtype, self.device, dense_mm)
 
         quantized = False
         for layer in self.layers:

@@ -142,18 +142,22 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
 KERNEL_MAX_ROWS = 8
 
 
-class _Packed:
-    dense: object | None = None  # the same weights dequantized, in the model's dense layout (auto keeps it)
-    dense_linear: Callable[..., torch.Tensor] | None = None
+DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS and self.has_kernel:
-            return self.kernel(x.contiguous())
-        if self.dense is not None and self.dense_linear is not None:
-            return self.dense_linear(x, self.dense)
-        return self.widened_mm(x)
+
+class _Packed:
+    """A quantized matrix as the model calls it: the packed-int kernel for steps of few rows (bf16), and
+    for more rows a dense copy's matmul (auto keeps one) or else the matrix widened per call."""
 
     has_kernel = True
+
+    def __init__(self, dense_mm: DenseMatmul | None) -> None:
+        self.many_rows: DenseMatmul = dense_mm or self.widened_mm
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_kernel and x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS:
+            return self.kernel(x.contiguous())
+        return self.many_rows(x)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -165,10 +169,12 @@ class _Packed:
 class PackedInt8(_Packed):
     """An int8 matrix as the kernel reads it: codes [out, in], scales in the compute dtype."""
 
-    def __init__(self, w: Int8Weight, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, w: Int8Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
+    ) -> None:
+        super().__init__(dense_mm)
         self.codes = w.codes.to(device).contiguous()
         self.scales = w.scales.to(device=device, dtype=dtype)
-        self.nbytes = self.codes.nbytes + self.scales.nbytes
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
@@ -178,25 +184,25 @@ class PackedInt8(_Packed):
 
 
 class PackedInt4(_Packed):
-    """An int4 matrix twice at half a byte a value: in the CPU kernel's packed layout (rows tiled by 16)
-    for few rows, and as plain nibble pairs to widen for many; group scales and zeros in the compute dtype."""
+    """An int4 matrix at half a byte a value: in the CPU kernel's packed layout (rows tiled by 16) for few
+    rows and, unless a dense copy serves many rows, as plain nibble pairs to widen for them."""
 
-    def __init__(self, w: Int4Weight, dtype: torch.dtype, device: torch.device) -> None:
-        n, k = w.codes.shape
-        self.packed = (
-            torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
-            if dtype == torch.bfloat16
-            else None
-        )
-        codes = w.codes.to(device)
-        self.pairs = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # [out, in // 2]
-        self.has_kernel = self.packed is not None
-        self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(device=device, dtype=dtype)
-        # widening as code * scale + (zero - 8 * scale): two passes over the matrix instead of four
-        self.scales = w.scales.to(device=device, dtype=dtype)[..., None]
-        self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype)[..., None]
-        self.nbytes = sum(t.nbytes for t in (self.pairs, self.scales, self.offsets, self.scales_zeros))
-        self.nbytes += 0 if self.packed is None else self.packed.nbytes
+    def __init__(
+        self, w: Int4Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
+    ) -> None:
+        super().__init__(dense_mm)
+        self.has_kernel = dtype == torch.bfloat16
+        if self.has_kernel:
+            self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
+            self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(
+                device=device, dtype=dtype
+            )
+        if dense_mm is None:
+            codes = w.codes.to(device)
+            self.pairs = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # [out, in // 2]
+            # widening as code * scale + (zero - 8 * scale): two passes over the matrix instead of four
+            self.scales = w.scales.to(device=device, dtype=dtype)[..., None]
+            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype)[..., None]
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
@@ -210,11 +216,15 @@ class PackedInt4(_Packed):
 Packed = PackedInt8 | PackedInt4
 
 
-def pack(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> Packed:
+def pack(
+    w: QuantizedWeight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
+) -> Packed:
+    """`w` for the kernels; `dense_mm`, when given, computes steps of many rows (a dense copy's matmul)."""
     if device.type != "cpu":
         # torch's CUDA int4 kernel wants another packing (tensor-core tiles); nothing here can test it.
         raise ValueError(f"quantization: weight-only int8/int4 runs on CPU only, not on {device.type}")
-    return PackedInt8(w, dtype, device) if isinstance(w, Int8Weight) else PackedInt4(w, dtype, device)
+    kind = PackedInt8 if isinstance(w, Int8Weight) else PackedInt4
+    return kind(w, dtype, device, dense_mm)
 
 
 def with_packed(dense: Linear) -> Linear:
