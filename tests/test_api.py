@@ -176,7 +176,7 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_service_stays_up(valkey, ti
         ("/v1/requests", {"prompt": "x", "id": "spaces are bad"}, 400, "id"),
         ("/v1/completions", {"prompt": "x"}, 400, "model"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-        ("/v1/completions", {"model": model, "prompt": "x", "n": 3}, 400, "n"),
+        ("/v1/completions", {"model": model, "prompt": "x", "n": 17}, 400, "n"),  # above MAX_CHOICES
         ("/v1/completions", {"model": model, "prompt": ["a", "b"]}, 400, "prompt"),
         ("/v1/completions", {"model": model, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ("/v1/completions", {"model": model, "prompt": list(range(3000))}, 400, "prompt"),  # > context

@@ -36,7 +36,7 @@ def test_openai_matrix_lists_every_field_the_api_checks_in_the_right_table() -> 
     checked = openai_api.COMPLETION_FIELDS | openai_api.CHAT_FIELDS
     assert neutral == set(openai_api.NEUTRAL)
     assert openai_api.EXTENSIONS <= table_fields(text, "## Our extensions")
-    assert (checked - set(openai_api.NEUTRAL)) | {"n", "best_of"} == accepted | {"n", "best_of"}
+    assert (checked - set(openai_api.NEUTRAL)) | {"best_of"} == accepted | {"best_of"}
     assert accepted | neutral == checked
 
 

@@ -190,7 +190,9 @@ class BatchRoutes:
                     )
                 if not isinstance(line.get("body"), dict):
                     raise ApiError(400, "body: must be an object", "body")
-                body, _ = translate(self.gateway, {**line["body"], "stream": False}, ENDPOINTS[endpoint])
+                body, meta = translate(self.gateway, {**line["body"], "stream": False}, ENDPOINTS[endpoint])
+                if meta["n"] != 1:  # a line's result is one wire request's
+                    raise ApiError(400, "n: a batch line takes n = 1 (send n lines)", "n")
                 await self.gateway.check_model(body.model)
                 rid = self.gateway.redis_id(request, f"{batch_id}-{n}")
                 await self.client.enqueue(body, rid, tenant=request.get(TENANT_KEY))

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from typing import Any, TypeVar
 
 from aiohttp import web
 
+from specserve.engine.sampling_params import SEED_RANGE
 from specserve.queue.wire import EXPIRED, FAILED, Delta, OutputEntry, RequestBody, Result
 from specserve.service.gateway import Gateway, deadline_after
 from specserve.service.http import (
@@ -49,7 +51,6 @@ COMMON = {
 }
 # Accepted only at their neutral value: we do not implement them, and silently ignoring them would lie.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -67,6 +68,7 @@ GUIDED = {
 STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
 # vLLM's extras: tokens named "token_id:<id>", and the prompt's own logprobs
 LOGPROBS = {"logprobs", "return_tokens_as_token_ids", "prompt_logprobs"}
+MAX_CHOICES = 16  # n: each choice is a sequence of its own in a worker's batch
 MAX_LOGPROBS = 20  # vLLM's bound for both routes (OpenAI's completions stop at 5, its chat at 20)
 COMPLETION_FIELDS = (
     COMMON | EXTENSIONS | ADJUSTMENTS | STRUCTURED | LOGPROBS | {"prompt", "echo", "best_of", "suffix"}
@@ -268,7 +270,11 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
         raise ApiError(400, "return_tokens_as_token_ids: must be a boolean", "return_tokens_as_token_ids")
     if not stream:
         body["stream"] = False  # we answer once, at the end: the worker need not write every step
-    meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage"))}
+    n = data.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"n: must be an integer in [1, {MAX_CHOICES}]", "n")
+    meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage")), "n": n}
     meta["token_ids"] = bool(as_ids)  # return_tokens_as_token_ids
     return gateway.validate(body), meta
 
@@ -303,24 +309,66 @@ def _raise_for(final: OutputEntry | Result) -> None:
 
 
 def completion_body(
-    rid: str, created: int, model: str, chat: bool, result: Result, as_ids: bool = False
+    rid: str, created: int, model: str, chat: bool, result: Result | list[Result], as_ids: bool = False
 ) -> dict[str, Any]:
-    """A whole (non-streaming) completion or chat completion, as OpenAI answers it."""
-    logprobs = None
-    if result.logprobs is not None:
-        shape = chat_logprobs if chat else completion_logprobs
-        logprobs = shape(result.logprobs, result.token_ids, as_ids)
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": logprobs}
-    else:
-        choice = {"index": 0, "text": result.text, "logprobs": logprobs}
-    choice["finish_reason"] = result.finish_reason
+    """A whole (non-streaming) completion or chat completion, as OpenAI answers it: one choice per result
+    (n of them), in order."""
+    results = result if isinstance(result, list) else [result]
+    choices = []
+    for index, r in enumerate(results):
+        logprobs = None
+        if r.logprobs is not None:
+            shape = chat_logprobs if chat else completion_logprobs
+            logprobs = shape(r.logprobs, r.token_ids, as_ids)
+        if chat:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": logprobs,
+            }
+        else:
+            choice = {"index": index, "text": r.text, "logprobs": logprobs}
+        choice["finish_reason"] = r.finish_reason
+        if r.prompt_logprobs is not None and not chat:  # vLLM puts them on each completion choice
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs, as_ids)
+        choices.append(choice)
     obj = "chat.completion" if chat else "text_completion"
-    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
-    if result.prompt_logprobs is not None:  # where vLLM puts them: the choice, or the whole chat response
-        (body if chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(result.prompt_logprobs, as_ids)
-    body["usage"] = openai_usage(result.usage)
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
+    if chat and results[0].prompt_logprobs is not None:  # and on the whole chat response
+        body["prompt_logprobs"] = vllm_prompt_logprobs(results[0].prompt_logprobs, as_ids)
+    body["usage"] = openai_usage(choices_usage([r.usage for r in results]))
     return body
+
+
+def choices_usage(usages: list[dict[str, int] | None]) -> dict[str, int] | None:
+    """One usage for n choices of one prompt: the prompt counted once, the completions summed (OpenAI's)."""
+    if any(u is None for u in usages):
+        return None
+    if len(usages) == 1:
+        return usages[0]
+    first: dict[str, int] = usages[0]  # type: ignore[assignment]
+    out = dict(first)
+    out["completion_tokens"] = sum(u.get("completion_tokens", 0) for u in usages)  # type: ignore[union-attr]
+    out["total_tokens"] = out.get("prompt_tokens", 0) + out["completion_tokens"]
+    return out
+
+
+def _nth_seed(seed: int, i: int) -> int:
+    return seed + i if seed + i <= SEED_RANGE[1] else seed - i  # stays in what SamplingParams takes
+
+
+def choice_bodies(body: RequestBody, n: int) -> list[RequestBody]:
+    """The wire request of each of n choices: the same prompt and parameters, each sampling from a stream
+    of its own (seed + i when a seed is given, as vLLM's; else the worker derives one from each id)."""
+    if n == 1:
+        return [body]
+    seed = body.sampling.get("seed")
+    return [
+        body
+        if seed is None
+        else dataclasses.replace(body, sampling={**body.sampling, "seed": _nth_seed(seed, i)})
+        for i in range(n)
+    ]
 
 
 def openai_usage(usage: dict[str, int] | None) -> dict[str, Any] | None:
@@ -379,38 +427,51 @@ class OpenAIRoutes:
         body, meta = _translate(self.gateway, data, chat)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
+        # n choices are n wire requests (vLLM v1 fans out the same way); their prompt's blocks are shared
+        # through the prefix cache once the first has computed them.
+        bodies = choice_bodies(body, meta["n"])
+        rids = [rid] if len(bodies) == 1 else [f"{rid}-{i}" for i in range(len(bodies))]
         if not meta["stream"]:
             # Straight from the output stream: no keep-alive ticker or pump task for an answer sent once. Its
             # subscription is made while the enqueue is in flight, not after it, where it would hold up the
             # worker's claim on the same event loop.
-            waiting = asyncio.create_task(self.gateway.client.wait(rid))
+            waiting = [asyncio.create_task(self.gateway.client.wait(r)) for r in rids]
+            results = asyncio.gather(*waiting)
             try:
-                await self.gateway.enqueue(request, body, rid)
-                result = await self._while_wanted(request, rid, waiting, body.deadline)
+                for b, r in zip(bodies, rids):
+                    await self.gateway.enqueue(request, b, r)
+                got = await self._while_wanted(request, rids, results, body.deadline)
             finally:
-                waiting.cancel()
-            _raise_for(result)
-            return self._whole(rid, created, meta, chat, result)
-        await self.gateway.enqueue(request, body, rid)
+                results.cancel()
+                for w in waiting:
+                    w.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await results  # retrieved, so a cancelled gather is not reported as lost
+            for result in got:
+                _raise_for(result)
+            return self._whole(rid, created, meta, chat, list(got))
+        for b, r in zip(bodies, rids):
+            await self.gateway.enqueue(request, b, r)
         # No keep-alive comments: OpenAI and vLLM send none, and clients written against them choke on them
         # (vLLM's bench client strips each read before splitting on blank lines, so a comment swallows the
         # data: message glued after it).
-        deltas = self.gateway.deltas(rid, keepalive=False)
+        streams = [self.gateway.deltas(r, keepalive=False) for r in rids]
         try:
-            first = asyncio.ensure_future(self._first(deltas))
+            first = asyncio.ensure_future(asyncio.gather(*(self._first(d) for d in streams)))
             try:
-                first_delta = await self._while_wanted(request, rid, first, body.deadline)
+                firsts = await self._while_wanted(request, rids, first, body.deadline)
             finally:
                 first.cancel()
                 # let the cancel land: the stream may be closed only once nothing is iterating it
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await first
-            return await self._stream(request, rid, created, meta, chat, first_delta, deltas)
+            return await self._stream(request, rid, rids, created, meta, chat, list(zip(firsts, streams)))
         finally:
-            await deltas.aclose()
+            for d in streams:
+                await d.aclose()
 
     async def _while_wanted(
-        self, request: web.Request, rid: str, waiting: asyncio.Future[T], deadline: float | None
+        self, request: web.Request, rids: list[str], waiting: asyncio.Future[T], deadline: float | None
     ) -> T:
         """Wait for `waiting` while its client is still there and its deadline has not passed.
 
@@ -425,10 +486,10 @@ class OpenAIRoutes:
             if done:
                 return waiting.result()
             if request.transport is None or request.transport.is_closing():
-                await self.gateway.client.cancel(rid)
+                await self._cancel(rids)
                 raise ClientGone()
             if deadline is not None and time.time() >= deadline + DEADLINE_GRACE_S:
-                await self.gateway.client.cancel(rid)
+                await self._cancel(rids)
                 raise ApiError(
                     408,
                     "the deadline passed before the request was done",
@@ -436,6 +497,10 @@ class OpenAIRoutes:
                     type="timeout",
                     code="deadline_expired",
                 )
+
+    async def _cancel(self, rids: list[str]) -> None:
+        for rid in rids:
+            await self.gateway.client.cancel(rid)
 
     @staticmethod
     async def _first(deltas) -> Delta:
@@ -448,43 +513,42 @@ class OpenAIRoutes:
         raise ApiError(500, "the output stream ended without a result")
 
     @staticmethod
-    def _whole(rid, created, meta, chat, result: Result) -> web.Response:
-        return json_response(completion_body(rid, created, meta["model"], chat, result, meta["token_ids"]))
+    def _whole(rid, created, meta, chat, results: list[Result]) -> web.Response:
+        return json_response(completion_body(rid, created, meta["model"], chat, results, meta["token_ids"]))
 
-    async def _stream(self, request, rid, created, meta, chat, first: Delta, deltas) -> web.StreamResponse:
+    async def _stream(self, request, rid, rids, created, meta, chat, choices) -> web.StreamResponse:
         resp = await sse_start(request)
         try:
-            await self._send_chunks(resp, rid, created, meta, chat, first, deltas)
+            await self._send_chunks(resp, rid, created, meta, chat, choices)
         except ConnectionResetError:
-            await self.gateway.client.cancel(rid)  # the client went away: stop spending steps on it
+            await self._cancel(rids)  # the client went away: stop spending steps on it
         return resp
 
-    async def _send_chunks(self, resp, rid, created, meta, chat, first: Delta, deltas) -> None:
+    async def _send_chunks(self, resp, rid, created, meta, chat, choices: list[tuple[Delta, Any]]) -> None:
+        """The choices' chunks as their tokens come, each naming its choice's index; then usage, [DONE]."""
         obj = "chat.completion.chunk" if chat else "text_completion"
+        shown_chars = [0] * len(choices)  # each completion's text so far, for the legacy text_offset
 
-        shown_chars = 0  # the completion's text so far, for the legacy logprobs' text_offset
-
-        def logprobs_of(d: Delta | None) -> dict[str, Any] | None:
-            nonlocal shown_chars
+        def logprobs_of(index: int, d: Delta | None) -> dict[str, Any] | None:
             if d is None or not d.logprobs:
                 return None
             if chat:
                 return chat_logprobs(d.logprobs, d.token_ids, meta["token_ids"])
-            out = completion_logprobs(d.logprobs, d.token_ids, meta["token_ids"], shown_chars)
-            shown_chars += sum(len(str(e.get("token", ""))) for e in d.logprobs)
+            out = completion_logprobs(d.logprobs, d.token_ids, meta["token_ids"], shown_chars[index])
+            shown_chars[index] += sum(len(str(e.get("token", ""))) for e in d.logprobs)
             return out
 
         def chunk(
-            text: str | None, finish: str | None, role: bool = False, d: Delta | None = None
+            index: int, text: str | None, finish: str | None, role: bool = False, d: Delta | None = None
         ) -> dict[str, Any]:
-            logprobs = logprobs_of(d)
+            logprobs = logprobs_of(index, d)
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text or logprobs:
                     delta["content"] = text or ""
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+                choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             out = {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": [choice]}
             if d is not None and d.prompt_logprobs is not None:  # with the first tokens, where vLLM puts them
                 (out if chat else choice)["prompt_logprobs"] = vllm_prompt_logprobs(
@@ -492,38 +556,74 @@ class OpenAIRoutes:
                 )
             return out
 
-        if chat:
-            await sse_send(resp, chunk(None, None, role=True))
-        final = first.final
-        if first.text or first.logprobs or first.prompt_logprobs:
-            await sse_send(resp, chunk(first.text, None, d=first))
-        if final is None:
-            async for d in deltas:
-                if d.text or d.logprobs:
-                    await sse_send(resp, chunk(d.text, None, d=d))
-                if d.final is not None:
-                    final = d.final
-                    break
-        if final is not None:
-            if final.status in (FAILED, EXPIRED):
+        finals: list[OutputEntry | None] = [None] * len(choices)
+
+        async def send(index: int, d: Delta) -> None:
+            if d.text or d.logprobs or d.prompt_logprobs:
+                await sse_send(resp, chunk(index, d.text, None, d=d))
+            if d.final is None:
+                return
+            finals[index] = d.final
+            if d.final.status in (FAILED, EXPIRED):
                 try:
-                    _raise_for(final)
+                    _raise_for(d.final)
                 except ApiError as e:  # the same error a request that ended before streaming gets
                     await sse_send(resp, e.body())
             else:
-                await sse_send(resp, chunk(None, final.finish_reason))
-                if meta["include_usage"]:
-                    usage = {
-                        "id": rid,
-                        "object": obj,
-                        "created": created,
-                        "model": meta["model"],
-                        "choices": [],
-                    }
-                    usage["usage"] = openai_usage(final.usage)
-                    await sse_send(resp, usage)
+                await sse_send(resp, chunk(index, None, d.final.finish_reason))
+
+        if chat:
+            for index in range(len(choices)):
+                await sse_send(resp, chunk(index, None, None, role=True))
+        for index, (first, _) in enumerate(choices):
+            await send(index, first)
+        await self._merged(choices, finals, send)
+        ended = [f for f in finals if f is not None]
+        if meta["include_usage"] and len(ended) == len(choices):
+            if all(f.status not in (FAILED, EXPIRED) for f in ended):
+                usage = {"id": rid, "object": obj, "created": created, "model": meta["model"], "choices": []}
+                usage["usage"] = openai_usage(choices_usage([f.usage for f in ended]))
+                await sse_send(resp, usage)
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
+
+    @staticmethod
+    async def _merged(choices: list[tuple[Delta, Any]], finals: list[Any], send) -> None:
+        """Hand `send` every later delta of the choices not yet ended, in the order they arrive."""
+        if len(choices) == 1:  # one choice: read its stream directly
+            if finals[0] is None:
+                async for d in choices[0][1]:
+                    await send(0, d)
+                    if d.final is not None:
+                        break
+            return
+        arrived: asyncio.Queue[tuple[int, Delta | None]] = asyncio.Queue()
+
+        async def pump(index: int, deltas) -> None:
+            try:
+                async for d in deltas:
+                    await arrived.put((index, d))
+                    if d.final is not None:
+                        break
+            finally:
+                arrived.put_nowait((index, None))
+
+        pumps = [
+            asyncio.create_task(pump(i, deltas)) for i, (_, deltas) in enumerate(choices) if finals[i] is None
+        ]
+        try:
+            live = len(pumps)
+            while live:
+                index, d = await arrived.get()
+                if d is None:
+                    live -= 1
+                else:
+                    await send(index, d)
+        finally:
+            for task in pumps:
+                task.cancel()
+            # let the cancels land: the streams may be closed only once nothing is iterating them
+            await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def add_routes(app: web.Application, gateway: Gateway) -> None:
