@@ -166,6 +166,29 @@ def test_warm_cache_outputs_equal_hf(reference, engine_args):
         draft.check_invariants()
 
 
+@pytest.mark.parametrize(
+    "engine_args",
+    [{}, {"block_size": 4, "max_num_batched_tokens": 12}, {"speculative_config": {"method": "ngram"}}],
+    ids=["plain", "chunked", "ngram"],
+)
+def test_copies_admitted_in_one_step_share_the_prompt_blocks_it_fills(reference, engine_args):
+    """n > 1 choices arrive together: the first copy's prompt blocks are named when its step is planned, so
+    the copies admitted behind it in the same step start after them, and every output still equals HF's."""
+    path, refs = reference
+    llm = LLM(str(path), dtype="float32", **engine_args)
+    prompt = llm.tokenizer.encode(PROMPTS[-1])
+    outs = llm.generate([prompt] * 4, GREEDY)
+    assert [o.token_ids for o in outs] == [refs[-1]] * 4
+    block_size = llm.engine.block_manager.block_size
+    full = (len(prompt) - 1) // block_size * block_size
+    assert outs[0].usage.cached_tokens == 0
+    if "max_num_batched_tokens" in engine_args:  # copies wait for the chunks before them, then share
+        assert all(o.usage.cached_tokens > 0 for o in outs[1:])
+    else:
+        assert [o.usage.cached_tokens for o in outs[1:]] == [full] * 3
+    llm.engine.block_manager.check_invariants()
+
+
 def test_turning_it_off_finds_nothing(reference):
     path, refs = reference
     llm = LLM(str(path), dtype="float32", enable_prefix_caching=False)

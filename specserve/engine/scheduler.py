@@ -6,7 +6,8 @@ token plus k speculative lookahead slots; then waiting sequences are admitted in
 per-step token budget, max_num_seqs and the KV pool allow. When the pool runs dry, a sequence's lookahead is
 dropped first, then the most recently admitted sequence is preempted (its blocks freed, recomputed later).
 With prefix caching, an admitted sequence starts from its longest cached prefix (those tokens are not
-computed again), and after each step the blocks its committed tokens fill are named for later sequences; a
+computed again); the prompt blocks a step will fill are named when it is planned, and after each step the
+blocks its committed tokens fill, for later sequences; a
 preempted sequence's blocks become evictable cache, so its recompute often finds them.
 """
 
@@ -89,6 +90,7 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 break  # it preempted itself: nobody behind it can run either
             scheduled.append(ScheduledSeq(seq, n, k, seq.num_computed_tokens + n == seq.num_tokens))
+            self._name_scheduled(seq, n)
             budget -= n + k
             i += 1
         return scheduled, preempted, budget
@@ -114,8 +116,18 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, 0, n == remaining))
+            self._name_scheduled(seq, n)
             budget -= n
         return scheduled
+
+    def _name_scheduled(self, seq: Sequence, n: int) -> None:
+        """Name the prompt blocks this step's forward fills, before it runs, as vLLM v1 does: a sequence
+        admitted later in the same step (n > 1 choices, a burst of one system prompt) then starts after them.
+        Each layer writes the whole batch's K/V before any attention reads it, so a block filled and read
+        in one forward holds its values when it is read. Only prompt tokens: generated ones are named once
+        accepted (update)."""
+        if not seq.num_output_tokens:
+            self.bm.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
 
     def _allocate(self, seq: Sequence, num_new_slots: int) -> bool:
         return self.bm.ensure(seq.seq_id, seq.num_computed_tokens + num_new_slots)
