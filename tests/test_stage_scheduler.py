@@ -197,3 +197,71 @@ def test_a_padded_static_batch_computes_finished_rows_on():
     assert [[(r.seq_id, r.token_id, r.position) for r in p] for p in padding] == [[(0, 30, 4)], [(0, 30, 5)]]
     sched.finish(long, "abort")
     assert not sched.bm.tables  # the batch is over: padding freed with it
+
+
+# ---- the priority policy (vLLM's scheduling_policy="priority"): lower `priority` first ----------------
+
+
+def ranked(seq: Sequence, priority: int) -> Sequence:
+    seq.priority = priority
+    return seq
+
+
+def test_priority_admits_the_best_waiting_first_whatever_its_arrival():
+    sched = scheduler(max_num_seqs=2, policy="priority")
+    for seq_id, priority in [(0, 5), (1, 0), (2, 5), (3, -1)]:
+        sched.add(ranked(make_seq(seq_id, 3), priority))
+    assert [s.seq_id for s in sched.waiting] == [3, 1, 0, 2]  # rank, then arrival
+    plan = sched.schedule()
+    assert [s.seq.seq_id for s in plan.scheduled] == [3, 1] and plan.preempted == ()
+
+
+def test_a_better_arrival_preempts_the_worst_running_when_no_slot_is_free():
+    sched = scheduler(max_num_seqs=2, policy="priority")
+    low, worse = ranked(decoding(0, 3), 5), ranked(decoding(1, 3), 7)
+    for seq in (low, worse):
+        run(sched, seq)
+    sched.add(ranked(make_seq(2, 3), 0))
+    plan = sched.schedule()
+    assert plan.preempted == (worse,)  # the lowest rank goes, not the latest admitted
+    assert [s.seq.seq_id for s in plan.scheduled] == [0, 2]
+    assert worse.status is SeqStatus.WAITING and worse.num_computed_tokens == 0
+    assert sched.bm.num_free_blocks == 64 - 1 - 1  # its block was freed: 0 holds one, 2's prompt one
+    assert [s.seq_id for s in sched.waiting] == [1]
+
+
+def test_an_equal_or_worse_arrival_preempts_nobody_and_fcfs_never_does():
+    for policy, priority in [("priority", 5), ("priority", 9), ("fcfs", -100)]:
+        sched = scheduler(max_num_seqs=2, policy=policy)
+        for seq in (ranked(decoding(0, 3), 5), ranked(decoding(1, 3), 5)):
+            run(sched, seq)
+        sched.add(ranked(make_seq(2, 3), priority))
+        plan = sched.schedule()
+        assert plan.preempted == () and [s.seq.seq_id for s in plan.scheduled] == [0, 1], policy
+
+
+def test_a_better_arrival_preempts_for_kv_room_too():
+    sched = scheduler(num_blocks=4, max_num_seqs=8, policy="priority")
+    a, b = ranked(decoding(0, 7), 3), ranked(decoding(1, 7), 1)  # 2 blocks each: the pool is full
+    for seq in (a, b):
+        run(sched, seq)
+    sched.add(ranked(make_seq(2, 3), 0))
+    plan = sched.schedule()
+    assert plan.preempted == (a,)  # rank 3 is the worst, though b was admitted later
+    assert sorted(s.seq.seq_id for s in plan.scheduled) == [1, 2]
+
+
+def test_when_memory_runs_out_under_priority_the_worst_rank_is_preempted():
+    sched = scheduler(num_blocks=4, policy="priority")
+    worst, best = ranked(decoding(0, 7), 9), ranked(decoding(1, 7), 0)
+    for seq in (worst, best):
+        run(sched, seq)
+    best.token_ids.append(8)  # the best now needs a third block
+    best.num_computed_tokens += 1
+    plan = sched.schedule()
+    assert plan.preempted == (worst,) and plan_rows(plan) == [(1, 1, 0, True)]
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        scheduler(policy="lifo")

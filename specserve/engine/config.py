@@ -29,6 +29,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     # Share the K/V of prompt prefixes already computed (vLLM's name and default); static batching never does.
     enable_prefix_caching: bool = True
+    # fcfs (vLLM's default) or priority: lower `priority` runs sooner and may preempt lower-priority running
+    # sequences when slots or KV blocks are short (engine/scheduler.py).
+    scheduling_policy: str = "fcfs"
     static_batching: bool = False  # benchmark baseline only
     # With static_batching: a finished member keeps its slot and is computed on (its output discarded) until
     # the whole batch is done, as in HF generate's padded batches. Off, finished members leave the batch.
@@ -56,6 +59,8 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
         check_quantization(self.quantization)
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if isinstance(self.speculative_config, dict):

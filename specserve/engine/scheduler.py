@@ -9,6 +9,11 @@ With prefix caching, an admitted sequence starts from its longest cached prefix 
 computed again); the prompt blocks a step will fill are named when it is planned, and after each step the
 blocks its committed tokens fill, for later sequences; a
 preempted sequence's blocks become evictable cache, so its recompute often finds them.
+
+With policy "priority" (vLLM's scheduling_policy), order is (priority, arrival) instead of arrival: the
+waiting queue is kept in that order, running sequences are scheduled in it (so the one preempted when memory
+runs dry is the lowest priority, latest arrival), and a waiting sequence that outranks the lowest running one
+preempts it when there is no slot or no KV room to admit it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from specserve.engine.step import Accepted, ScheduledSeq, SchedulerOutput
 # for a 49k vocabulary, 268 MB for Gemma's 262k, instead of the whole step budget's worth.
 PROMPT_LOGPROBS_CHUNK = 256
 
+POLICIES = ("fcfs", "priority")
+
 # Given the running sequences, how many draft tokens each decoding one may propose this step (seq_id -> k).
 LookaheadPolicy = Callable[[list[Sequence]], dict[int, int]]
 
@@ -40,7 +47,10 @@ class Scheduler:
         eos_token_ids: Collection[int] = (),
         enable_chunked_prefill: bool = True,
         lookahead: LookaheadPolicy | None = None,
+        policy: str = "fcfs",
     ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, not {policy!r}")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +58,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.chunked = enable_chunked_prefill
         self.lookahead = lookahead
+        self.by_priority = policy == "priority"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -55,7 +66,19 @@ class Scheduler:
         self.prefix_hits = 0  # of those, found there
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        if self.by_priority:
+            self._insert_waiting(seq)
+        else:
+            self.waiting.append(seq)
+
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
+        return seq.priority, seq.seq_id  # seq ids count arrivals
+
+    def _insert_waiting(self, seq: Sequence) -> None:
+        rank = self._rank(seq)
+        at = next((i for i, w in enumerate(self.waiting) if self._rank(w) > rank), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,10 +86,27 @@ class Scheduler:
     # ---- schedule ---------------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        displaced = self._displace_for_waiting() if self.by_priority else []
         scheduled, preempted, budget = self._schedule_running(self.max_num_batched_tokens)
         if not preempted:  # memory is short: admitting now would only preempt again next step
             scheduled += self._schedule_waiting(budget)
-        return SchedulerOutput(tuple(scheduled), tuple(preempted))
+        return SchedulerOutput(tuple(scheduled), tuple(displaced + preempted))
+
+    def _displace_for_waiting(self) -> list[Sequence]:
+        """Priority policy: order the running sequences by rank (the last is the first to go), then preempt
+        the lowest while the best waiting sequence outranks it and has no slot or no KV room for its first
+        chunk. A displaced sequence waits behind it and is recomputed when there is room again."""
+        self.running.sort(key=self._rank)
+        displaced: list[Sequence] = []
+        while self.waiting and self.running and self._rank(self.waiting[0]) < self._rank(self.running[-1]):
+            head = self.waiting[0]
+            chunk = min(head.num_tokens - head.num_computed_tokens, self.max_num_batched_tokens)
+            if len(self.running) < self.max_num_seqs and self.bm.blocks_for(chunk) <= self.bm.num_free_blocks:
+                break
+            victim = self._make_room()
+            if victim is not None:
+                displaced.append(victim)
+        return displaced
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         ks = self.lookahead(self.running) if self.lookahead is not None and self.running else {}
@@ -134,11 +174,14 @@ class Scheduler:
 
     def _make_room(self) -> Sequence | None:
         """Free blocks for the running loop: preempt the most recently admitted sequence (returned)."""
-        victim = self.running.pop()
+        victim = self.running.pop()  # under the priority policy, running is in rank order
         self.bm.free(victim.seq_id)
         victim.num_computed_tokens = 0
         victim.status = SeqStatus.WAITING
-        self.waiting.appendleft(victim)
+        if self.by_priority:
+            self._insert_waiting(victim)
+        else:
+            self.waiting.appendleft(victim)
         self.num_preemptions += 1
         return victim
 

@@ -43,6 +43,7 @@ class Sequence:
     bad_words_ids: list[list[int]] | None = None  # params.bad_words as token ids (the engine tokenizes them)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # per prompt token, when params ask
     prompt_logprobs_sent: bool = False
+    priority: int = 0  # lower runs sooner, under the scheduler's priority policy (vLLM's meaning)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
