@@ -70,7 +70,7 @@ def test_pass_goes_only_to_a_live_warm_worker_with_room_and_not_much_busier(valk
 
         async def offer(setup) -> str:
             rid = (await client.enqueue(body)).id
-            (entry,) = await cb.read_new(1, block_ms=100)
+            (entry,) = await cb.read_new(1, wait=False)
             assert entry.request_id == rid
             await setup()
             got = await b.offer([(entry, key)], ttl_ms=60_000)
@@ -115,7 +115,7 @@ def test_pass_goes_only_to_a_live_warm_worker_with_room_and_not_much_busier(valk
 
         # A raw XADD (no status hash until its first claim) is passed too, and its hash expires.
         await client.r.xadd(KEYS.requests, {"id": "raw-1", "body": orjson.dumps(body).decode()})
-        (raw,) = await cb.read_new(1, block_ms=100)
+        (raw,) = await cb.read_new(1, wait=False)
         await a.publish_load(0, 3)
         await a.advertise(["other-prompt"])  # b is warm for `key` by now: another key a alone holds
         assert await b.offer([(raw, "other-prompt")], ttl_ms=60_000) == {raw.entry_id: "a"}

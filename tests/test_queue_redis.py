@@ -75,7 +75,7 @@ def test_enqueue_creates_the_workers_group_before_any_worker_exists(valkey):
             # From id 0, as the worker creates it: the first worker gets everything that waited.
             w = _consumer(c.r, "w")
             await w.ensure_group()
-            assert [e.request_id for e in await w.read_new(10, block_ms=100)] == ["g1", "g2", "g3", "g4"]
+            assert [e.request_id for e in await w.read_new(10, wait=False)] == ["g1", "g2", "g3", "g4"]
 
     run(main())
 
@@ -93,7 +93,7 @@ def test_enqueue_recreates_the_group_after_a_restart_that_lost_the_data(tmp_path
                 group = await _workers_group(c.r)
                 assert (group["lag"], group["pending"], group["consumers"]) == (1, 0, 0)
                 w = _consumer(c.r, "w")
-                assert [e.request_id for e in await w.read_new(5, block_ms=100)] == ["after"]
+                assert [e.request_id for e in await w.read_new(5, wait=False)] == ["after"]
 
         run(main())
     finally:
@@ -107,7 +107,7 @@ def test_raw_xadd_duplicates_are_recognised_by_the_worker(valkey):
         await w.ensure_group()
         for _ in range(2):  # a producer in another language retrying its XADD
             await r.xadd(KEYS.requests, {"id": "dup", "body": '{"prompt": "x"}'})
-        entries = await w.read_new(10, block_ms=100)
+        entries = await w.read_new(10, wait=False)
         claims = await w.claim([(e, None) for e in entries])
         assert [c.verdict.value for c in claims] == ["run", "duplicate"]
         info = await r.hgetall(KEYS.req("dup"))
@@ -129,7 +129,7 @@ def test_claim_verdicts(valkey):
         await c.enqueue({"prompt": "c"}, "already-done")
         await r.hset(KEYS.req("already-done"), "status", "finished")
         await c.enqueue({"prompt": "d"}, "fine")
-        entries = await w.read_new(10, block_ms=100)
+        entries = await w.read_new(10, wait=False)
         deadlines = {"late": 1.0}  # 1970: long gone
         claims = await w.claim([(e, deadlines.get(e.request_id)) for e in entries])
         assert {e.request_id: cl.verdict.value for e, cl in zip(entries, claims)} == {
@@ -156,7 +156,7 @@ def test_entries_redelivered_too_often_are_declared_dead(valkey):
             _consumer(r, "ghost2", claim_timeout_ms=0),
         )
         await ghost1.ensure_group()
-        assert len(await ghost1.read_new(1, block_ms=100)) == 1
+        assert len(await ghost1.read_new(1, wait=False)) == 1
         assert len(await ghost2.reclaim(1)) == 1
         live = _consumer(r, "live", claim_timeout_ms=0, max_deliveries=2)
         (entry,) = await live.reclaim(1)
@@ -178,7 +178,7 @@ def test_heartbeat_keeps_long_work_from_being_stolen(valkey):
         a = _consumer(r, "a", claim_timeout_ms=300)
         b = _consumer(r, "b", claim_timeout_ms=300)
         await a.ensure_group()
-        (entry,) = await a.read_new(1, block_ms=100)
+        (entry,) = await a.read_new(1, wait=False)
         for _ in range(4):  # 0.6 s in all, twice the claim timeout, but refreshed every 0.15 s
             await asyncio.sleep(0.15)
             assert await a.heartbeat([entry.entry_id]) == []
@@ -199,7 +199,7 @@ def test_trim_never_drops_pending_or_undelivered_entries(valkey):
         await w.ensure_group()
         for i in range(6):
             await c.enqueue({"prompt": f"p{i}"}, f"r{i}")
-        read = await w.read_new(4, block_ms=100)
+        read = await w.read_new(4, wait=False)
         await w.ack(read[0].entry_id)
         await w.ack(read[2].entry_id)
         await w.trim()
@@ -242,7 +242,7 @@ def test_publisher_batches_deltas_and_finishes_only_what_it_owns(valkey):
         await w.ensure_group()
         await c.enqueue({"prompt": "x"}, "mine")
         await c.enqueue({"prompt": "y"}, "theirs")
-        mine, theirs = await w.read_new(2, block_ms=100)
+        mine, theirs = await w.read_new(2, wait=False)
         await w.claim([(mine, None), (theirs, None)])  # run 1 of each: outputs are written for their run
         pub = Publisher(Connections(r), KEYS, "w", ttl_ms=60_000)
         task = asyncio.create_task(pub.run())
@@ -313,7 +313,7 @@ def test_queue_stats_report_depth_pending_and_lag(valkey):
         for i in range(5):
             await c.enqueue({"prompt": "x"}, f"s{i}")
         await asyncio.sleep(0.05)
-        await w.read_new(2, block_ms=100)
+        await w.read_new(2, wait=False)
         s = await w.stats()
         assert (s.depth, s.pending, s.consumers) == (3, 2, 1) and s.lag_seconds > 0
         await r.aclose()
@@ -331,7 +331,7 @@ def test_append_only_file_keeps_the_queue_across_a_restart(tmp_path):
                 await w.ensure_group()
                 await c.enqueue({"prompt": "in flight"}, "inflight")
                 await c.enqueue({"prompt": "survive"}, "waiting")
-                assert [e.request_id for e in await w.read_new(1, block_ms=100)] == ["inflight"]
+                assert [e.request_id for e in await w.read_new(1, wait=False)] == ["inflight"]
 
         run(before())
         server.restart()  # SIGTERM: the server fsyncs its append-only file on the way out
@@ -342,7 +342,7 @@ def test_append_only_file_keeps_the_queue_across_a_restart(tmp_path):
                 pending = await c.r.xpending(KEYS.requests, KEYS.group)
                 assert pending["pending"] == 1 and pending["consumers"][0]["name"] == "w"
                 w = _consumer(c.r, "w")
-                assert [e.request_id for e in await w.read_new(5, block_ms=100)] == ["waiting"]
+                assert [e.request_id for e in await w.read_new(5, wait=False)] == ["waiting"]
 
         run(after())
     finally:
@@ -369,7 +369,7 @@ def test_acl_user_limited_to_the_prefix_can_run_the_queue(valkey):
             w = _consumer(c.r, "w")
             await w.ensure_group()
             await c.enqueue({"prompt": "x"}, "acl")
-            (entry,) = await w.read_new(1, block_ms=100)
+            (entry,) = await w.read_new(1, wait=False)
             assert [cl.verdict.value for cl in await w.claim([(entry, None)])] == ["run"]
             with pytest.raises(NoPermissionError):
                 await c.r.set("other:key", "1")
@@ -388,7 +388,7 @@ def test_a_run_that_lost_its_request_writes_no_more_output(valkey):
         old, new = _consumer(r, "old", claim_timeout_ms=0), _consumer(r, "new", claim_timeout_ms=0)
         await old.ensure_group()
         await c.enqueue({"prompt": "x"}, "req")
-        (entry,) = await old.read_new(1, block_ms=100)
+        (entry,) = await old.read_new(1, wait=False)
         assert (await old.claim([(entry, None)]))[0].run == 1
         old_pub = Publisher(Connections(r), KEYS, "old", ttl_ms=60_000)
         new_pub = Publisher(Connections(r), KEYS, "new", ttl_ms=60_000)

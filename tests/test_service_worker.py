@@ -157,13 +157,16 @@ def test_an_expired_deadline_never_starts(valkey, tiny_model_dir):
 
 
 def test_requests_started_before_their_claim_stop_when_it_says_no(valkey, tiny_model_dir, tiny_engines):
-    """Fresh entries reach the engine while their claim is in flight; one cancelled while queued and the
-    second entry of a duplicated id are aborted when the claim answers, and leave nothing behind."""
+    """Fresh entries reach the engine while their claim is in flight; one cancelled while it waits in the
+    ready queue is aborted when the claim answers, the second entry of a duplicated id never reaches the
+    engine (its sort-in sees the id taken), and nothing is left behind."""
     ref = _reference(tiny_engines, tiny_model_dir, [PROMPTS[1]], **GREEDY)[0]
 
     async def main():
         async with service_stack(valkey.url, tiny_model_dir, start_worker=False) as (worker, client):
             await client.enqueue({"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True}, "gone")
+            await worker.consumer.ensure_group()
+            await worker._sort_new(wait=False)  # into the ready queue; cancelled while it waits there
             assert (await client.cancel("gone"))[0] == "cancelled"
             body = orjson.dumps({"prompt": PROMPTS[1], **GREEDY})
             for _ in range(2):  # a producer's retry: the same id twice, read in one batch
@@ -193,7 +196,7 @@ def test_a_poison_request_goes_to_the_dead_letter_stream(valkey, tiny_model_dir)
             for ghost in ("ghost1", "ghost2"):
                 c = StreamConsumer(client.conns, KEYS, ghost, ConsumerConfig(claim_timeout_ms=0))
                 await c.ensure_group()
-                assert await c.read_new(1, block_ms=50) or await c.reclaim(1)
+                assert await c.read_new(1, wait=False) or await c.reclaim(1)
             await worker.start()
             result = await client.wait("poison")
             return result, await client.r.xrange(KEYS.dead)

@@ -41,7 +41,9 @@ class TinyEngines:
 
         key = repr((str(model_dir), sorted(extra.items())))
         if key not in self._engines:
-            self._engines[key] = LLMEngine(EngineConfig(model=str(model_dir), **TINY_ENGINE_ARGS, **extra))
+            self._engines[key] = LLMEngine(
+                EngineConfig(model=str(model_dir), **{**TINY_ENGINE_ARGS, **extra})
+            )
         return self._engines[key]
 
     def llm(self, model_dir: Path):

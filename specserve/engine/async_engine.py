@@ -26,7 +26,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, list[int], SamplingParams, bool]] = []
+        self._inbox: list[tuple[str, list[int], SamplingParams, bool, int]] = []
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue[StepDelta]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -53,9 +53,12 @@ class AsyncLLMEngine:
         return self.engine.model_name
 
     def encode_chat(
-        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return self.engine.encode_chat(messages, chat_template_kwargs)
+        return self.engine.encode_chat(messages, chat_template_kwargs, tools)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -73,7 +76,12 @@ class AsyncLLMEngine:
             await asyncio.to_thread(self._thread.join)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = True
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = True,
+        priority: int = 0,
     ) -> AsyncIterator[StepDelta]:
         """Queue a request; iterate the result for its deltas. Bad prompts raise here, in the caller.
 
@@ -89,7 +97,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue[StepDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
-            self._inbox.append((request_id, prompt_ids, params, stream))
+            self._inbox.append((request_id, prompt_ids, params, stream, priority))
         self._wake.set()
         return self._stream(request_id, queue)
 
@@ -109,6 +117,15 @@ class AsyncLLMEngine:
         with self._lock:
             self._aborts.append(request_id)
         self._wake.set()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.scheduler.max_num_seqs
+
+    @property
+    def by_priority(self) -> bool:
+        """The engine orders by priority (scheduling_policy="priority"), and preempts for it."""
+        return self.engine.scheduler.by_priority
 
     def free_capacity(self) -> int:
         """Requests to pull now: free sequence slots, and none while admissions are stuck on KV blocks."""
@@ -140,8 +157,8 @@ class AsyncLLMEngine:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
-                for request_id, prompt_ids, params, stream in inbox:
-                    engine.add_request(request_id, prompt_ids, params, stream)
+                for request_id, prompt_ids, params, stream, priority in inbox:
+                    engine.add_request(request_id, prompt_ids, params, stream, priority)
                 for request_id in aborts:
                     engine.abort(request_id)
                 if not engine.has_unfinished():

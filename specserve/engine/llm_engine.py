@@ -177,6 +177,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             enable_chunked_prefill=config.enable_chunked_prefill,
             lookahead=self.spec.lookahead if self.spec else None,
+            policy=config.scheduling_policy,
         )
         if config.static_batching:  # the benchmark's baseline
             self.scheduler: Scheduler = StaticScheduler(
@@ -216,12 +217,19 @@ class LLMEngine:
         return ids
 
     def encode_chat(
-        self, messages: list[dict[str, str]], chat_template_kwargs: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of a chat through the model's own template; `chat_template_kwargs` are the template's
-        variables (vLLM's extra field: Qwen3's enable_thinking, for one)."""
+        variables (vLLM's extra field: Qwen3's enable_thinking, for one), `tools` the functions the model may
+        call (OpenAI's shape). A template that does not use `tools` renders without them, as transformers
+        does: the model is then not told of them."""
         if not isinstance(messages, list) or not messages:
             raise InvalidParameter("messages", "must be a non-empty list of {role, content} objects")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InvalidParameter("tools", "must be a list of tool objects")
         for m in messages:
             if (
                 not isinstance(m, dict)
@@ -237,9 +245,11 @@ class LLMEngine:
             raise InvalidParameter("chat_template_kwargs", f"{taken[0]!r} is the server's to set")
         try:
             ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, **kwargs
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
             )
-        except TemplateError as e:  # the template's own checks (Gemma: roles must alternate)
+        except (TemplateError, TypeError) as e:
+            # the template's own checks (Gemma: roles must alternate), or what it does with a message it
+            # was not written for (a tool message's fields given to a template without tool support)
             raise InvalidParameter("messages", f"the model's chat template refused them: {e}") from None
         if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
             ids = list(ids["input_ids"])
@@ -259,9 +269,15 @@ class LLMEngine:
         return self.structured
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, stream: bool = True
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        stream: bool = True,
+        priority: int = 0,
     ) -> None:
-        """stream=False: no per-step deltas, only the final one (for callers that want the whole result)."""
+        """stream=False: no per-step deltas, only the final one (for callers that want the whole result).
+        `priority`: lower runs sooner, under scheduling_policy="priority" (vLLM's argument)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         ids = self.encode_prompt(prompt)
@@ -276,6 +292,7 @@ class LLMEngine:
             generator=gen,
             stream=stream,
             bad_words_ids=self.bad_words_ids(params.bad_words) if params.bad_words else None,
+            priority=priority,
         )
         structured = self.compile_grammar(params)
         if structured is not None:

@@ -113,9 +113,9 @@ class QueueClient:
         tokens: int = 0,
     ) -> Enqueued:
         """Add a request; adding an id that is already known changes nothing (idempotent). `tenant` is
-        recorded with it (the API's key owner; see cancel), and the limits are checked for it, `tokens` being
-        what it asks for (QuotaExceeded: nothing was added). The id is used as given: the API qualifies ids
-        with their tenant itself (docs/wire-format.md, Tenants)."""
+        recorded with it (the API's key owner, else the body's own `tenant`; see cancel), and the limits
+        are checked for it, `tokens` being what it asks for (QuotaExceeded: nothing was added). The id is
+        used as given: the API qualifies ids with their tenant itself (docs/wire-format.md, Tenants)."""
         if request_id is None:
             request_id = new_request_id()
         elif not valid_request_id(request_id):
@@ -135,13 +135,12 @@ class QueueClient:
             traceparent or "",
             tracestate or "",
             self.keys.group,
-            tenant or "",
+            tenant or parsed.tenant or "",
             self.keys.quota,
             self.limits.max_backlog,
             self.limits.tenant_max_queued,
             self.limits.tenant_tokens_per_minute,
             tokens,
-            self.ttl_ms,
             retries=2,  # idempotent by id, so a retry after a lost connection adds nothing twice
         )
         if created == -1:

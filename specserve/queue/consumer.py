@@ -8,13 +8,13 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from redis.asyncio import Redis
 from redis.exceptions import ResponseError
 
-from specserve.queue import scripts
+from specserve.queue import ready, scripts
 from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import DEFAULT_TTL_MS, Keys
 from specserve.queue.resp import as_bytes, fields_dict
@@ -71,10 +71,12 @@ def _claim(reply: list[str]) -> Claim:
 
 @dataclass
 class QueueStats:
-    depth: int  # entries not yet delivered to any worker
-    pending: int  # delivered, not yet acknowledged
-    lag_seconds: float  # age of the oldest undelivered entry
-    consumers: int
+    depth: int  # requests waiting for a worker: never delivered, or sorted into the ready queue
+    pending: int  # held by workers, not yet acknowledged
+    lag_seconds: float  # age of the oldest waiting request
+    consumers: int  # workers (the ready queue's pseudo-consumer not counted)
+    # (band, tenant) -> requests waiting in the ready queue ('' for no tenant)
+    waiting: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,19 +101,20 @@ class StreamConsumer:
         self.keys = keys
         self.name = name
         self.cfg = config or ConsumerConfig()
-        self._autoclaim_cursor = "0-0"
         self._fast = conns.fast
         self._blocking = conns.blocking(self.cfg.block_ms)
 
     async def ensure_group(self) -> None:
         await ensure_group(self.r, self.keys)
 
-    async def read_new(self, count: int, block_ms: int | None = None) -> list[RequestEntry]:
-        """Up to `count` entries never delivered before; blocks up to block_ms when there are none."""
-        block = self.cfg.block_ms if block_ms is None else block_ms
+    async def read_new(self, count: int, wait: bool = True) -> list[RequestEntry]:
+        """Up to `count` entries never delivered before; with `wait`, blocks up to block_ms when there are
+        none."""
+        block = ("BLOCK", self.cfg.block_ms) if wait else ()
+        client = self._blocking if wait else self._fast
         try:
-            resp = await self._blocking.execute(
-                "XREADGROUP", "GROUP", self.keys.group, self.name, "COUNT", count, "BLOCK", block,
+            resp = await client.execute(
+                "XREADGROUP", "GROUP", self.keys.group, self.name, "COUNT", count, *block,
                 "STREAMS", self.keys.requests, ">",
             )  # fmt: skip
         except ResponseError as e:
@@ -125,22 +128,21 @@ class StreamConsumer:
         return [RequestEntry.from_fields(eid, fields_dict(fields)) for eid, fields in items]
 
     async def reclaim(self, count: int) -> list[RequestEntry]:
-        """Take over up to `count` entries idle past the claim timeout (dead worker, or handed back).
+        """Take over up to `count` entries idle past the claim timeout (dead worker, or handed back), never
+        those waiting in the ready queue (queue/ready.py RECLAIM).
 
         Through the binary-safe client: one entry with bytes that are not UTF-8 failed redis-py's whole
         reply, every time, so nothing behind it was ever reclaimed."""
         try:
-            nxt, items, *_deleted = await self._fast.execute(
-                "XAUTOCLAIM", self.keys.requests, self.keys.group, self.name,
-                self.cfg.claim_timeout_ms, self._autoclaim_cursor, "COUNT", count,
+            items = await self._fast.execute(
+                "EVAL", ready.RECLAIM, 1, self.keys.requests, self.keys.group, self.name,
+                self.cfg.claim_timeout_ms, count,
             )  # fmt: skip
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             await self.ensure_group()
             return []
-        self._autoclaim_cursor = nxt
-        # Entries deleted from the stream come back without fields; XAUTOCLAIM already dropped them.
         return [RequestEntry.from_fields(eid, fields_dict(f)) for eid, f in items if f is not None]
 
     async def pending_mine(self, count: int = 10_000) -> list[RequestEntry]:
@@ -279,24 +281,34 @@ class StreamConsumer:
     async def stats(self) -> QueueStats:
         pipe = self.r.pipeline(transaction=False)
         pipe.xinfo_groups(self.keys.requests)
+        pipe.xinfo_consumers(self.keys.requests, self.keys.group)
         pipe.time()
         try:
-            groups, (sec, usec) = await pipe.execute()
-        except ResponseError:  # no stream yet
+            groups, consumers, (sec, usec) = await pipe.execute()
+        except ResponseError:  # no stream (or no group) yet
             return QueueStats(0, 0, 0.0, 0)
         g = next((g for g in groups if g["name"] == self.keys.group), None)
         if g is None:
             return QueueStats(0, 0, 0.0, 0)
-        depth = int(g.get("lag") or 0)
-        lag = 0.0
-        if depth:
+        ready_held = [int(c["pending"]) for c in consumers if c["name"] == scripts.READY_CONSUMER]
+        undelivered = int(g.get("lag") or 0)
+        waiting_ms = []
+        if undelivered:
             # binary-safe: the oldest undelivered entry may be one that is not UTF-8
             first = await self._fast.execute(
                 "XRANGE", self.keys.requests, f"({g['last-delivered-id']}", "+", "COUNT", 1
             )
             if first:
-                lag = max(0.0, sec + usec / 1e6 - entry_ms(first[0][0]) / 1000)
-        return QueueStats(depth, int(g["pending"]), lag, int(g["consumers"]))
+                waiting_ms.append(entry_ms(first[0][0]))
+        waiting: dict[tuple[int, str], int] = {}
+        if ready_held:
+            waiting = await ready.waiting_by_band(self._fast, self.keys)
+            if (oldest := await ready.oldest_ms(self._fast, self.keys)) is not None:
+                waiting_ms.append(oldest)
+        held = sum(ready_held)
+        lag = max(0.0, sec + usec / 1e6 - min(waiting_ms) / 1000) if waiting_ms else 0.0
+        workers = len(consumers) - len(ready_held)
+        return QueueStats(undelivered + held, int(g["pending"]) - held, lag, workers, waiting)
 
     async def register_model(self, model: str, info: dict) -> None:
         """Advertise the served model so APIs can list and check it (GET /v1/models)."""

@@ -18,40 +18,56 @@ local function terminal(s)
 end
 """
 
+# The pseudo-consumer that holds sorted-in entries while they wait in the ready queue (queue/ready.py).
+READY_CONSUMER = "~ready"
+
 # Admission limits (issue 17): a global backlog cap and, per tenant, a cap on queued requests and on tokens
 # asked for per minute. A tenant's queued requests are a sorted set (id -> enqueue time), not a counter:
 # members older than the request TTL fall out by themselves, so a request whose status expired while queued
-# cannot hold its tenant's quota forever. ARGV[8..13] of ENQUEUE: quota key prefix, max backlog, tenant max
-# queued, tenant tokens per minute, this request's tokens, ttl_ms (a limit of 0 is off).
-_QUOTA = """
+# cannot hold its tenant's quota forever. `admit` takes a table: stream, group, prefix (the quota key
+# prefix), backlog, max_queued, tpm, asked (this request's tokens), ttl (ms), new (1: the request is not in
+# the stream yet, so the backlog it would join is the one counted); a limit of 0 is off.
+_QUOTA = (
+    """
 local function queued_key(prefix, tenant) return prefix .. 'queued:' .. tenant end
-local function queued(tenant, id, now)
-  local key = queued_key(ARGV[8], tenant)
+local function queued(prefix, tenant, id, now, ttl)
+  local key = queued_key(prefix, tenant)
   redis.call('ZADD', key, now, id)
-  redis.call('PEXPIRE', key, ARGV[13])
+  redis.call('PEXPIRE', key, ttl)
 end
-local function admit(tenant)
-  local backlog = tonumber(ARGV[9] or '0')
-  if backlog > 0 then
-    for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
-      local t = {}
-      for i = 1, #g, 2 do t[g[i]] = g[i + 1] end
-      if t['name'] == ARGV[6] and tonumber(t['lag'] or 0) >= backlog then return {-1, 'max_backlog', 1} end
-    end
+-- Requests waiting for a worker: never delivered (the group's lag) plus sorted into the ready queue.
+local function backlog(stream, group)
+  local n = 0
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local t = {}
+    for i = 1, #g, 2 do t[g[i]] = g[i + 1] end
+    if t['name'] == group then n = n + tonumber(t['lag'] or 0) end
   end
+  for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', stream, group)) do
+    local t = {}
+    for i = 1, #c, 2 do t[c[i]] = c[i + 1] end
+    if t['name'] == '"""
+    + READY_CONSUMER
+    + """' then n = n + tonumber(t['pending']) end
+  end
+  return n
+end
+local function admit(tenant, q)
+  local cap = tonumber(q.backlog or '0')
+  if cap > 0 and backlog(q.stream, q.group) >= cap + 1 - q.new then return {-1, 'max_backlog', 1} end
   if tenant == '' then return nil end
-  local max_queued = tonumber(ARGV[10] or '0')
+  local max_queued = tonumber(q.max_queued or '0')
   if max_queued > 0 then
-    local key = queued_key(ARGV[8], tenant)
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', tonumber(now_ms) - tonumber(ARGV[13]))
+    local key = queued_key(q.prefix, tenant)
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', tonumber(now_ms) - tonumber(q.ttl))
     if redis.call('ZCARD', key) >= max_queued then return {-1, 'tenant_max_queued', 1} end
   end
-  local tpm = tonumber(ARGV[11] or '0')
+  local tpm = tonumber(q.tpm or '0')
   if tpm > 0 then
     local minute = math.floor(tonumber(now_ms) / 60000)
-    local key = ARGV[8] .. 'tpm:' .. tenant .. ':' .. minute
+    local key = q.prefix .. 'tpm:' .. tenant .. ':' .. minute
     local used = tonumber(redis.call('GET', key) or '0')
-    local asked = tonumber(ARGV[12])
+    local asked = tonumber(q.asked)
     if used > 0 and used + asked > tpm then
       return {-1, 'tenant_tokens_per_minute', 60 - math.floor(tonumber(now_ms) / 1000) % 60}
     end
@@ -61,14 +77,18 @@ local function admit(tenant)
   return nil
 end
 """
+)
 
-# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group,
-# tenant ('' for none: recorded in the status hash, so that only its own key reads or cancels the request),
-# then the quota arguments (_QUOTA). Returns {1, entry id} when added, {0, current status} when the id is
-# already known (idempotent enqueue), {-1, limit, retry after s} when a limit refuses it (nothing added).
-# A missing stream means the server lost its data (restart without persistence, flush) and with it the
-# group: XADD alone would bring the stream back without one, so recreate it here (from id 0, as workers do).
-# Clients cache that the group exists, and XADD never reports NOGROUP, so only this check notices.
+# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group, tenant
+# ('' for none: recorded in the status hash, so that only its own key reads or cancels the request), then the
+# quota arguments: quota key prefix, max backlog, tenant max queued, tenant tokens per minute, this request's
+# tokens (see _QUOTA). The status hash's `admitted` mark tells a worker the limits were checked here (a raw
+# XADD's are checked as a worker sorts it in, queue/ready.py). Returns {1, entry id} when added, {0, current
+# status} when the id is already known (idempotent enqueue), {-1, limit, retry after s} when a limit refuses
+# it (nothing added). A missing stream means the server lost its data (restart without persistence, flush) and
+# with it the group: XADD alone would bring the stream back without one, so recreate it here (from id 0, as
+# workers do). Clients cache that the group exists, and XADD never reports NOGROUP, so only this check
+# notices.
 ENQUEUE = (
     _NOW
     + _QUOTA
@@ -79,17 +99,19 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[6], '0', 'MKSTREAM')
 end
 local tenant = ARGV[7] or ''
-local refused = admit(tenant)
+local q = {stream = KEYS[1], group = ARGV[6], prefix = ARGV[8], backlog = ARGV[9], max_queued = ARGV[10],
+  tpm = ARGV[11], asked = ARGV[12], ttl = ARGV[3], new = 1}
+local refused = admit(tenant, q)
 if refused then return refused end
 local f = {'id', ARGV[1], 'body', ARGV[2]}
 if ARGV[4] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[4] end
 if ARGV[5] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[5] end
 local eid = redis.call('XADD', KEYS[1], '*', unpack(f))
-local h = {'status', 'queued', 'entry', eid, 'created', now_ms}
+local h = {'status', 'queued', 'entry', eid, 'created', now_ms, 'admitted', '1'}
 if ARGV[7] and ARGV[7] ~= '' then h[#h + 1] = 'tenant'; h[#h + 1] = ARGV[7] end
 redis.call('HSET', KEYS[2], unpack(h))
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if tenant ~= '' then queued(tenant, ARGV[1], now_ms) end
+if tenant ~= '' then queued(ARGV[8], tenant, ARGV[1], now_ms, ARGV[3]) end
 return {1, eid}
 """
 )

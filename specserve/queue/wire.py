@@ -7,6 +7,7 @@ service, so queue/ stays free of the engine.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +29,21 @@ TERMINAL = frozenset({FINISHED, FAILED, CANCELLED, EXPIRED})
 # Body keys that are not sampling parameters; every other key is handed to SamplingParams.from_dict.
 REQUEST_KEYS = frozenset(
     {"prompt", "messages", "model", "deadline", "stream", "reply_to", "reply_stream", "chat_template_kwargs"}
+    | {"priority", "tenant"}
+    | {"tools"}
 )
 # A deadline is a unix time; anything past 2100 is a mistake (or an attack: 1e308 overflowed the claim's
 # integer milliseconds). Bounded here, so every later use of it is plain arithmetic.
 MAX_DEADLINE = 4_102_444_800.0
+# vLLM's priority: lower runs sooner. Bounded so that it stays an exact number in Lua (a double) and in key
+# names; a million bands is far more than any queue needs.
+MAX_PRIORITY = 1_000_000
+# A tenant names a fair-share queue (queue/scripts.py TAKE) and quota keys: an API key's name has this shape.
+_TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# OpenAI's rule for a function's name; a template writes it into the prompt, and a client looks it up.
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TOOL_FIELDS = frozenset({"name", "description", "parameters", "strict"})
 
 
 class WireError(ValueError):
@@ -47,7 +58,7 @@ class WireError(ValueError):
 @dataclass
 class RequestBody:
     prompt: str | list[int] | None
-    messages: list[dict[str, str]] | None
+    messages: list[dict[str, Any]] | None
     model: str | None = None
     deadline: float | None = None  # unix time, seconds
     sampling: dict[str, Any] = field(default_factory=dict)
@@ -60,6 +71,14 @@ class RequestBody:
     reply_stream: bool = False
     # Variables for the model's chat template (vLLM's field; Qwen3's enable_thinking, for one): messages only.
     chat_template_kwargs: dict[str, Any] | None = None
+    # Lower runs sooner (vLLM's meaning); each value is a band of the ready queue (docs/wire-format.md).
+    priority: int = 0
+    # Whose fair share and quotas the request counts against. Over HTTP with API keys it is the key's name
+    # (recorded in the status hash, which wins over the body); a raw producer names itself here.
+    tenant: str | None = None
+    # Functions the model may call (OpenAI's `tools`, [{"type": "function", "function": {...}}]), rendered by
+    # the model's chat template; messages only. The output stays text: the OpenAI route parses the calls.
+    tools: list[dict[str, Any]] | None = None
 
     @property
     def fills_context(self) -> bool:
@@ -89,6 +108,12 @@ class RequestBody:
                 body["reply_stream"] = True
         if self.chat_template_kwargs is not None:
             body["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.tools is not None:
+            body["tools"] = self.tools
+        if self.priority:
+            body["priority"] = self.priority
+        if self.tenant is not None:
+            body["tenant"] = self.tenant
         body.update(self.sampling)
         return orjson.dumps(body)
 
@@ -157,7 +182,51 @@ def _message_text(content: Any, index: int) -> str:
     raise WireError(f"messages[{index}].content", "must be a string or a list of text parts")
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
+def _function_name(name: Any, where: str) -> str:
+    if not isinstance(name, str) or not _FUNCTION_NAME.match(name):
+        raise WireError(where, "must be 1-64 letters, digits, '_' or '-'")
+    return name
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's earlier tool calls (OpenAI's shape). Arguments sent as JSON text become the
+    object they hold: templates write them with `tojson` (Qwen's, Llama 3.1's), as transformers documents;
+    text that is not a JSON object is kept as it is."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise WireError(where, "must be a list of {id, type, function: {name, arguments}}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        if not isinstance(call, dict):
+            raise WireError(at, "must be an object")
+        if call.get("type", "function") != "function":
+            raise WireError(f"{at}.type", 'must be "function"')
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise WireError(f"{at}.id", "must be a string")
+        fn = call.get("function")
+        if not isinstance(fn, dict):
+            raise WireError(f"{at}.function", "must be an object with name and arguments")
+        name = _function_name(fn.get("name"), f"{at}.function.name")
+        arguments = fn.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                parsed = orjson.loads(arguments)
+            except orjson.JSONDecodeError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        elif not isinstance(arguments, dict):
+            raise WireError(f"{at}.function.arguments", "must be a JSON object or its text")
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        if call.get("id") is not None:
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages as the chat template gets them: role and text content, and what a tool conversation adds
+    (an assistant's `tool_calls`, with content null; a `tool` message's `tool_call_id`; a `name`)."""
     if not isinstance(messages, list) or not messages:
         raise WireError("messages", "must be a non-empty list of {role, content} objects")
     out = []
@@ -167,8 +236,60 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in MESSAGE_ROLES:
             raise WireError(f"messages[{i}].role", f"must be one of {sorted(MESSAGE_ROLES)}")
-        out.append({"role": role, "content": _message_text(m.get("content"), i)})
+        message: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise WireError(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+            message["tool_calls"] = _tool_calls(calls, i)
+        # OpenAI's assistant message that only calls tools has content null; templates test it for
+        # truthiness or concatenate it, so it becomes "" (vLLM does the same for text templates).
+        content = m.get("content")
+        message["content"] = "" if content is None and calls else _message_text(content, i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise WireError(f"messages[{i}].tool_call_id", "required for a tool message, a string")
+            message["tool_call_id"] = call_id
+        if m.get("name") is not None:
+            if not isinstance(m["name"], str):
+                raise WireError(f"messages[{i}].name", "must be a string")
+            message["name"] = m["name"]
+        out.append(message)
     return out
+
+
+def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """OpenAI's `tools`, checked (an error names the tool's field); None for none (an empty list)."""
+    if not isinstance(tools, list):
+        raise WireError("tools", 'must be a list of {"type": "function", "function": {name, ...}}')
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise WireError(at, 'must be an object {"type": "function", "function": {...}}')
+        extra = sorted(set(tool) - {"type", "function"})
+        if extra:
+            raise WireError(f"{at}.{extra[0]}", "unknown field")
+        if tool.get("type") != "function":
+            raise WireError(f"{at}.type", 'must be "function"')
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise WireError(f"{at}.function", "must be an object with name, description and parameters")
+        extra = sorted(set(fn) - TOOL_FIELDS)
+        if extra:
+            raise WireError(f"{at}.function.{extra[0]}", "unknown field")
+        name = _function_name(fn.get("name"), f"{at}.function.name")
+        if name in seen:
+            raise WireError(f"{at}.function.name", f"{name!r} is already tools[{seen[name]}]")
+        seen[name] = i
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise WireError(f"{at}.function.description", "must be a string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise WireError(f"{at}.function.parameters", "must be a JSON schema object")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise WireError(f"{at}.function.strict", "must be a boolean")
+    return tools or None
 
 
 def parse_prompt(prompt: Any, max_chars: int | None = None) -> str | list[int]:
@@ -194,6 +315,9 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
         raise WireError("prompt", "give exactly one of prompt or messages")
     prompt = parse_prompt(data["prompt"], max_prompt_chars) if has_prompt else None
     messages = parse_messages(data["messages"]) if has_messages else None
+    tools = parse_tools(data["tools"]) if data.get("tools") is not None else None
+    if tools is not None and messages is None:
+        raise WireError("tools", "applies to messages only, not to a prompt")
     if messages is not None and max_prompt_chars is not None:
         total = sum(len(m["content"]) for m in messages)
         if total > max_prompt_chars:
@@ -219,11 +343,47 @@ def parse_body(data: Any, max_prompt_chars: int | None = None) -> RequestBody:
             raise WireError("chat_template_kwargs", "must be an object of template variables")
         if messages is None:
             raise WireError("chat_template_kwargs", "applies to messages only, not to a prompt")
+    priority = data.get("priority", 0)
+    if not _is_int(priority) or abs(priority) > MAX_PRIORITY:
+        raise WireError("priority", f"must be an integer from -{MAX_PRIORITY} to {MAX_PRIORITY}")
+    tenant = tenant_of(data, strict=True)
     sampling = {k: v for k, v in data.items() if k not in REQUEST_KEYS}
     deadline = float(deadline) if deadline is not None else None
     return RequestBody(
-        prompt, messages, model, deadline, sampling, stream, reply_to, reply_stream, template_kwargs
+        prompt,
+        messages,
+        model,
+        deadline,
+        sampling,
+        stream,
+        reply_to,
+        reply_stream,
+        template_kwargs,
+        priority,
+        tenant,
+        tools=tools,
     )
+
+
+def valid_tenant(name: object) -> bool:
+    return isinstance(name, str) and bool(_TENANT.match(name))
+
+
+def tenant_of(data: Any, strict: bool = False) -> str | None:
+    """A body's tenant. Not strict: None for anything unusable (the request then shares the unnamed
+    tenant's queue until its body is refused for that field)."""
+    name = data.get("tenant") if isinstance(data, dict) else None
+    if name is None or valid_tenant(name):
+        return name
+    if strict:
+        raise WireError("tenant", "must be 1-64 letters, digits, '_' or '-'")
+    return None
+
+
+def priority_of(data: Any) -> int:
+    """A body's priority, 0 for anything unusable (its parse refuses it later, naming the field)."""
+    p = data.get("priority", 0) if isinstance(data, dict) else 0
+    return p if _is_int(p) and abs(p) <= MAX_PRIORITY else 0
 
 
 def reply_to_of(data: Any, strict: bool = False) -> str | None:

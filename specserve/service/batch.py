@@ -6,8 +6,9 @@ counts and output are worked out from its lines' status hashes whenever it is re
 find every line ended writes the output and error files (under a lock, so two API pods cannot both do it).
 
 Files live in Redis (a hash per file: its bytes and metadata), for as long as results do (the request TTL);
-their size is capped (`SPECSERVE_MAX_FILE_BYTES`). Batch lines run with the same priority as interactive
-requests until priority bands exist (issue 17, item 1).
+their size is capped (`SPECSERVE_MAX_FILE_BYTES`). Batch lines run in a band of their own, BATCH_PRIORITY
+plus whatever priority a line gives, so interactive requests (priority 0 by default) go first
+(queue/ready.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from specserve.service.openai_api import completion_body, translate
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # endpoint -> chat
 WINDOW_S = {"24h": 86400}
 LIVE = ("validating", "in_progress", "finalizing", "cancelling")
+# The band batch lines run in (plus a line's own priority): behind interactive requests, whose default is 0.
+BATCH_PRIORITY = 10
 
 
 class BatchRoutes:
@@ -195,7 +198,9 @@ class BatchRoutes:
                     raise ApiError(400, "n: a batch line takes n = 1 (send n lines)", "n")
                 await self.gateway.check_model(body.model)
                 rid = self.gateway.redis_id(request, f"{batch_id}-{n}")
-                await self.client.enqueue(body, rid, tenant=request.get(TENANT_KEY))
+                body.priority = min(wire.MAX_PRIORITY, body.priority + BATCH_PRIORITY)
+                body.tenant = request.get(TENANT_KEY) or body.tenant
+                await self.client.enqueue(body, rid, tenant=body.tenant)
                 lines.append([custom_id, rid, body.model or ""])
             except (orjson.JSONDecodeError, ApiError, QuotaExceeded) as e:
                 code = getattr(e, "code", None) or "invalid_request"

@@ -12,6 +12,7 @@ from typing import Any
 from specserve.queue.client import Limits
 from specserve.queue.consumer import ConsumerConfig
 from specserve.queue.keys import DEFAULT_PREFIX
+from specserve.queue.ready import FairShare
 from specserve.queue.routing import RoutingConfig
 
 
@@ -35,9 +36,12 @@ class ApiSettings:
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
     model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
     max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls out of text (service/tool_calls.py)
 
 
 _LIMITS, _API, _QUEUE = HttpLimits(), ApiSettings(), ConsumerConfig()
+# service/tool_calls.py TOOL_PARSERS' names (that module imports the HTTP layer, which imports this one)
+TOOL_CALL_PARSERS = ["hermes", "llama3_json"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,8 @@ class WorkerConfig:
     reply_maxlen: int = 10_000  # a producer's reply stream is trimmed (MAXLEN ~) to about this many entries
     access_log: bool = False  # one log line per request that ends (logger specserve.access)
     routing: RoutingConfig = RoutingConfig()  # prefix-aware claiming (queue/routing.py)
+    fair_share: FairShare = FairShare()  # the ready queue's bands and round robin (queue/ready.py)
+    limits: Limits = Limits()  # the API's admission limits, applied to raw XADDs as they are sorted in
 
     @property
     def heartbeat_s(self) -> float:
@@ -153,6 +159,13 @@ class ServiceConfig:
         "kernels pay, bf16 on AVX-512; none: dequantize; int8/int4: quantize on load)",
         choices=[None, "auto", "none", "int8", "int4"],
     )
+    scheduling_policy: str | None = _opt(
+        "SPECSERVE_SCHEDULING_POLICY",
+        None,
+        "order inside the engine (default fcfs; priority: lower `priority` first, and it may preempt "
+        "lower-priority sequences when slots or KV blocks are short)",
+        choices=[None, "fcfs", "priority"],
+    )
     attention_backend: str | None = _opt(
         "SPECSERVE_ATTENTION_BACKEND",
         None,
@@ -222,6 +235,13 @@ class ServiceConfig:
     max_file_bytes: int = _opt(
         "SPECSERVE_MAX_FILE_BYTES", _API.max_file_bytes, "largest file for the Batch API (kept in Redis)"
     )
+    tool_call_parser: str = _opt(
+        "SPECSERVE_TOOL_CALL_PARSER",
+        _API.tool_call_parser,
+        "how tool_choice auto reads a chat answer's tool calls (vLLM's --tool-call-parser; hermes: "
+        "<tool_call>{...}</tool_call>, Qwen's and Hermes' format; llama3_json: Llama 3.x's JSON)",
+        choices=TOOL_CALL_PARSERS,
+    )
     max_backlog: int = _opt(
         "SPECSERVE_MAX_BACKLOG", 0, "requests waiting for a worker, all tenants; more get 429 (0: no cap)"
     )
@@ -232,6 +252,17 @@ class ServiceConfig:
         "SPECSERVE_TENANT_TOKENS_PER_MINUTE",
         0,
         "tokens (max_tokens asked) one API key may ask for a minute; more get 429 (0: no cap)",
+    )
+    fair_share_quantum: int = _opt(
+        "SPECSERVE_FAIR_SHARE_QUANTUM",
+        _WORKER.fair_share.quantum,
+        "tokens of credit a tenant gains each round of the ready queue's round robin (queue/ready.py)",
+    )
+    oldest_every: int = _opt(
+        "SPECSERVE_OLDEST_EVERY",
+        _WORKER.fair_share.oldest_every,
+        "every Nth admission takes the longest-waiting request, whatever its priority: the starvation "
+        "bound (0: off)",
     )
     reply_maxlen: int = _opt(
         "SPECSERVE_REPLY_MAXLEN",
@@ -269,7 +300,10 @@ class ServiceConfig:
         for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen", "max_file_bytes"):
             if not getattr(self, name) > 0:  # also false for NaN
                 raise ValueError(f"{_env_of(name)}: must be positive")
-        for name in ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute", "log_stats_interval"):
+        if not self.fair_share_quantum > 0:
+            raise ValueError(f"{_env_of('fair_share_quantum')}: must be positive")
+        limits = ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute", "oldest_every")
+        for name in (*limits, "log_stats_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_env_of(name)}: must be 0 (no limit) or positive")
         # the engine's own checks come after the model has loaded: these fail before it starts to
@@ -308,6 +342,7 @@ class ServiceConfig:
             api_keys=self.keys_list(),
             served_models=served_models,
             max_file_bytes=self.max_file_bytes,
+            tool_call_parser=self.tool_call_parser,
         )
 
     def worker_config(self) -> WorkerConfig:
@@ -323,6 +358,8 @@ class ServiceConfig:
             reply_maxlen=self.reply_maxlen,
             access_log=self.access_log,
             routing=RoutingConfig(enabled=self.prefix_routing, wait_ms=self.prefix_routing_wait_ms),
+            fair_share=FairShare(quantum=self.fair_share_quantum, oldest_every=self.oldest_every),
+            limits=self.limits(),
         )
 
     def limits(self) -> Limits:
@@ -379,6 +416,7 @@ _ENGINE_KNOBS = (
     "enable_prefix_caching",
     "attention_backend",
     "quantization",
+    "scheduling_policy",
 )
 
 

@@ -127,6 +127,11 @@ class Gateway:
     async def enqueue(self, request: web.Request, body: RequestBody, request_id: str) -> Enqueued:
         """`request_id` is the id in Redis (see redis_id)."""
         await self.check_model(body.model)
+        key_tenant = request.get(TENANT_KEY)
+        if key_tenant is not None:  # the key decides whose share and quotas a request counts against
+            if body.tenant not in (None, key_tenant):
+                raise ApiError(400, "tenant: set by the API key; give this key's tenant or none", "tenant")
+            body.tenant = key_tenant
         parent = Telemetry.extract(request.headers.get("traceparent"), request.headers.get("tracestate"))
         with self.telemetry.tracer.start_as_current_span("enqueue", context=parent) as span:
             carrier = Telemetry.inject(trace.set_span_in_context(span))
@@ -136,12 +141,13 @@ class Gateway:
                     request_id,
                     carrier.get("traceparent"),
                     carrier.get("tracestate"),
-                    tenant=request.get(TENANT_KEY),
+                    tenant=body.tenant,
                     tokens=await self._tokens_asked(body),
                 )
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
             except QuotaExceeded as e:
+                self.telemetry.refused.add(1, {"limit": e.limit, "tenant": body.tenant or ""})
                 raise ApiError(
                     429,
                     f"{e.limit}: {LIMIT_TEXT[e.limit]}; retry after {e.retry_after} s",

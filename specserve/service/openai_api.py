@@ -25,6 +25,15 @@ from specserve.service.http import (
     sse_send,
     sse_start,
 )
+from specserve.service.tool_calls import (
+    CallStart,
+    Text,
+    ToolPlan,
+    delta_tool_calls,
+    finish_reason,
+    read_whole,
+    tool_plan,
+)
 
 T = TypeVar("T")
 WATCH_S = 0.5  # how often a waiting non-streaming request looks whether its client is still there
@@ -34,6 +43,7 @@ DEADLINE_GRACE_S = 1.0
 
 # Our extensions beyond OpenAI's fields.
 EXTENSIONS = {"top_k", "ignore_eos", "speculation", "stop_token_ids", "timeout", "min_tokens"}
+EXTENSIONS |= {"priority", "tenant"}  # vLLM's priority; our tenant (the API key's, when keys are set)
 # OpenAI's penalties and bias, and vLLM's sampling extras: passed to the wire as they are
 ADJUSTMENTS = {"presence_penalty", "frequency_penalty", "logit_bias"}
 ADJUSTMENTS |= {"repetition_penalty", "min_p", "bad_words"}
@@ -54,9 +64,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),
 }
 # Constrained decoding: OpenAI's response_format, vLLM's structured_outputs and its older guided_* aliases.
 GUIDED = {
@@ -76,7 +83,9 @@ COMPLETION_FIELDS = (
 CHAT_FIELDS = (
     COMMON | EXTENSIONS | ADJUSTMENTS | STRUCTURED | LOGPROBS | {"messages", "max_completion_tokens"}
 )
-CHAT_FIELDS |= {"top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}
+CHAT_FIELDS |= {"top_logprobs", "chat_template_kwargs"}
+TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls"}  # service/tool_calls.py
+CHAT_FIELDS |= TOOL_FIELDS
 
 
 def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
@@ -122,12 +131,16 @@ def _structured(data: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _structured_field(param: str, data: dict[str, Any]) -> str:
-    """An error about the wire's structured_outputs.<kind>, as the field the client sent."""
+    """An error about the wire's structured_outputs.<kind>, as the field the client sent (a forced tool
+    choice's constraint is built from `tool_choice` and the tools' schemas)."""
     if "structured_outputs" in data:
         return param
     if data.get("response_format") is not None:
         return "response_format"
-    return next((k for k in GUIDED if data.get(k) is not None), param)
+    sent = next((k for k in GUIDED if data.get(k) is not None), None)
+    if sent is None and data.get("tool_choice") not in (None, "none", "auto"):
+        return "tool_choice"
+    return sent or param
 
 
 def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
@@ -258,6 +271,19 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
     if data.get("timeout") is not None:
         body["deadline"] = deadline_after(data["timeout"])
     structured = _structured(data)
+    tools = ToolPlan()
+    if chat:
+        tools = tool_plan(data, gateway.settings.tool_call_parser)
+        if tools.tools is not None:
+            body["tools"] = tools.tools
+        forced = tools.constraint()
+        if forced is not None:
+            if structured is not None:  # one constraint per output: the call's JSON is one
+                sent = _structured_field("structured_outputs", data)
+                raise ApiError(
+                    400, f"{sent}: cannot be combined with tool_choice {data['tool_choice']!r}", sent
+                )
+            structured = forced
     if structured is not None:
         body["structured_outputs"] = structured
     logprobs = _logprobs(data, chat)
@@ -276,6 +302,7 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
         raise ApiError(400, f"n: must be an integer in [1, {MAX_CHOICES}]", "n")
     meta = {"model": model, "stream": stream, "include_usage": bool(options.get("include_usage")), "n": n}
     meta["token_ids"] = bool(as_ids)  # return_tokens_as_token_ids
+    meta["tools"] = tools
     return gateway.validate(body), meta
 
 
@@ -309,10 +336,16 @@ def _raise_for(final: OutputEntry | Result) -> None:
 
 
 def completion_body(
-    rid: str, created: int, model: str, chat: bool, result: Result | list[Result], as_ids: bool = False
+    rid: str,
+    created: int,
+    model: str,
+    chat: bool,
+    result: Result | list[Result],
+    as_ids: bool = False,
+    tools: ToolPlan | None = None,
 ) -> dict[str, Any]:
     """A whole (non-streaming) completion or chat completion, as OpenAI answers it: one choice per result
-    (n of them), in order."""
+    (n of them), in order; with `tools`, each chat choice's tool calls read out of its text."""
     results = result if isinstance(result, list) else [result]
     choices = []
     for index, r in enumerate(results):
@@ -320,15 +353,19 @@ def completion_body(
         if r.logprobs is not None:
             shape = chat_logprobs if chat else completion_logprobs
             logprobs = shape(r.logprobs, r.token_ids, as_ids)
+        reason = r.finish_reason
         if chat:
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": logprobs,
-            }
+            message: dict[str, Any] = {"role": "assistant", "content": r.text}
+            reader = tools.reader() if tools is not None else None
+            if reader is not None:
+                message["content"], calls = read_whole(reader, r.text)
+                if calls:
+                    message["tool_calls"] = calls
+                reason = finish_reason(reason, len(calls))
+            choice = {"index": index, "message": message, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": r.text, "logprobs": logprobs}
-        choice["finish_reason"] = r.finish_reason
+        choice["finish_reason"] = reason
         if r.prompt_logprobs is not None and not chat:  # vLLM puts them on each completion choice
             choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs, as_ids)
         choices.append(choice)
@@ -514,7 +551,8 @@ class OpenAIRoutes:
 
     @staticmethod
     def _whole(rid, created, meta, chat, results: list[Result]) -> web.Response:
-        return json_response(completion_body(rid, created, meta["model"], chat, results, meta["token_ids"]))
+        body = completion_body(rid, created, meta["model"], chat, results, meta["token_ids"], meta["tools"])
+        return json_response(body)
 
     async def _stream(self, request, rid, rids, created, meta, chat, choices) -> web.StreamResponse:
         resp = await sse_start(request)
@@ -539,13 +577,20 @@ class OpenAIRoutes:
             return out
 
         def chunk(
-            index: int, text: str | None, finish: str | None, role: bool = False, d: Delta | None = None
+            index: int,
+            text: str | None,
+            finish: str | None,
+            role: bool = False,
+            d: Delta | None = None,
+            tool_calls: list[dict[str, Any]] | None = None,
         ) -> dict[str, Any]:
             logprobs = logprobs_of(index, d)
             if chat:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
                 if text or logprobs:
                     delta["content"] = text or ""
+                if tool_calls:
+                    delta["tool_calls"] = tool_calls
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
                 choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -557,10 +602,25 @@ class OpenAIRoutes:
             return out
 
         finals: list[OutputEntry | None] = [None] * len(choices)
+        # Each choice's tool calls are read out of its text as it streams (service/tool_calls.py)
+        plan: ToolPlan = meta["tools"]
+        readers = [plan.reader() if chat else None for _ in choices]
+        calls = [0] * len(choices)
 
         async def send(index: int, d: Delta) -> None:
-            if d.text or d.logprobs or d.prompt_logprobs:
-                await sse_send(resp, chunk(index, d.text, None, d=d))
+            reader = readers[index]
+            if reader is None:
+                if d.text or d.logprobs or d.prompt_logprobs:
+                    await sse_send(resp, chunk(index, d.text, None, d=d))
+            else:
+                events = reader.feed(d.text)
+                if d.final is not None and d.final.status not in (FAILED, EXPIRED):
+                    events += reader.finish()
+                text = "".join(e.text for e in events if isinstance(e, Text))
+                deltas = delta_tool_calls(events)
+                calls[index] += sum(isinstance(e, CallStart) for e in events)
+                if text or deltas or d.logprobs or d.prompt_logprobs:
+                    await sse_send(resp, chunk(index, text, None, d=d, tool_calls=deltas))
             if d.final is None:
                 return
             finals[index] = d.final
@@ -570,7 +630,10 @@ class OpenAIRoutes:
                 except ApiError as e:  # the same error a request that ended before streaming gets
                     await sse_send(resp, e.body())
             else:
-                await sse_send(resp, chunk(index, None, d.final.finish_reason))
+                reason = d.final.finish_reason
+                await sse_send(
+                    resp, chunk(index, None, finish_reason(reason, calls[index]) if reader else reason)
+                )
 
         if chat:
             for index in range(len(choices)):

@@ -185,7 +185,7 @@ class Runner:
         with _as_sent(body):
             if prompt is None:
                 prompt = (
-                    self.engine.encode_chat(body.messages, body.chat_template_kwargs)
+                    self.engine.encode_chat(body.messages, body.chat_template_kwargs, body.tools)
                     if body.messages is not None
                     else body.prompt
                 )
@@ -197,7 +197,8 @@ class Runner:
                     params, max_tokens=max(1, self.engine.max_model_len - len(prompt))
                 )
             at = time.monotonic()
-            return Started(rid, self.engine.add_request(rid, prompt, params, stream=body.stream), at)
+            deltas = self.engine.add_request(rid, prompt, params, stream=body.stream, priority=body.priority)
+            return Started(rid, deltas, at)
 
     async def begin(self, rid: str, body: RequestBody, shown: Shown | None = None) -> Started:
         """Hand a request to the engine, tokenizing a long prompt in a thread first; a rerun whose earlier
@@ -212,7 +213,7 @@ class Runner:
         with self._preparing(), _as_sent(body):
             if body.messages is not None:
                 prompt = await asyncio.to_thread(
-                    self.engine.encode_chat, body.messages, body.chat_template_kwargs
+                    self.engine.encode_chat, body.messages, body.chat_template_kwargs, body.tools
                 )
             else:
                 # the engine's own encode of text is the same call, so results do not change
@@ -236,7 +237,7 @@ class Runner:
 
         def prepare() -> tuple[list[int], int, int]:
             if body.messages is not None:
-                prompt = self.engine.encode_chat(body.messages, body.chat_template_kwargs)
+                prompt = self.engine.encode_chat(body.messages, body.chat_template_kwargs, body.tools)
             elif isinstance(body.prompt, str):
                 prompt = self.engine.tokenizer.encode(body.prompt)
             else:
@@ -258,7 +259,9 @@ class Runner:
         params = dataclasses.replace(params, max_tokens=max(1, budget))
         if params.seed is not None and not params.greedy:
             params = dataclasses.replace(params, seed=resumed_seed(params.seed, n))
-        deltas = self.engine.add_request(rid, prompt + given, params, stream=body.stream)
+        deltas = self.engine.add_request(
+            rid, prompt + given, params, stream=body.stream, priority=body.priority
+        )
         return Started(rid, deltas, at, n, chars, given, shown.text[:chars])
 
     async def abort(self, started: Started) -> None:

@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -205,8 +206,25 @@ class Telemetry:
             lambda: self.queue.pending,
         )
         gauge("specserve_queue_lag", "age of the oldest waiting request", lambda: self.queue.lag_seconds, "s")
+        m.create_observable_gauge(
+            "specserve_queue_waiting",
+            [self._waiting_by_band],
+            description="requests in the ready queue, by priority band and tenant (queue/ready.py)",
+        )
+        self.admitted = m.create_counter(
+            "specserve_admitted", description="requests taken from the ready queue, by band and tenant"
+        )
+        self.refused = m.create_counter(
+            "specserve_refused", description="requests refused by an admission limit, by limit and tenant"
+        )
         if self.engine_metrics:
             self._engine_instruments(gauge, counter)
+
+    def _waiting_by_band(self, _options: Any) -> list[Observation]:
+        return [
+            Observation(n, {"band": str(band), "tenant": tenant})
+            for (band, tenant), n in self.queue.waiting.items()
+        ]
 
     def _engine_instruments(self, gauge, counter) -> None:
         gauge(

@@ -1,6 +1,9 @@
 """The worker: one asyncio loop between the request stream and the engine (its lifecycle and admission).
 
-Pull only what the engine can admit now (work waits in Redis, not here), claim and start each request
+Sort what is new in the request stream into the ready queue (queue/ready.py: priority bands, fair share
+between tenants, raw XADDs' limits), take only what the engine can admit now from it (work waits in Redis,
+not here; with the engine's priority policy, a full worker also takes a request of a better band than the
+worst it runs, for the engine to preempt), claim and start each request
 (service/running.py runs it; service/outcome.py says how it ends), acknowledge after the final entry is
 written, keep in-flight entries fresh so no other worker takes them, take over entries of dead workers,
 and on SIGTERM drain: stop pulling, finish or hand back in-flight work within the grace period.
@@ -26,6 +29,7 @@ from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_fore
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
+from specserve.queue.ready import ReadyQueue
 from specserve.queue.routing import Router
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
@@ -43,6 +47,17 @@ from specserve.service.running import (
 from specserve.service.telemetry import Telemetry, access_line, access_log
 
 log = logging.getLogger(__name__)
+
+SORT_BATCH = 256  # most new entries read and sorted into the ready queue in one round
+# With the priority policy, a full worker takes at most this many requests beyond its slots, each of a better
+# band than the worst it runs: the engine preempts for them, and the rest wait in Redis as usual.
+OVERBOOK = 4
+# Limits as a raw XADD's refusal names them (the API's 429 texts say "this API key").
+REFUSED_TEXT = {
+    "max_backlog": "the queue holds as many waiting requests as it may",
+    "tenant_max_queued": "this tenant has as many requests waiting as it may",
+    "tenant_tokens_per_minute": "this tenant has asked for as many tokens this minute as it may",
+}
 
 
 class Worker:
@@ -70,6 +85,10 @@ class Worker:
             self.cfg.consumer_config(),
         )
         self.publisher = Publisher(self.conns, keys, name, ttl_ms, self.cfg.reply_maxlen)
+        self.ready_queue = ReadyQueue(
+            self.conns.fast, keys, name, self.cfg.fair_share, self.cfg.limits, ttl_ms
+        )
+        self._ready_waiting = 0  # entries in the ready queue, as the last take saw it
         self.clock = ServerClock()
         self.runner = Runner(engine, self.publisher, self.telemetry, self.clock, keys)
         self.routing: PrefixRouting | None = None
@@ -201,24 +220,91 @@ class Worker:
 
     async def _pull_loop(self) -> None:
         while not self.draining:
-            n = self._room()
-            if n <= 0:
-                self._capacity.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), timeout=0.25)
-                continue
             try:
-                entries = await retry_forever(
-                    lambda n=n: self.consumer.read_new(n), what="XREADGROUP", stop=lambda: self.draining
-                )
+                await self._pull()
                 self.redis_ok = True
-                if entries:
-                    await self._admit(entries, fresh=True)
             except asyncio.CancelledError:
                 raise
+            except TRANSIENT_ERRORS as e:
+                self.redis_ok = False
+                log.debug("pulling: redis unavailable (%s)", e)
+                await asyncio.sleep(0.5)
             except Exception:  # never let one bad reply stop the worker from pulling
                 log.exception("pulling requests failed")
                 await asyncio.sleep(0.5)
+
+    async def _pull(self) -> None:
+        """One round: sort in what is new, take what there is room for (best band first, fair between
+        tenants), or block for new entries when the ready queue is empty."""
+        room = self._room()
+        better = self._overbook_band() if room <= 0 else None
+        await self._sort_new(wait=False)
+        if room > 0 or better is not None:
+            taken = await self.ready_queue.take(room if room > 0 else 1, better)
+            self._ready_waiting = taken.waiting
+            if taken.entries:
+                for e in taken.entries:
+                    band, tenant = self._band_of(e)
+                    self.telemetry.admitted.add(1, {"band": band, "tenant": tenant})
+                await self._admit(taken.entries, fresh=True)
+                return
+        if room > 0 and not self._ready_waiting:
+            await self._sort_new(wait=True)  # nothing waits: block until something arrives
+            return
+        self._capacity.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._capacity.wait(), timeout=0.25)
+
+    def _band_of(self, e: RequestEntry) -> tuple[str, str]:
+        """A taken entry's band and tenant, for the admitted counter (its body is decoded again to run)."""
+        with contextlib.suppress(Exception):
+            data = orjson.loads(e.raw_body)
+            return str(wire.priority_of(data)), wire.tenant_of(data) or ""
+        return "0", ""
+
+    def _overbook_band(self) -> int | None:
+        """With the engine's priority policy: the worst band this worker runs, when a request of a better one
+        may still be taken although every slot is full (the engine then preempts the worst for it)."""
+        if not self.engine.by_priority or not self.inflight:
+            return None
+        if len(self.inflight) + self._admitting >= self.engine.max_num_seqs + OVERBOOK:
+            return None
+        return max(s.body.priority for s in self.inflight.values())
+
+    async def _sort_new(self, wait: bool) -> None:
+        """Read new entries and sort them into the ready queue. An entry that cannot run (no id, a body that
+        does not parse, a raw XADD over its tenant's limits) or that the ready queue does not take (a
+        duplicate or finished id) is claimed and settled at once instead, as are entries whose sort failed."""
+        count = min(SORT_BATCH, self.cfg.fair_share.sort_ahead - self._ready_waiting)
+        if count <= 0:
+            return
+        entries = await self.consumer.read_new(count, wait=wait)
+        if not entries:
+            return
+        direct: list[RequestEntry] = []
+        refusals: dict[str, WireError] = {}
+        items: list[tuple[RequestEntry, RequestBody]] = []
+        for e in entries:
+            body = self._decode(e) if e.request_id is not None else None
+            if isinstance(body, RequestBody):
+                items.append((e, body))
+            else:
+                direct.append(e)
+        for (e, body), verdict in zip(items, await self.ready_queue.sort_in(items) if items else []):
+            if isinstance(verdict, Exception):
+                log.warning("entry %s could not be sorted in (%s); running it now", e.entry_id, verdict)
+                direct.append(e)
+            elif verdict.verdict == "ready":
+                self._ready_waiting += 1
+            elif verdict.verdict == "refused":
+                limit = verdict.detail
+                self.telemetry.refused.add(1, {"limit": limit, "tenant": body.tenant or ""})
+                refusals[e.entry_id] = WireError(limit, REFUSED_TEXT.get(limit, "limit reached"))
+                direct.append(e)
+            elif verdict.verdict == "direct":
+                direct.append(e)
+        if direct:
+            await self._admit(direct, refusals=refusals)
 
     async def _reclaim(self) -> None:
         n = self._room()
@@ -242,11 +328,19 @@ class Worker:
     async def _admit_passed(self, entries: list[RequestEntry]) -> None:
         await self._admit(entries, fresh=True, route=False)
 
-    async def _admit(self, entries: list[RequestEntry], fresh: bool = False, route: bool = True) -> None:
+    async def _admit(
+        self,
+        entries: list[RequestEntry],
+        fresh: bool = False,
+        route: bool = True,
+        refusals: dict[str, WireError] | None = None,
+    ) -> None:
         """Decode, claim and start a batch of entries. Every step is per entry: whatever one entry holds
         (bytes that are not UTF-8, a body that does not parse, a number out of range, a status key of the
-        wrong type), it ends that entry alone, failed or dead-lettered with a reason. With prefix routing,
-        fresh entries a warm worker should run are passed to it first (service/routing.py)."""
+        wrong type), it ends that entry alone, failed or dead-lettered with a reason; so does a refusal (an
+        entry id -> the limit that refused it), naming the limit. With prefix routing, fresh entries a warm
+        worker should run are passed to it first (service/routing.py)."""
+        refusals = refusals or {}
         if self.draining:
             return  # read as the drain began: they stay pending here and are handed back
         self._admitting += len(entries)
@@ -259,7 +353,7 @@ class Worker:
                 running = self.inflight.get(e.request_id)
                 if running is not None and running.entry.entry_id == e.entry_id:
                     continue  # our own entry came back through XAUTOCLAIM; it is still running here
-                batch.append((e, self._decode(e)))
+                batch.append((e, refusals.get(e.entry_id) or self._decode(e)))
             route_keys = self.routing.keys_of(batch) if self.routing is not None else {}
             if route_keys and fresh and route and self.routing is not None:
                 passed = await self.routing.offer([e for e, _ in batch], route_keys)

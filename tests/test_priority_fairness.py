@@ -1,0 +1,127 @@
+"""Priority bands and tenant fair share through a worker (issue 17, items 1-3): requests are XADDed to the one
+stream, the worker sorts them into the ready queue and admits the best band first, rotating between tenants;
+finishing order is read off a producer's reply stream, where each final result lands as it is written."""
+
+from __future__ import annotations
+
+import orjson
+from valkey_helpers import TINY, run, service_stack
+
+from specserve.queue.client import Limits
+from specserve.queue.keys import Keys
+from specserve.queue.ready import FairShare
+
+pytest_plugins = ("valkey_fixtures",)
+KEYS = Keys("specserve")
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+async def _finish_order(client, want: int, stream: str = "order") -> list[dict]:
+    got: list[dict] = []
+    last = "0-0"
+    while len(got) < want:
+        for _, items in await client.r.xread({KEYS.reply(stream): last}, block=5000) or []:
+            for eid, f in items:
+                last = eid
+                got.append(f)
+    return got
+
+
+def test_a_tenants_burst_does_not_starve_anothers_few(valkey, tiny_model_dir):
+    """Tenant A enqueues 40, then tenant B 4, with 4 sequence slots: B's 4 finish before A's 20th."""
+
+    async def main():
+        async with service_stack(
+            valkey.url,
+            tiny_model_dir,
+            start_worker=False,
+            engine_args={"max_num_seqs": 4},
+            fair_share=FairShare(quantum=256),
+        ) as (worker, client):
+            for tenant, n in (("A", 40), ("B", 4)):
+                for i in range(n):
+                    body = {"prompt": f"tenant {tenant} asks {i}", "max_tokens": 24, **GREEDY}
+                    await client.enqueue({**body, "tenant": tenant, "reply_to": "order"}, f"{tenant}{i}")
+            await worker.start()
+            return [f["id"] for f in await _finish_order(client, 44)]
+
+    order = run(main(), timeout=300)
+    assert sorted(order) == sorted([f"A{i}" for i in range(40)] + [f"B{i}" for i in range(4)])
+    a_done = [x for x in order if x.startswith("A")]
+    assert max(order.index(f"B{i}") for i in range(4)) < order.index(a_done[19]), order
+
+
+def test_high_priority_work_overtakes_a_full_pool_of_low_priority_work(valkey, tiny_model_dir):
+    """The pool is full of long low-priority requests when short high-priority ones arrive: with the engine's
+    priority policy they preempt, and finish before most of the long ones (4 slots, 12 long, 4 short). The
+    starvation bound holds too: every long request finishes."""
+
+    async def main():
+        async with service_stack(
+            valkey.url,
+            tiny_model_dir,
+            engine_args={"max_num_seqs": 4, "scheduling_policy": "priority"},
+            fair_share=FairShare(oldest_every=8),
+        ) as (worker, client):
+            for i in range(12):
+                body = {"prompt": f"long job {i}", "max_tokens": 160, "priority": 10, **GREEDY}
+                await client.enqueue({**body, "reply_to": "order"}, f"long{i}")
+            # wait until the pool is full of long work
+            while len(worker.inflight) < 4:
+                await client.r.xlen(KEYS.requests)
+                await _sleep()
+            for i in range(4):
+                body = {"prompt": f"short job {i}", "max_tokens": 8, **GREEDY}
+                await client.enqueue({**body, "reply_to": "order"}, f"short{i}")
+            finals = await _finish_order(client, 16)
+            engine = TINY.llm_engine(tiny_model_dir, max_num_seqs=4, scheduling_policy="priority")
+            return finals, engine.scheduler.num_preemptions
+
+    finals, preemptions = run(main(), timeout=300)
+    order = [f["id"] for f in finals]
+    assert all(f["status"] == "finished" for f in finals)
+    last_short = max(order.index(f"short{i}") for i in range(4))
+    longs_before = sum(x.startswith("long") for x in order[:last_short])
+    assert longs_before <= 4, order  # at most the ones already near their end
+    assert preemptions >= 1
+    for f in finals:  # preempted and recomputed, the long ones still produce all their tokens
+        want = 160 if f["id"].startswith("long") else 8
+        assert len(orjson.loads(f["ids"])) == want
+
+
+async def _sleep() -> None:
+    import asyncio
+
+    await asyncio.sleep(0.05)
+
+
+def test_a_raw_xadd_over_its_tenants_cap_fails_naming_the_limit(valkey, tiny_model_dir):
+    """A producer that XADDs past its tenant's cap of queued requests gets `failed` with the limit as
+    error_field; its other requests and everyone else's run."""
+
+    async def main():
+        async with service_stack(
+            valkey.url,
+            tiny_model_dir,
+            start_worker=False,
+            limits=Limits(tenant_max_queued=3),
+        ) as (worker, client):
+            for i in range(5):
+                body = {"prompt": f"raw {i}", "max_tokens": 4, "tenant": "T", "reply_to": "order", **GREEDY}
+                await client.r.xadd(KEYS.requests, {"id": f"t{i}", "body": orjson.dumps(body)})
+            body = {"prompt": "other", "max_tokens": 4, "tenant": "U", "reply_to": "order", **GREEDY}
+            await client.r.xadd(KEYS.requests, {"id": "u0", "body": orjson.dumps(body)})
+            await worker.start()
+            return {f["id"]: f for f in await _finish_order(client, 6)}
+
+    finals = run(main(), timeout=300)
+    statuses = {rid: f["status"] for rid, f in finals.items()}
+    assert statuses == {
+        "t0": "finished",
+        "t1": "finished",
+        "t2": "finished",
+        "t3": "failed",
+        "t4": "failed",
+        "u0": "finished",
+    }
+    assert finals["t3"]["error_field"] == "tenant_max_queued"
