@@ -39,8 +39,9 @@ CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "portable": []}
 ISA_ENV = "SPECSERVE_KERNEL_ISA"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# specserve_paths() bits: the fast kernels that take queries of any length (prefill chunks too)
-PATH_F32, PATH_BF16 = 1, 2
+# specserve_paths() bits: the fast kernels that take queries of any length (prefill chunks too), and the
+# AVX2 + FMA weight-only int8 / int4 products for float32 activations
+PATH_F32, PATH_BF16, PATH_QUANT_F32 = 1, 2, 4
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -116,6 +117,10 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_paged_attention_short", "p i i p p p i p p p i i i i i f p i i c c i f")
     _bind(lib, "specserve_rope_write_kv", "p i i p p p i i i p p p c c")
     _bind(lib, "specserve_paths", "")
+    _bind(lib, "specserve_int8_matmul", "p i i p p i i p i c")
+    _bind(lib, "specserve_int4_matmul", "p i i p p p i i p i c")
+    _bind(lib, "specserve_int8_widen", "p p i i p c")
+    _bind(lib, "specserve_int4_widen", "p p p i i p c")
     return lib
 
 
@@ -276,3 +281,113 @@ def rope_write_kv(
     )
     if rc != 0:
         raise ValueError(f"rope_write_kv refused its arguments (code {rc})")
+
+
+# The weight-only quantized products (models/quant.py holds the matrices; these only read them). int4 codes
+# come packed by pack_int4: 16 bytes per group of INT4_GROUP inputs, byte i holding code i in its low nibble
+# and code i + 16 in its high one, so one 16-byte load unpacks into the group's 32 codes in input order.
+INT4_GROUP = 32
+
+
+def quant_fast() -> bool:
+    """Whether the loaded library vectorises the int8 / int4 products (AVX2 + FMA builds)."""
+    return bool(_paths & PATH_QUANT_F32)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """[n, k] codes in 0..15 (uint8) -> [n, k // 2] uint8 in the kernels' nibble layout."""
+    n, k = codes.shape
+    halves = codes.to(torch.uint8).reshape(n, k // INT4_GROUP, 2, INT4_GROUP // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: [n, k // 2] -> [n, k] codes (uint8)."""
+    n = packed.shape[0]
+    groups = packed.reshape(n, -1, INT4_GROUP // 2)
+    return torch.cat([groups & 0x0F, groups >> 4], dim=-1).reshape(n, -1)
+
+
+def _check_quant(x: torch.Tensor, *tensors: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("the quantized products take float32 activations [rows, k] with k innermost")
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("quantized weights, scales and offsets must be contiguous")
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] float32 times (codes [n, k] int8 * scales [n] float32)^T -> [rows, n] float32. load()
+    must have succeeded; vectorised for 1..8 rows where quant_fast()."""
+    _check_quant(x, codes, scales)
+    n, k = codes.shape
+    if codes.dtype != torch.int8 or scales.dtype != torch.float32 or x.shape[1] != k or scales.numel() != n:
+        raise ValueError("int8_matmul takes int8 codes [n, k] and float32 scales [n]")
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    rc = _lib.specserve_int8_matmul(
+        x.data_ptr(), x.stride(0), x.shape[0], codes.data_ptr(), scales.data_ptr(), n, k,
+        out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"int8_matmul refused its arguments (code {rc})")
+    return out
+
+
+def _check_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if (
+        packed.dtype != torch.uint8
+        or k % INT4_GROUP != 0
+        or scales.dtype != torch.float32
+        or offsets.dtype != torch.float32
+        or scales.numel() != n * (k // INT4_GROUP)
+        or offsets.numel() != scales.numel()
+    ):
+        raise ValueError("int4 takes packed uint8 [n, k // 2] and float32 scales and offsets [n, k // 32]")
+    return n, k
+
+
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """x [rows, k] float32 times w^T, w[j, i] = code * scales[j, g] + offsets[j, g] for i in group g (codes
+    from pack_int4) -> [rows, n] float32. load() must have succeeded; vectorised for 1..8 rows where
+    quant_fast()."""
+    _check_quant(x, packed, scales, offsets)
+    n, k = _check_int4(packed, scales, offsets)
+    if x.shape[1] != k:
+        raise ValueError(f"int4_matmul: activations of width {x.shape[1]} against weights of width {k}")
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    rc = _lib.specserve_int4_matmul(
+        x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
+        n, k, out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"int4_matmul refused its arguments (code {rc})")
+    return out
+
+
+def int8_widen(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [n, k] int8 * scales [n] -> [n, k] float32, on every thread."""
+    if codes.dtype != torch.int8 or scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
+        raise ValueError("int8_widen takes int8 codes [n, k] and float32 scales [n]")
+    if not (codes.is_contiguous() and scales.is_contiguous()):
+        raise ValueError("int8_widen takes contiguous codes and scales")
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    n, k = codes.shape
+    _lib.specserve_int8_widen(
+        codes.data_ptr(), scales.data_ptr(), n, k, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
+
+
+def int4_widen(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """pack_int4 codes with their scales and offsets -> [n, k] float32, on every thread."""
+    if not (packed.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
+        raise ValueError("int4_widen takes contiguous codes, scales and offsets")
+    n, k = _check_int4(packed, scales, offsets)
+    out = torch.empty(n, k, dtype=torch.float32)
+    _lib.specserve_int4_widen(
+        packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(), n, k, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import cpu_paged_attention as cpu_kernels
+
 MODES = ("none", "auto", "int8", "int4")
 # GGUF's 4-bit block; a group must divide the input width (SmolLM2's 576 is not a multiple of 128)
-GROUP = 32
+GROUP = cpu_kernels.INT4_GROUP
 # The CPU int4 packing interleaves output rows in tiles of 16.
 INT4_ROW_TILE = 16
 
@@ -49,20 +51,17 @@ def check_mode(mode: str) -> None:
 
 
 def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's packed-int CPU kernels have a vectorised path for this compute dtype: bfloat16 on
-    AVX-512 only. In float32 they run a scalar loop (SmolLM2's four layer matmuls at batch 1: int8 0.99 ms,
-    int4 2.8 ms against 0.19 ms for the dense float32 F.linear on the quiet Xeon), so `auto` keeps a GGUF's
-    quantization only where this holds."""
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.cpu.get_cpu_capability()
-        in (
-            "AVX512",
-            "AVX512_BF16",
-            "AMX",
-        )
-    )
+    """Whether a vectorised weight-only kernel runs this compute dtype here, so that `auto` keeps a
+    checkpoint's quantization: float32 on AVX2 + FMA (our kernels, kernels/cpu_paged_attention.cpp), bfloat16
+    on AVX-512 (torch's packed-int kernels). torch's have no vectorised float32 path (SmolLM2's four layer
+    matmuls at batch 1: int8 0.99 ms, int4 2.8 ms against 0.19 ms for the dense float32 F.linear on the quiet
+    Xeon), which is why float32 takes ours."""
+    if device.type != "cpu":
+        return False
+    if dtype == torch.float32:
+        return cpu_kernels.load() is not None and cpu_kernels.quant_fast()
+    avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+    return dtype == torch.bfloat16 and avx512
 
 
 def effective_mode(mode: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -134,28 +133,38 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
     return Int8Weight(torch.cat([p.codes for p in as_int8]), torch.cat([p.scales for p in as_int8]))
 
 
-# Up to this many rows the packed-int kernels run (bf16 only); above, a dense copy kept beside them (auto)
-# or the matrix widened to the compute dtype for one dense matmul. SmolLM2's four layer matrices, bf16, both
-# cores of the AMX Xeon, at 1 / 16 / 64 / 256 rows: int8 kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened
-# 0.59 / 0.62 / 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 / 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 /
-# 0.80 ms. The kernels pay only while a step reads few rows: batch-1 decode.
+# Up to this many rows the packed-int kernels run; above, a dense copy kept beside them (auto) or the matrix
+# widened to the compute dtype for one dense matmul. SmolLM2's four layer matrices, bf16, both cores of the
+# AMX Xeon, at 1 / 16 / 64 / 256 rows: int8 kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened 0.59 / 0.62 /
+# 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 / 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 / 0.80 ms. The
+# kernels pay only while a step reads few rows: batch-1 decode. Our float32 AVX2 kernels are written for 1..8.
 KERNEL_MAX_ROWS = 8
 
 
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _own_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether our AVX2 kernels serve this matrix's few-row steps (float32 only)."""
+    return dtype == torch.float32 and kernels_fast(device, dtype)
+
+
+def _own_widening(dtype: torch.dtype) -> bool:
+    """Whether the C++ library widens the matrix (float32, any build variant: its loops use both cores)."""
+    return dtype == torch.float32 and cpu_kernels.load() is not None
+
+
 class _Packed:
-    """A quantized matrix as the model calls it: the packed-int kernel for steps of few rows (bf16), and
-    for more rows a dense copy's matmul (auto keeps one) or else the matrix widened per call."""
+    """A quantized matrix as the model calls it: a kernel for steps of few rows (ours in float32 on AVX2,
+    torch's packed-int ones in bf16), and for more rows a dense copy's matmul (auto keeps one) or else the
+    matrix widened per call."""
 
-    has_kernel = True
-
-    def __init__(self, dense_mm: DenseMatmul | None) -> None:
+    def __init__(self, has_kernel: bool, dense_mm: DenseMatmul | None) -> None:
+        self.has_kernel = has_kernel
         self.many_rows: DenseMatmul = dense_mm or self.widened_mm
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.has_kernel and x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.has_kernel and x.shape[0] <= KERNEL_MAX_ROWS:
             return self.kernel(x.contiguous())
         return self.many_rows(x)
 
@@ -167,50 +176,63 @@ class _Packed:
 
 
 class PackedInt8(_Packed):
-    """An int8 matrix as the kernel reads it: codes [out, in], scales in the compute dtype."""
+    """An int8 matrix as the kernels read it: codes [out, in] (each output's inputs contiguous), scales in
+    the compute dtype."""
 
     def __init__(
         self, w: Int8Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
     ) -> None:
-        super().__init__(dense_mm)
+        self.own = _own_kernels(dtype, device)
+        self.own_widening = _own_widening(dtype)
+        super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
         self.codes = w.codes.to(device).contiguous()
-        self.scales = w.scales.to(device=device, dtype=dtype)
+        self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own:
+            return cpu_kernels.int8_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_widening:
+            return F.linear(x, cpu_kernels.int8_widen(self.codes, self.scales))
         return F.linear(x, self.codes.to(x.dtype)) * self.scales  # int8 values are exact in bf16
 
 
 class PackedInt4(_Packed):
-    """An int4 matrix at half a byte a value: in the CPU kernel's packed layout (rows tiled by 16) for few
-    rows and, unless a dense copy serves many rows, as plain nibble pairs to widen for them."""
+    """An int4 matrix at half a byte a value. float32 with our kernels: nibbles in their layout
+    (cpu_kernels.pack_int4), read by the kernel and by widening alike. bfloat16: torch's packed layout (rows
+    tiled by 16) for few rows and, unless a dense copy serves many rows, the nibbles again to widen."""
 
     def __init__(
         self, w: Int4Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
     ) -> None:
-        super().__init__(dense_mm)
-        self.has_kernel = dtype == torch.bfloat16
-        if self.has_kernel:
+        self.own = _own_kernels(dtype, device)
+        self.own_widening = _own_widening(dtype)
+        super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
+        if dtype == torch.bfloat16:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
             self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(
                 device=device, dtype=dtype
             )
-        if dense_mm is None:
-            codes = w.codes.to(device)
-            self.pairs = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()  # [out, in // 2]
-            # widening as code * scale + (zero - 8 * scale): two passes over the matrix instead of four
-            self.scales = w.scales.to(device=device, dtype=dtype)[..., None]
-            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype)[..., None]
+        if self.own or dense_mm is None:
+            self.nibbles = cpu_kernels.pack_int4(w.codes.to(device))  # [out, in // 2]
+            # w = code * scale + (zero - 8 * scale): one multiply-add a weight
+            self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
+            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype).contiguous()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own:
+            return cpu_kernels.int4_matmul(x, self.nibbles, self.scales, self.offsets)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.pairs.shape[0]
-        codes = torch.stack([self.pairs & 0x0F, self.pairs >> 4], dim=-1).view(n, -1, GROUP)
-        return F.linear(x, (codes.to(x.dtype) * self.scales).add_(self.offsets).view(n, -1))
+        if self.own_widening:
+            return F.linear(x, cpu_kernels.int4_widen(self.nibbles, self.scales, self.offsets))
+        n = self.nibbles.shape[0]
+        codes = cpu_kernels.unpack_int4(self.nibbles).view(n, -1, GROUP)
+        widened = (codes.to(x.dtype) * self.scales[..., None]).add_(self.offsets[..., None])
+        return F.linear(x, widened.view(n, -1))
 
 
 Packed = PackedInt8 | PackedInt4

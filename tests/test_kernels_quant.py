@@ -1,0 +1,106 @@
+"""The C++ weight-only int8 / int4 products (kernels/cpu_paged_attention.cpp) in every build variant this CPU
+runs, against float64 dense matmuls on the dequantized weights."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from specserve.models import quant
+
+# (out, in): SmolLM2's four layer shapes, and small ones with an int8 input width that is not a multiple of
+# the kernel's 32-wide steps (the tail loop) and a single group
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (48, 64), (16, 32)]
+INT8_ODD_WIDTHS = [(40, 72), (8, 13)]
+
+
+def _variant(monkeypatch, isa: str):
+    from specserve.kernels import cpu_paged_attention as cpa
+
+    if cpa.load() is None:
+        pytest.skip("no C++ compiler")
+    if isa not in cpa.available_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    lib = cpa.build_variant(isa)
+    monkeypatch.setattr(cpa, "_lib", lib)
+    monkeypatch.setattr(cpa, "_paths", int(lib.specserve_paths()))
+    return cpa
+
+
+def _assert_fp32_rounding(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
+    """Within what float32 accumulation over k terms allows, relative to the terms' magnitude."""
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    bound = 8 * k**0.5 * torch.finfo(torch.float32).eps * want.abs().max().clamp(min=1.0)
+    assert (got.double() - want).abs().max() <= bound
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_variants_report_the_quantized_path(monkeypatch, isa) -> None:
+    cpa = _variant(monkeypatch, isa)
+    if isa == "portable":
+        assert not cpa.quant_fast()
+    elif platform.machine() in ("x86_64", "AMD64"):
+        assert cpa.quant_fast()  # available_isas() lists avx2 only where the CPU has AVX2 + FMA
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+def test_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
+    cpa = _variant(monkeypatch, isa)
+    for i, (n, k) in enumerate(SHAPES + INT8_ODD_WIDTHS):
+        torch.manual_seed(100 * rows + i)
+        w = quant.quantize_int8(torch.randn(n, k))
+        x = torch.randn(rows, k)
+        want = x.double() @ quant.dequantize(w).double().t()
+        _assert_fp32_rounding(cpa.int8_matmul(x, w.codes, w.scales), want, k)
+        # rows read through a stride (a view of wider activations)
+        wide = torch.randn(rows, k + 7)
+        wide[:, :k] = x
+        _assert_fp32_rounding(cpa.int8_matmul(wide[:, :k], w.codes, w.scales), want, k)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+def test_int4_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
+    cpa = _variant(monkeypatch, isa)
+    for i, (n, k) in enumerate(SHAPES):
+        torch.manual_seed(100 * rows + i)
+        w = quant.quantize_int4(torch.randn(n, k) + torch.rand(n, 1))  # zeros away from 0
+        assert isinstance(w, quant.Int4Weight)
+        nibbles = cpa.pack_int4(w.codes)
+        assert nibbles.shape == (n, k // 2) and torch.equal(cpa.unpack_int4(nibbles), w.codes)
+        offsets = (w.zeros - 8.0 * w.scales).contiguous()
+        x = torch.randn(rows, k)
+        want = x.double() @ quant.dequantize(w).double().t()
+        _assert_fp32_rounding(cpa.int4_matmul(x, nibbles, w.scales.contiguous(), offsets), want, k)
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+def test_widening_gives_the_dequantized_matrix(monkeypatch, isa) -> None:
+    cpa = _variant(monkeypatch, isa)
+    torch.manual_seed(3)
+    for n, k in SHAPES:
+        w8 = quant.quantize_int8(torch.randn(n, k))
+        assert torch.equal(cpa.int8_widen(w8.codes, w8.scales), quant.dequantize(w8))  # one product each
+        w4 = quant.quantize_int4(torch.randn(n, k))
+        offsets = (w4.zeros - 8.0 * w4.scales).contiguous()
+        got = cpa.int4_widen(cpa.pack_int4(w4.codes), w4.scales.contiguous(), offsets)
+        dense = quant.dequantize(w4)
+        # code * scale + offset against (code - 8) * scale + zero: a rounding or two of the group's range
+        assert (got - dense).abs().max() <= 4 * torch.finfo(torch.float32).eps * dense.abs().max()
+
+
+def test_bad_arguments_are_refused(monkeypatch) -> None:
+    cpa = _variant(monkeypatch, "native")
+    w = quant.quantize_int8(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="float32"):
+        cpa.int8_matmul(torch.randn(1, 64, dtype=torch.bfloat16), w.codes, w.scales)
+    with pytest.raises(ValueError, match="int8"):
+        cpa.int8_matmul(torch.randn(1, 32), w.codes, w.scales)
+    w4 = quant.quantize_int4(torch.randn(16, 64))
+    nibbles = cpa.pack_int4(w4.codes)
+    with pytest.raises(ValueError, match="width"):
+        cpa.int4_matmul(torch.randn(1, 96), nibbles, w4.scales, w4.zeros)
