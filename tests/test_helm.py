@@ -1145,3 +1145,26 @@ def test_cpu_image_can_build_the_attention_kernel() -> None:
     stage = final_stage(dockerfile_instructions(ROOT / "docker" / "Dockerfile.cpu"))
     installs = " ".join(rest for ins, rest in stage if ins == "RUN" and "apt-get install" in rest)
     assert "g++" in installs.split()
+
+
+def test_queue_limits_and_fair_share_reach_the_api_and_the_workers_config() -> None:
+    """queue.* and engine.schedulingPolicy, as each component parses its environment: the API checks the
+    limits at enqueue, workers check raw XADDs against the same ones and run the ready queue's fair share."""
+    docs = rendered("all-on")
+    worker = from_args(environ=kubelet_env(container(deployment(docs, "worker"), "worker")))
+    api = from_args(environ=kubelet_env(container(deployment(docs, "api"), "api")))
+    for cfg in (worker, api):
+        assert (cfg.max_backlog, cfg.tenant_max_queued, cfg.tenant_tokens_per_minute) == (
+            100000,
+            5000,
+            2000000,
+        )
+    assert (
+        worker.worker_config().fair_share.quantum == 256
+        and worker.worker_config().fair_share.oldest_every == 4
+    )
+    assert worker.worker_config().limits.tenant_max_queued == 5000
+    assert worker.scheduling_policy == "priority"
+    default = from_args(environ=kubelet_env(container(deployment(rendered("default"), "worker"), "worker")))
+    assert default.max_backlog == 0 and default.scheduling_policy == "fcfs"
+    assert default.worker_config().fair_share.oldest_every == 8

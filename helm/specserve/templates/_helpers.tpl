@@ -191,6 +191,12 @@ so the password never appears in the rendered manifest.
   value: {{ include "specserve.redisURL" $ | quote }}
 - name: SPECSERVE_PREFIX
   value: {{ $.Values.prefix | quote }}
+- name: SPECSERVE_MAX_BACKLOG
+  value: {{ int64 $.Values.queue.maxBacklog | quote }}
+- name: SPECSERVE_TENANT_MAX_QUEUED
+  value: {{ int64 $.Values.queue.tenantMaxQueued | quote }}
+- name: SPECSERVE_TENANT_TOKENS_PER_MINUTE
+  value: {{ int64 $.Values.queue.tenantTokensPerMinute | quote }}
 - name: SPECSERVE_HOST
   value: {{ $.Values.listenHost | quote }}
 - name: OTEL_SERVICE_NAME
