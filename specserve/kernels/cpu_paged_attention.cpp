@@ -887,6 +887,37 @@ inline void q4_row(const float* x, int64_t xs, const uint8_t* w, int64_t groups,
   }
 }
 
+// One output row of int8 with a scale per group of 32 inputs (the LM head: GGUF's Q8_0 blocks exactly).
+template <int R>
+inline void q8g_row(const float* x, int64_t xs, const int8_t* w, int64_t groups, const float* scales, float* out,
+                    int64_t os) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const int8_t* p = w + g * 32;
+    __m256 q[4];
+    for (int u = 0; u < 4; ++u)
+      q[u] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * u))));
+    const __m256 s = _mm256_set1_ps(scales[g]);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * xs + g * 32;
+      const __m256 t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xr + 8), _mm256_mul_ps(q[0], _mm256_loadu_ps(xr)));
+      const __m256 u =
+          _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xr + 24), _mm256_mul_ps(q[2], _mm256_loadu_ps(xr + 16)));
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(t, u), s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * os] = hsum(acc[r]);
+}
+
+template <int R>
+void q8g_rows(const float* x, int64_t xs, const int8_t* codes, const float* scales, int64_t n, int64_t k,
+              float* out, int64_t os, int num_threads) {
+  const int64_t groups = k / 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+  for (int64_t j = 0; j < n; ++j) q8g_row<R>(x, xs, codes + j * k, groups, scales + j * groups, out + j, os);
+}
+
 template <int R>
 void q8_rows(const float* x, int64_t xs, const int8_t* codes, const float* scales, int64_t n, int64_t k,
              float* out, int64_t os, int num_threads) {
@@ -916,6 +947,24 @@ void q8_generic(const float* x, int64_t xs, int64_t rows, const int8_t* codes, c
       float s = 0.f;
       for (int64_t i = 0; i < k; ++i) s += static_cast<float>(w[i]) * xr[i];
       out[r * os + j] = s * scales[j];
+    }
+}
+
+void q8g_generic(const float* x, int64_t xs, int64_t rows, const int8_t* codes, const float* scales, int64_t n,
+                 int64_t k, float* out, int64_t os, int num_threads) {
+  const int64_t groups = k / 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * xs;
+      float total = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int8_t* p = codes + j * k + g * 32;
+        float s = 0.f;
+        for (int i = 0; i < 32; ++i) s += static_cast<float>(p[i]) * xr[g * 32 + i];
+        total += s * scales[j * groups + g];
+      }
+      out[r * os + j] = total;
     }
 }
 
@@ -961,6 +1010,28 @@ extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t r
   }
 #endif
   q8_generic(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads);
+  return 0;
+}
+
+// The same with a scale per group of 32 inputs: scales [n, k / 32].
+extern "C" int specserve_int8_grouped_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
+                                             const float* scales, int64_t n, int64_t k, float* out,
+                                             int64_t out_stride, int num_threads) {
+  if (rows < 1 || n < 1 || k < 32 || k % 32 != 0) return 1;
+#ifdef SPECSERVE_QUANT_PATH
+  switch (rows) {
+    case 1: return q8g_rows<1>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 2: return q8g_rows<2>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 3: return q8g_rows<3>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 4: return q8g_rows<4>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 5: return q8g_rows<5>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 6: return q8g_rows<6>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 7: return q8g_rows<7>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    case 8: return q8g_rows<8>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
+    default: break;
+  }
+#endif
+  q8g_generic(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads);
   return 0;
 }
 

@@ -118,6 +118,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_rope_write_kv", "p i i p p p i i i p p p c c")
     _bind(lib, "specserve_paths", "")
     _bind(lib, "specserve_int8_matmul", "p i i p p i i p i c")
+    _bind(lib, "specserve_int8_grouped_matmul", "p i i p p i i p i c")
     _bind(lib, "specserve_int4_matmul", "p i i p p p i i p i c")
     _bind(lib, "specserve_int8_widen", "p p i i p c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
@@ -316,14 +317,23 @@ def _check_quant(x: torch.Tensor, *tensors: torch.Tensor) -> None:
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] float32 times (codes [n, k] int8 * scales [n] float32)^T -> [rows, n] float32. load()
-    must have succeeded; vectorised for 1..8 rows where quant_fast()."""
+    """x [rows, k] float32 times w^T -> [rows, n] float32, w = codes [n, k] int8 times scales, float32 [n]
+    (one per output row) or [n, k // 32] (one per group of 32 inputs). load() must have succeeded;
+    vectorised for 1..8 rows where quant_fast()."""
     _check_quant(x, codes, scales)
     n, k = codes.shape
-    if codes.dtype != torch.int8 or scales.dtype != torch.float32 or x.shape[1] != k or scales.numel() != n:
-        raise ValueError("int8_matmul takes int8 codes [n, k] and float32 scales [n]")
+    grouped = scales.dim() == 2
+    if (
+        codes.dtype != torch.int8
+        or scales.dtype != torch.float32
+        or x.shape[1] != k
+        or scales.numel() != (n * (k // INT4_GROUP) if grouped else n)
+        or (grouped and k % INT4_GROUP != 0)
+    ):
+        raise ValueError("int8_matmul takes int8 codes [n, k] and float32 scales [n] or [n, k // 32]")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    rc = _lib.specserve_int8_matmul(
+    fn = _lib.specserve_int8_grouped_matmul if grouped else _lib.specserve_int8_matmul
+    rc = fn(
         x.data_ptr(), x.stride(0), x.shape[0], codes.data_ptr(), scales.data_ptr(), n, k,
         out.data_ptr(), n, torch.get_num_threads(),
     )  # fmt: skip

@@ -241,6 +241,10 @@ class LlamaModel:
         self.quantized = quantized
         if prepack:
             self.lm_head = pack(self.lm_head)  # a packed copy: the embedding lookup still needs the dense one
+        if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
+            self.lm_head = quant.pack_head(
+                self.lm_head, partial(dense, weight=self.lm_head), self.dtype, self.device
+            )
         self.linear = quant.with_packed(dense) if quantized else dense
 
     def _rope_cache(self, length: int) -> None:
