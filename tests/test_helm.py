@@ -1164,7 +1164,8 @@ def test_queue_limits_and_fair_share_reach_the_api_and_the_workers_config() -> N
         and worker.worker_config().fair_share.oldest_every == 4
     )
     assert worker.worker_config().limits.tenant_max_queued == 5000
-    assert worker.scheduling_policy == "priority"
+    assert worker.scheduling_policy == "fcfs" and worker.background_tokens == 4
     default = from_args(environ=kubelet_env(container(deployment(rendered("default"), "worker"), "worker")))
-    assert default.max_backlog == 0 and default.scheduling_policy == "fcfs"
+    assert default.max_backlog == 0 and default.scheduling_policy == "priority"
+    assert default.engine_kwargs()["background_tokens"] == 2  # the chart's value
     assert default.worker_config().fair_share.oldest_every == 8

@@ -67,6 +67,8 @@ def test_environment_names_and_flag_precedence(tmp_path):
         "speculative_config": c.speculative_config(),
         "max_num_seqs": 8,
         "kv_cache_bytes": 1048576,
+        # the service's own defaults (the engine's are vLLM's fcfs): Batch API lines yield to interactive work
+        "scheduling_policy": "priority",
     }
 
 
@@ -207,6 +209,7 @@ def test_every_engine_knob_is_a_flag_and_a_variable_and_reaches_the_engine():
         "dtype",
         "device",
         "speculative_config",
+        "scheduling_policy",  # the service's own default, not the engine's (service/config.py)
     }
     from specserve.engine.config import EngineConfig
 

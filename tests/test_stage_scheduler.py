@@ -265,3 +265,33 @@ def test_when_memory_runs_out_under_priority_the_worst_rank_is_preempted():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="scheduling_policy"):
         scheduler(policy="lifo")
+
+
+def test_background_bands_share_a_few_tokens_a_step_while_better_work_runs():
+    """Beside a band-0 sequence, band-5 sequences share `background_tokens` per step, taking turns, and keep
+    their KV while paused; alone, they run in full."""
+    sched = scheduler(max_num_seqs=8, policy="priority", background_tokens=2)
+    bg = [ranked(decoding(i, 3), 5) for i in range(4)]
+    for seq in bg:
+        run(sched, seq)
+    alone = sched.schedule()
+    assert sorted(s.seq.seq_id for s in alone.scheduled) == [0, 1, 2, 3]
+    fg = ranked(decoding(9, 3), 0)
+    run(sched, fg)
+    picked = []
+    for _ in range(4):
+        plan = sched.schedule()
+        rows = {s.seq.seq_id: s.num_tokens for s in plan.scheduled}
+        assert rows.pop(9) == 1 and sum(rows.values()) == 2 and plan.preempted == ()
+        picked += list(rows)
+    assert sorted(set(picked)) == [0, 1, 2, 3]  # every background sequence got turns
+    assert all(len(sched.bm.block_table(s.seq_id)) == 1 for s in bg)  # paused ones kept their blocks
+
+
+def test_a_waiting_better_sequence_holds_background_admissions_and_prefill_to_the_share():
+    sched = scheduler(budget=64, max_num_seqs=8, policy="priority", background_tokens=2)
+    sched.add(ranked(make_seq(0, 20), 5))
+    sched.add(ranked(make_seq(1, 20), 0))
+    plan = sched.schedule()
+    rows = {s.seq.seq_id: s.num_tokens for s in plan.scheduled}
+    assert rows == {1: 20, 0: 2}  # the band-0 prompt whole, the band-5 one two tokens of it

@@ -32,6 +32,9 @@ class EngineConfig:
     # fcfs (vLLM's default) or priority: lower `priority` runs sooner and may preempt lower-priority running
     # sequences when slots or KV blocks are short (engine/scheduler.py).
     scheduling_policy: str = "fcfs"
+    # Priority policy: tokens per step that sequences of a worse band than the best present share while it
+    # runs; the others of them pause, keeping their KV (engine/scheduler.py _background_share).
+    background_tokens: int = 2
     static_batching: bool = False  # benchmark baseline only
     # With static_batching: a finished member keeps its slot and is computed on (its output discarded) until
     # the whole batch is done, as in HF generate's padded batches. Off, finished members leave the batch.
@@ -61,6 +64,8 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        if not (isinstance(self.background_tokens, int) and self.background_tokens >= 1):
+            raise ValueError(f"background_tokens must be a positive integer, not {self.background_tokens!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if isinstance(self.speculative_config, dict):

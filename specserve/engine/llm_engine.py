@@ -178,6 +178,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             lookahead=self.spec.lookahead if self.spec else None,
             policy=config.scheduling_policy,
+            background_tokens=config.background_tokens,
         )
         if config.static_batching:  # the benchmark's baseline
             self.scheduler: Scheduler = StaticScheduler(

@@ -48,6 +48,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         lookahead: LookaheadPolicy | None = None,
         policy: str = "fcfs",
+        background_tokens: int = 2,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, not {policy!r}")
@@ -59,6 +60,12 @@ class Scheduler:
         self.chunked = enable_chunked_prefill
         self.lookahead = lookahead
         self.by_priority = policy == "priority"
+        # Priority policy: tokens per step that sequences of a worse band than the best one present share
+        # (see _background_plan); the rest of them pause, holding their KV, while better work runs.
+        self.background_tokens = background_tokens
+        self._background_left: int | None = None  # this step's share left; None: no better work present
+        self._best = 0  # the best band present, while a share applies
+        self._turn = 0  # rotates which background sequences get the share
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -87,9 +94,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         displaced = self._displace_for_waiting() if self.by_priority else []
+        self._background_left = self._background_share() if self.by_priority else None
         scheduled, preempted, budget = self._schedule_running(self.max_num_batched_tokens)
         if not preempted:  # memory is short: admitting now would only preempt again next step
-            scheduled += self._schedule_waiting(budget)
+            # nor is one displaced this step taken back in it (the room was made for the better one)
+            scheduled += self._schedule_waiting(budget, stop_at={s.seq_id for s in displaced})
         return SchedulerOutput(tuple(scheduled), tuple(displaced + preempted))
 
     def _displace_for_waiting(self) -> list[Sequence]:
@@ -108,6 +117,26 @@ class Scheduler:
                 displaced.append(victim)
         return displaced
 
+    def _background_share(self) -> int | None:
+        """Priority policy: when sequences of different bands are present (running or waiting),
+        those of a worse band than the best are background and share `background_tokens` per step; the
+        others of them pause, keeping their KV. A step's time grows with its rows on a CPU (each row is
+        ~2.7 ms of fp32 compute for SmolLM2 on the 2-core EPYC, against ~27 ms for one read of the weights),
+        so a batch job running beside interactive requests would otherwise stretch every one of their tokens.
+        None when everyone is of one band: then nobody is held back. Members take turns (the background part
+        of `running` is rotated by step), so none of them waits for good."""
+        bands = [s.priority for s in self.running] + [w.priority for w in self.waiting]
+        if not bands or min(bands) == max(bands):
+            return None
+        self._best = min(bands)
+        split = next((i for i, s in enumerate(self.running) if s.priority > self._best), len(self.running))
+        background = self.running[split:]
+        if background:
+            self._turn += 1
+            at = self._turn % len(background)
+            self.running[split:] = background[at:] + background[:at]
+        return self.background_tokens
+
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         ks = self.lookahead(self.running) if self.lookahead is not None and self.running else {}
         scheduled: list[ScheduledSeq] = []
@@ -115,10 +144,16 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            background = self._background_left is not None and seq.priority > self._best
+            if background and not self._background_left:
+                i += 1  # paused this step, its KV kept
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.wants_prompt_rows:
                 n = min(n, PROMPT_LOGPROBS_CHUNK)
-            k = min(ks.get(seq.seq_id, 0), budget - n) if ks and seq.in_decode else 0
+            if background:
+                n = min(n, self._background_left)
+            k = min(ks.get(seq.seq_id, 0), budget - n) if ks and seq.in_decode and not background else 0
             if k and not self._allocate(seq, n + k):
                 k = 0  # speculation yields to memory before anyone is preempted
             while not self._allocate(seq, n + k):
@@ -132,13 +167,22 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n, k, seq.num_computed_tokens + n == seq.num_tokens))
             self._name_scheduled(seq, n)
             budget -= n + k
+            if background:
+                self._background_left -= n
             i += 1
         return scheduled, preempted, budget
 
-    def _schedule_waiting(self, budget: int) -> list[ScheduledSeq]:
+    def _schedule_waiting(self, budget: int, stop_at: set[int] = frozenset()) -> list[ScheduledSeq]:
         scheduled = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.seq_id in stop_at:
+                break
+            background = self._background_left is not None and seq.priority > self._best
+            if background:
+                if not self._background_left:
+                    break  # the share is spent: background admissions wait for a step with room
+                budget = min(budget, self._background_left)
             # prompt logprobs need every prompt position computed: no prefix cache hit then
             cached = self.bm.allocate_prefix(seq.seq_id, [] if seq.wants_prompt_rows else seq.token_ids)
             seq.num_computed_tokens = cached
@@ -158,6 +202,8 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, n, 0, n == remaining))
             self._name_scheduled(seq, n)
             budget -= n
+            if background:
+                self._background_left -= n
         return scheduled
 
     def _name_scheduled(self, seq: Sequence, n: int) -> None:

@@ -159,12 +159,23 @@ class ServiceConfig:
         "kernels pay, bf16 on AVX-512; none: dequantize; int8/int4: quantize on load)",
         choices=[None, "auto", "none", "int8", "int4"],
     )
-    scheduling_policy: str | None = _opt(
+    # The service orders by priority (the engine's own default is vLLM's fcfs): requests are band 0 unless
+    # they say otherwise, which orders them as fcfs does, and Batch API lines (band 10) then stay out of the
+    # way of interactive ones (bench/shared_queue.py).
+    scheduling_policy: str = _opt(
         "SPECSERVE_SCHEDULING_POLICY",
+        "priority",
+        "order inside the engine: priority (lower `priority` first; a better arrival may preempt worse "
+        "sequences when slots or KV blocks are short, and worse bands share background_tokens a step while "
+        "better work runs) or fcfs (arrival order, priorities ignored)",
+        choices=["fcfs", "priority"],
+    )
+    background_tokens: int | None = _opt(
+        "SPECSERVE_BACKGROUND_TOKENS",
         None,
-        "order inside the engine (default fcfs; priority: lower `priority` first, and it may preempt "
-        "lower-priority sequences when slots or KV blocks are short)",
-        choices=[None, "fcfs", "priority"],
+        "under the priority policy, tokens a step gives sequences of worse bands while better ones run "
+        "(the rest pause, keeping their KV; default 2)",
+        kind=int,
     )
     attention_backend: str | None = _opt(
         "SPECSERVE_ATTENTION_BACKEND",
@@ -417,6 +428,7 @@ _ENGINE_KNOBS = (
     "attention_backend",
     "quantization",
     "scheduling_policy",
+    "background_tokens",
 )
 
 
