@@ -40,10 +40,10 @@ QUESTIONS = [
 ]
 
 
-def batch_jsonl(rows: list[tuple[str, int]], chat: bool) -> bytes:
+def batch_jsonl(rows: list[tuple[str, int]], chat: bool, model: str) -> bytes:
     lines = []
     for i, (prompt, max_tokens) in enumerate(rows):
-        body: dict = {"model": "m", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         if chat:
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -100,7 +100,7 @@ class Bench:
 
     async def submit_batch(self, rows: list[tuple[str, int]], chat: bool) -> str:
         f = await self.client.files.create(
-            file=("batch.jsonl", io.BytesIO(batch_jsonl(rows, chat))), purpose="batch"
+            file=("batch.jsonl", io.BytesIO(batch_jsonl(rows, chat, self.model))), purpose="batch"
         )
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         b = await self.client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")
