@@ -125,3 +125,46 @@ def test_a_raw_xadd_over_its_tenants_cap_fails_naming_the_limit(valkey, tiny_mod
         "u0": "finished",
     }
     assert finals["t3"]["error_field"] == "tenant_max_queued"
+
+
+def test_priority_and_tenant_over_http(valkey, tiny_model_dir):
+    """`priority` (vLLM's extra field) and `tenant` reach the queue from the native and OpenAI routes; with
+    API keys the key decides the tenant, and a body naming another is a 400 naming `tenant`."""
+    import aiohttp
+    from test_api_hardening import HTTP_TIMEOUT, _auth, _final, guarded_stack
+
+    async def main():
+        async with (
+            guarded_stack(valkey.url, tiny_model_dir, api_keys=["team-a:tok-a"]) as (base, _w, client),
+            aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
+        ):
+            body = {"id": "n1", "prompt": "hello", "max_tokens": 2, "priority": 3}
+            async with http.post(f"{base}/v1/requests", json=body, headers=_auth("tok-a")) as r:
+                native = r.status
+            done = await _final(http, base, "n1", _auth("tok-a"))
+            stored = orjson.loads((await client.r.xrange(KEYS.requests))[0][1]["body"])
+            chat = {
+                "model": tiny_model_dir.name,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+                "priority": -2,
+                "tenant": "team-a",
+            }
+            async with http.post(f"{base}/v1/chat/completions", json=chat, headers=_auth("tok-a")) as r:
+                openai_status = r.status
+            async with http.post(
+                f"{base}/v1/chat/completions", json={**chat, "tenant": "team-b"}, headers=_auth("tok-a")
+            ) as r:
+                other = (r.status, await r.json())
+            async with http.post(
+                f"{base}/v1/chat/completions", json={**chat, "priority": 1.5}, headers=_auth("tok-a")
+            ) as r:
+                bad = (r.status, await r.json())
+            return native, done, stored, openai_status, other, bad
+
+    native, done, stored, openai_status, other, bad = run(main(), timeout=300)
+    assert native == 202 and done["status"] == "finished"
+    assert stored["priority"] == 3 and stored["tenant"] == "team-a"
+    assert openai_status == 200
+    assert other[0] == 400 and other[1]["error"]["param"] == "tenant"
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "priority"
