@@ -191,7 +191,7 @@ def test_bad_input_is_a_4xx_naming_the_field_and_the_service_stays_up(valkey, ti
             "/v1/chat/completions",
             {"model": model, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
             400,
-            "tools",
+            "tools[0].type",
         ),
     ]
 

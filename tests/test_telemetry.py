@@ -80,3 +80,32 @@ def test_without_an_exporter_no_span_is_built_but_the_producers_trace_context_pa
         assert carried.split("-")[1] == producer.split("-")[1] and carried != producer  # same trace, our span
     finally:
         exporting.shutdown()
+
+
+def test_queue_metrics_per_band_and_tenant() -> None:
+    """The shared queue's own metrics (issue 17, item 6): what waits in the ready queue, what was admitted and
+    what a limit refused, each by band or limit and tenant."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from specserve.queue.consumer import QueueStats
+
+    telemetry = Telemetry()
+    try:
+        telemetry.queue = QueueStats(3, 0, 0.5, 1, {(0, "a"): 2, (10, ""): 1})
+        telemetry.admitted.add(1, {"band": "0", "tenant": "a"})
+        telemetry.refused.add(2, {"limit": "tenant_max_queued", "tenant": "b"})
+        text = telemetry.metrics_text().decode()
+    finally:
+        telemetry.shutdown()
+    samples = {
+        (
+            s.name,
+            tuple(sorted((k, v) for k, v in s.labels.items() if k in ("band", "tenant", "limit"))),
+        ): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
+    assert samples[("specserve_queue_waiting", (("band", "0"), ("tenant", "a")))] == 2
+    assert samples[("specserve_queue_waiting", (("band", "10"), ("tenant", "")))] == 1
+    assert samples[("specserve_admitted_total", (("band", "0"), ("tenant", "a")))] == 1
+    assert samples[("specserve_refused_total", (("limit", "tenant_max_queued"), ("tenant", "b")))] == 2
