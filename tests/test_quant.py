@@ -19,7 +19,7 @@ from tests.conftest import MAX_TOKENS, PROMPTS
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_packed_kernels_equal_a_dense_matmul_on_the_dequantized_weights(dtype, rows):
     torch.manual_seed(0)
-    w = torch.randn(96, 128)
+    w = torch.randn(quant.WIDEN_BLOCK + 16, 128)  # many rows widen it in two blocks
     x = torch.randn(rows, 128)
     for q in (quant.quantize_int8(w), quant.quantize_int4(w)):
         packed = quant.pack(q, dtype, torch.device("cpu"))

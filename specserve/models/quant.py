@@ -157,6 +157,24 @@ KERNEL_MAX_ROWS = 8
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
 
 
+# Steps of many rows widen a quantized matrix this many output rows at a time into a block that stays in
+# cache (1.5 MB at SmolLM2's widest input), then run one dense matmul on the block. SmolLM2's four matrices at
+# 64 rows, one thread, 30 layers, on the loaded 2-core AVX2 EPYC: dense 530-580 ms, int8 widened whole
+# 561-702 ms, in blocks of 256 rows 481-517 ms.
+WIDEN_BLOCK = 256
+
+
+def _widened_blocks(x: torch.Tensor, n: int, widen: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x times the matrix whose output rows [j, j + m) widen(j, m) gives in float32, block by block."""
+    if n <= WIDEN_BLOCK:
+        return F.linear(x, widen(0, n))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for j in range(0, n, WIDEN_BLOCK):
+        m = min(WIDEN_BLOCK, n - j)
+        out[:, j : j + m] = F.linear(x, widen(j, m))
+    return out
+
+
 def _own_kernels(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether our AVX2 kernels serve this matrix's few-row steps (float32 only)."""
     return dtype == torch.float32 and kernels_fast(device, dtype)
@@ -209,7 +227,10 @@ class PackedInt8(_Packed):
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_widening:
-            return F.linear(x, cpu_kernels.int8_widen(self.codes, self.scales))
+            codes, scales = self.codes, self.scales
+            return _widened_blocks(
+                x, codes.shape[0], lambda j, m: cpu_kernels.int8_widen(codes[j : j + m], scales[j : j + m])
+            )
         if self.grouped:
             n = self.codes.shape[0]
             widened = self.codes.to(x.dtype).view(n, -1, GROUP) * self.scales[..., None]
@@ -246,7 +267,12 @@ class PackedInt4(_Packed):
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_widening:
-            return F.linear(x, cpu_kernels.int4_widen(self.nibbles, self.scales, self.offsets))
+            nibbles, scales, offsets = self.nibbles, self.scales, self.offsets
+
+            def widen(j: int, m: int) -> torch.Tensor:
+                return cpu_kernels.int4_widen(nibbles[j : j + m], scales[j : j + m], offsets[j : j + m])
+
+            return _widened_blocks(x, nibbles.shape[0], widen)
         n = self.nibbles.shape[0]
         codes = cpu_kernels.unpack_int4(self.nibbles).view(n, -1, GROUP)
         widened = (codes.to(x.dtype) * self.scales[..., None]).add_(self.offsets[..., None])
