@@ -1,13 +1,19 @@
-"""Weight-only quantized linears on torch's packed-int kernels (what torchao's CPU layouts and gpt-fast call).
+"""Weight-only quantized linears: our AVX2 + FMA kernels for float32 activations
+(kernels/cpu_paged_attention.cpp) and torch's packed-int kernels for bfloat16 (what torchao's CPU layouts and
+gpt-fast call).
 
 Two stored forms, both plain data until the model packs them for its device:
-- `Int8Weight`: symmetric int8 per output channel; run by `torch._weight_int8pack_mm`.
+- `Int8Weight`: symmetric int8 per output channel; run by ours in float32, by `torch._weight_int8pack_mm`
+  in bf16.
 - `Int4Weight`: 4-bit codes with a scale and zero per group of 32 along the input, in tinygemm's convention
-  w = (q - 8) * scale + zero; run by `torch._weight_int4pack_mm_for_cpu`. GGUF's Q4_0, Q4_1 and Q4_K are this
-  exactly (groups of 32 with a scale and a minimum), so they load without re-quantizing (models/loader.py).
+  w = (q - 8) * scale + zero; run by ours in float32, `torch._weight_int4pack_mm_for_cpu` in bf16. GGUF's
+  Q4_0, Q4_1 and Q4_K are this exactly (groups of 32 with a scale and a minimum), so they load without
+  re-quantizing (models/loader.py).
 
-Only the decoder layers' matrices are quantized: the embedding is a lookup that needs the dense table, and
-the LM head (tied to it in most small models) stays dense because its logits feed the verifier and logprobs.
+The decoder layers' matrices are quantized. The embedding is a lookup that needs the dense table; the LM head
+(tied to it in most small models) keeps that dense form for steps of many rows, and where our float32 kernels
+run, a quantized model reads its few-row logits from an int8 copy in groups of 32 (head_form: at batch 1 the
+dense head would otherwise cost as much as all the quantized layers together).
 """
 
 from __future__ import annotations
