@@ -129,10 +129,12 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     modes |= {f"{native} {q}": (native, q) for q in ["none", *args.modes.split(",")]}
     workload = load_workload(args.workload, args.num_requests, args.max_tokens_cap)
     out: dict[str, dict[str, float]] = {}
-    for phase, n_seqs, requests in (
-        ("batch 1", 1, workload.requests[: args.batch1_requests]),
-        (f"{args.max_num_seqs} in flight", args.max_num_seqs, workload.requests),
-    ):
+    phases = []  # both unless one is asked for
+    if args.batch1 or not args.in_flight:
+        phases.append(("batch 1", 1, workload.requests[: args.batch1_requests]))
+    if args.in_flight or not args.batch1:
+        phases.append((f"{args.max_num_seqs} in flight", args.max_num_seqs, workload.requests))
+    for phase, n_seqs, requests in phases:
         engines = {}
         for label, (dtype, q) in modes.items():
             if phase != "batch 1" and dtype != native:
@@ -170,6 +172,12 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", type=Path, help="JSONL of {prompt, max_tokens} rows (default: W1)")
@@ -182,13 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ppl-window", type=int, default=1024)
     p.add_argument("--modes", default="int8,int4,auto", help="quantization modes timed against none")
     p.add_argument("--no-fp32", dest="with_fp32", action="store_false", help="skip the float32 dense row")
+    p.add_argument("--batch1", action="store_true", help="time batch 1 only (with --in-flight: both)")
+    p.add_argument("--in-flight", action="store_true", help="time --max-num-seqs in flight only")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     args.dtype = args.dtype or native_dtype()
-    print(f"CPU: {cpu_line()}; native dtype {args.dtype}", flush=True)
-    result: dict[str, object] = {"cpu": cpu_line(), "dtype": args.dtype}
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)  # our kernels take torch's thread count too
+    print(f"CPU: {cpu_line()}; native dtype {args.dtype}; {_threads()} threads", flush=True)
+    result: dict[str, object] = {"cpu": cpu_line(), "dtype": args.dtype, "threads": _threads()}
     if not args.skip_speed:
         result["speed"] = run_speed(args)
     if not args.skip_ppl:
