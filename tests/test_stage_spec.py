@@ -69,22 +69,33 @@ MEMORY_BOUND = lambda n: 0.010 + 0.0002 * n  # noqa: E731 (a step costs about th
 COMPUTE_BOUND = lambda n: 0.001 * n  # noqa: E731 (every token costs the same)
 
 
+MIDDLE = lambda n: 0.010 + 0.001 * n  # noqa: E731 (a token costs a tenth of the fixed part)
+
+
 @pytest.mark.parametrize(
     "target, acceptances, other_tokens, expected",
     [
-        (MEMORY_BOUND, [0.9], 0, 4),  # cheap drafts, high acceptance: the longest k
-        (MEMORY_BOUND, [0.0], 0, 0),  # nothing is ever accepted: do not speculate
-        (MEMORY_BOUND, [], 0, 0),  # no auto request
-        (COMPUTE_BOUND, [0.5] * 32, 0, 0),  # a draft costs what a real token does and half are lost
-        (COMPUTE_BOUND, [0.5], 500, 4),  # beside a big prefill's 500 tokens, one request's 4 drafts are cheap
+        (MEMORY_BOUND, [0.9], 0, [4]),  # cheap drafts, high acceptance: the longest k
+        (MEMORY_BOUND, [0.0], 0, [0]),  # nothing is ever accepted: do not speculate
+        (MEMORY_BOUND, [], 0, []),  # no auto request
+        (COMPUTE_BOUND, [0.5] * 32, 0, [0] * 32),  # a draft costs what a real token does and half are lost
+        (COMPUTE_BOUND, [0.5], 500, [4]),  # beside a 500-token prefill, one request's 4 drafts are cheap
+        # 16 in flight, a token a tenth of a step's fixed cost: the copying requests draft (2 deep: a third
+        # draft step costs more than their third drafts bring), the ones rarely accepted draft nothing
+        (MIDDLE, [0.9] * 4 + [0.1] * 12, 0, [2] * 4 + [0] * 12),
     ],
 )
-def test_choose_k(target, acceptances, other_tokens, expected):
-    assert policy(target).choose_k(acceptances, other_tokens) == expected
+def test_choose_ks(target, acceptances, other_tokens, expected):
+    assert policy(target).choose_ks(acceptances, other_tokens) == expected
 
 
-def test_choose_k_tries_the_longest_k_until_the_target_is_measured():
-    assert AdaptivePolicy(5).choose_k([0.0], 0) == 5
+def test_choose_ks_gives_the_next_slot_to_the_highest_gain():
+    ks = policy(MIDDLE).choose_ks([0.95, 0.6, 0.3], 0)
+    assert ks[0] >= ks[1] >= ks[2] and ks[0] > ks[2]
+
+
+def test_choose_ks_tries_the_longest_k_until_the_target_is_measured():
+    assert AdaptivePolicy(5).choose_ks([0.0, 0.2], 0) == [5, 5]
 
 
 # ---- lookahead: k per decoding sequence, without side effects ---------------------------------------------

@@ -79,8 +79,8 @@ class SpeculativeDecoder:
             else:
                 other_tokens += 1
         if auto:
-            k = self.policy.choose_k([self.acceptance(s.seq_id) for s in auto], other_tokens)
-            for seq in auto:
+            chosen = self.policy.choose_ks([self.acceptance(s.seq_id) for s in auto], other_tokens)
+            for seq, k in zip(auto, chosen):
                 ks[seq.seq_id] = self._cap(seq, k)
         return ks
 
