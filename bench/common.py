@@ -179,8 +179,13 @@ def run_vllm(
     bind: str = "0-1",
     timeout: float = 1800.0,
     ttft: bool = False,
+    structured_outputs: dict[str, Any] | None = None,
+    return_outputs: bool = False,
 ) -> PeerResult:
-    """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir."""
+    """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir.
+
+    structured_outputs: a JSON schema every request is generated under (EOS then ends them, not max_tokens);
+    return_outputs: each run also carries "outputs", [{token_ids, text}] in request order."""
     spec = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -190,6 +195,8 @@ def run_vllm(
         "repeats": repeats,
         "batches": batches,
         "ttft": ttft,
+        "structured_outputs": structured_outputs,
+        "return_outputs": return_outputs,
         "requests": [
             {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload.requests
         ],
@@ -224,6 +231,14 @@ def run_vllm(
             if os.path.exists(f):
                 os.unlink(f)
     return PeerResult(result["runs"], result["load_seconds"], log)
+
+
+def log_tail(path: Path, lines: int = 12) -> str:
+    """The end of a peer's log: what a failure message quotes."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def cpu_line() -> str:

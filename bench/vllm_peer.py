@@ -8,6 +8,12 @@ Output, written to the result file: {"load_seconds", "runs": [{"seconds", "outpu
 "accepted", "mean_ttft_s"}]}; mean_ttft_s only with "ttft": true in the spec, which turns vLLM's stat
 logging on (off by default for offline use: it costs a little per step) to read its TTFT histogram.
 
+Optional for constrained decoding: "structured_outputs", a JSON schema applied to every request (vLLM's
+`SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))`, warm-up included, so the grammar
+is compiled before the timing); "ignore_eos" (default true, false when a schema is given: a finished JSON
+value can only be followed by EOS); "return_outputs": true adds each run's "outputs" ([{token_ids, text}] in
+request order) to check them on the caller's side.
+
     /work/vllm-venv/bin/python bench/vllm_peer.py spec.json result.json
 """
 
@@ -38,21 +44,30 @@ def main(path: str, result_path: str) -> int:
     load_seconds = time.perf_counter() - t0
     requests = spec["requests"]
     batches = spec.get("batches") or [list(range(len(requests)))]
+    schema = spec.get("structured_outputs")
+    ignore_eos = spec.get("ignore_eos", schema is None)
+
+    def params_for(max_tokens: int) -> SamplingParams:
+        extra = {}
+        if schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            extra["structured_outputs"] = StructuredOutputsParams(json=schema)
+        return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, **extra)
 
     def run_once() -> dict:
         total_seconds, total_tokens = 0.0, 0
+        outputs: list[dict | None] = [None] * len(requests)
         before, ttft_before = _spec_metrics(llm), _ttft(llm, spec)
         for batch in batches:
             prompts = [{"prompt_token_ids": requests[i]["prompt_token_ids"]} for i in batch]
-            params = [
-                SamplingParams(max_tokens=requests[i]["max_tokens"], temperature=0.0, ignore_eos=True)
-                for i in batch
-            ]
+            params = [params_for(requests[i]["max_tokens"]) for i in batch]
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             total_seconds += time.perf_counter() - start
-            for o in outs:
+            for i, o in zip(batch, outs):
                 total_tokens += len(o.outputs[0].token_ids)
+                outputs[i] = {"token_ids": list(o.outputs[0].token_ids), "text": o.outputs[0].text}
         after = _spec_metrics(llm)
         proposed, accepted = (after[0] - before[0], after[1] - before[1]) if after and before else (0, 0)
         run = {
@@ -61,6 +76,8 @@ def main(path: str, result_path: str) -> int:
             "proposed": proposed,
             "accepted": accepted,
         }
+        if spec.get("return_outputs"):
+            run["outputs"] = outputs
         ttft_after = _ttft(llm, spec)
         if ttft_before is not None and ttft_after is not None and ttft_after[1] > ttft_before[1]:
             run["mean_ttft_s"] = (ttft_after[0] - ttft_before[0]) / (ttft_after[1] - ttft_before[1])
@@ -68,7 +85,7 @@ def main(path: str, result_path: str) -> int:
 
     # Warm-up on a few short requests: lazy initialisation and compilation do not belong in the timing.
     warm = [{"prompt_token_ids": requests[0]["prompt_token_ids"]}] * 2
-    llm.generate(warm, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    llm.generate(warm, params_for(8), use_tqdm=False)
     runs = [run_once() for _ in range(spec.get("repeats", 1))]
     # vLLM logs to stdout too: the result goes to its own file.
     with open(result_path, "w", encoding="utf-8") as fh:
