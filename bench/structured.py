@@ -8,13 +8,26 @@ Configurations, each over the same prompts:
 - schema:        response schema, speculation off
 - schema+spec:   response schema, speculation "auto" (n-gram lookup + grammar-forced drafts)
 at batch 1 (one request at a time) and at batch B (B requests in flight, max_num_seqs = B).
-Targets (issue 14): schema >= 0.9x free tokens/s at batch 1 and B; schema+spec >= 1.5x schema at batch 1.
+Targets (issue 14): schema >= 0.9x free tokens/s at batch 1 and B; schema+spec >= 1.5x schema at batch 1;
+schema (and schema+spec) >= 1.0x vLLM-CPU's tokens/s on the same workload.
 
 The machine is shared and noisy: configurations run in the order A B C C B A (ABBA) and the ratios are taken
 per pass from adjacent runs; the load average and the CPU are printed with the figures.
 
+With --vllm (vLLM's interpreter; default: $SPECSERVE_VLLM_PYTHON or /work/vllm-venv/bin/python), vLLM-CPU
+runs the same requests under the same schema (bench/vllm_peer.py): the same prompt token ids (our tokenizer
+renders the chat template), greedy, the same max_tokens, EOS honoured, one request at a time and then B at a
+time with max_num_seqs = B, the dtype ours resolved to, from the demo model exported to HF safetensors. vLLM
+loads in its own process (1-6 minutes, compiling), so it runs once per batch size, between our two passes
+(A B C | vLLM | C B A), and batch B's plan then runs schema+spec too. Ratios specserve/vLLM are per pass
+against that one vLLM run (the mean of its --vllm-repeats); each vLLM output is parsed and validated against
+the schema as ours are, and compared token for token with ours (schema, speculation off). Each side keeps its
+own JSON whitespace: ours compact separators (", " and ": ", forced, so drafted), vLLM's default any
+whitespace (its disable_any_whitespace is engine-wide and means "," and ":"), so the texts and token counts
+differ a little and tokens/s is the figure compared.
+
     python bench/structured.py [--requests 16] [--batch-requests 64] [--batch 32] [--max-tokens 96]
-        [--dtype auto]
+        [--dtype auto] [--vllm [PATH]] [--vllm-repeats 1]
 """
 
 from __future__ import annotations
@@ -24,12 +37,23 @@ import json
 import os
 import platform
 import random
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, cpu_line  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    Request,
+    Workload,
+    cpu_line,
+    ensure_target_dir,
+    log_tail,
+    run_vllm,
+    vllm_python,
+)
 
 SCHEMA = {
     "type": "object",
@@ -136,6 +160,64 @@ def machine() -> dict:
     return {"cpu": cpu_line(), "cores": os.cpu_count(), "python": platform.python_version()}
 
 
+def count_valid(texts: list[str]) -> int:
+    import jsonschema
+
+    valid = 0
+    for text in texts:
+        try:
+            jsonschema.validate(json.loads(text), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return valid
+
+
+def run_peer(python: Path, model_dir: Path, ids, args, batch: int, dtype: str, name: str) -> dict:
+    """One vLLM process over the plan's requests, B at a time as ours go; its figures and output checks."""
+    workload = Workload(
+        f"structured {name}", [Request("", args.max_tokens, prompt_token_ids=list(x)) for x in ids]
+    )
+    batches = [list(range(i, min(i + batch, len(ids)))) for i in range(0, len(ids), batch)]
+    print(f"{name} vLLM   starting ({python}; start-up takes a minute or two) ...", flush=True)
+    t0 = time.perf_counter()
+    peer = run_vllm(
+        python,
+        model_dir,
+        workload,
+        args.out.parent,
+        f"structured-{name}",
+        dtype=dtype,
+        max_num_seqs=batch,
+        batches=batches,
+        repeats=args.vllm_repeats,
+        bind=args.vllm_bind,
+        structured_outputs=SCHEMA,
+        return_outputs=True,
+    )
+    runs = []
+    for r in peer.runs:
+        outs = r.pop("outputs")
+        runs.append(
+            {
+                "tokens": r["output_tokens"],
+                "wall_s": r["seconds"],
+                "tok_s": r["output_tokens"] / r["seconds"],
+                "valid": count_valid([o["text"] for o in outs]),
+                "n": len(outs),
+                "token_ids": [o["token_ids"] for o in outs],
+                "text0": outs[0]["text"],
+            }
+        )
+    return {
+        "runs": runs,
+        "tok_s": statistics.fmean(r["tok_s"] for r in runs),
+        "load_seconds": peer.load_seconds,
+        "process_seconds": time.perf_counter() - t0,
+        "log": str(peer.log),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=16, help="requests at batch 1")
@@ -147,8 +229,32 @@ def main() -> None:
     ap.add_argument(
         "--dtype", default="auto", help="auto: the CPU's fast dtype (bf16 where native, else fp32)"
     )
+    ap.add_argument(
+        "--quantization",
+        default="auto",
+        help="ours: auto keeps the demo GGUF's int4 where our kernels are vectorised; none: dense, as vLLM",
+    )
+    ap.add_argument(
+        "--vllm",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="PATH",
+        help="also run vLLM-CPU (its python; bare: $SPECSERVE_VLLM_PYTHON or /work/vllm-venv/bin/python)",
+    )
+    ap.add_argument("--vllm-repeats", type=int, default=1, help="timed runs in each vLLM process")
+    ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('' for vLLM's default)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT / "structured.json")
     args = ap.parse_args()
+
+    python = model_dir = None
+    if args.vllm is not None:
+        if args.model is not None:
+            ap.error("--vllm runs the demo model on both sides; drop --model")
+        python = vllm_python(args.vllm or None)
+        if python is None:
+            ap.error("--vllm: no vLLM interpreter found (give its path, or set $SPECSERVE_VLLM_PYTHON)")
+        model_dir = ensure_target_dir(DEFAULT_OUT / "models" / "smollm2-135m")
 
     from specserve.engine.llm import LLM
 
@@ -157,42 +263,55 @@ def main() -> None:
         model=args.model,
         dtype=args.dtype,
         max_num_seqs=args.batch,
+        quantization=args.quantization,
         speculative_config={"method": "ngram", "num_speculative_tokens": args.k},
     )
-    info = {**machine(), "dtype": str(llm.engine.dtype), "torch_threads": torch_threads}
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    info = {**machine(), "dtype": dtype, "quantization": f"{args.quantization} ({llm.engine.quantization})"}
+    info["torch_threads"] = torch_threads
     info["load_before"] = os.getloadavg()
     print(json.dumps(info))
     warm = prompts(2, seed=99)
     run_config(llm, warm, 16, 1, True, "auto")  # tokenizer info, compile, first forwards
     results: dict[str, list] = {}
+    free, schema, spec = ("free", False, "off"), ("schema", True, "off"), ("spec", True, "auto")
     plans = [
-        (
-            "b1",
-            prompts(args.requests),
-            1,
-            [("free", False, "off"), ("schema", True, "off"), ("spec", True, "auto")],
-        ),
-        (
-            "bB",
-            prompts(args.batch_requests, seed=8),
-            args.batch,
-            [("free", False, "off"), ("schema", True, "off")],
-        ),
+        ("b1", prompts(args.requests), 1, [free, schema, spec]),
+        ("bB", prompts(args.batch_requests, seed=8), args.batch, [free, schema] + ([spec] if python else [])),
     ]
+    failures: list[str] = []
     for name, chats, batch, configs in plans:
-        order = configs + configs[::-1]  # ABC CBA
         runs: dict[str, list[dict]] = {c[0]: [] for c in configs}
-        for label, schema, spec in order:
-            r = run_config(llm, chats, args.max_tokens, batch, schema, spec)
-            runs[label].append(r)
-            print(
-                f"{name} {label:6s} tok/s {r['tok_s']:7.1f}  tokens {r['tokens']:5d}  "
-                f"wall {r['wall_s']:6.1f}s  "
-                f"valid {r['valid']}/{r['n']}  drafts {r['accepted']}/{r['proposed']}  "
-                f"ms/step {json.dumps({k: round(v, 2) for k, v in r['ms_per_step'].items()})}  "
-                f"load {os.getloadavg()[0]:.2f}",
-                flush=True,
-            )
+        peer = None
+        for pass_no, order in enumerate((configs, configs[::-1])):  # ABC | vLLM | CBA
+            if pass_no == 1 and python is not None:
+                ids = [llm.engine.encode_chat(c) for c in chats]
+                try:
+                    peer = run_peer(python, model_dir, ids, args, batch, dtype, name)
+                except (RuntimeError, OSError, ValueError, KeyError, subprocess.TimeoutExpired) as e:
+                    log = args.out.parent / f"vllm-structured-{name}.log"
+                    failures.append(f"{name}: {e}\n{log_tail(log)}")
+                    print(f"{name} vLLM   failed: {e}\n{log_tail(log)}", flush=True)
+                else:
+                    for r in peer["runs"]:
+                        print(
+                            f"{name} vLLM   tok/s {r['tok_s']:7.1f}  tokens {r['tokens']:5d}  "
+                            f"wall {r['wall_s']:6.1f}s  valid {r['valid']}/{r['n']}  "
+                            f"(process {peer['process_seconds']:.0f}s, load {peer['load_seconds']:.0f}s)  "
+                            f"load {os.getloadavg()[0]:.2f}",
+                            flush=True,
+                        )
+            for label, constrained, spec_mode in order:
+                r = run_config(llm, chats, args.max_tokens, batch, constrained, spec_mode)
+                runs[label].append(r)
+                print(
+                    f"{name} {label:6s} tok/s {r['tok_s']:7.1f}  tokens {r['tokens']:5d}  "
+                    f"wall {r['wall_s']:6.1f}s  "
+                    f"valid {r['valid']}/{r['n']}  drafts {r['accepted']}/{r['proposed']}  "
+                    f"ms/step {json.dumps({k: round(v, 2) for k, v in r['ms_per_step'].items()})}  "
+                    f"load {os.getloadavg()[0]:.2f}",
+                    flush=True,
+                )
         ratios = {
             "schema/free": [s["tok_s"] / f["tok_s"] for s, f in zip(runs["schema"], runs["free"])],
         }
@@ -200,24 +319,43 @@ def main() -> None:
             ratios["spec/schema"] = [a["tok_s"] / b["tok_s"] for a, b in zip(runs["spec"], runs["schema"])]
             same = all(a["token_ids"] == b["token_ids"] for a, b in zip(runs["spec"], runs["schema"]))
             ratios["spec_equals_off"] = same
+        if peer is not None:
+            ratios["schema/vllm"] = [r["tok_s"] / peer["tok_s"] for r in runs["schema"]]
+            if "spec" in runs:
+                ratios["spec/vllm"] = [r["tok_s"] / peer["tok_s"] for r in runs["spec"]]
+            ours = runs["schema"][0]["token_ids"]
+            theirs = peer["runs"][0]["token_ids"]
+            ratios["vllm_same_tokens"] = sum(a == b for a, b in zip(ours, theirs))
         print(
             name,
             "batch",
             batch,
             json.dumps(
-                {k: v if isinstance(v, bool) else [round(x, 3) for x in v] for k, v in ratios.items()}
+                {k: v if isinstance(v, (bool, int)) else [round(x, 3) for x in v] for k, v in ratios.items()}
             ),
+            flush=True,
         )
+        if peer is not None:
+            print(
+                f"{name} vLLM outputs identical to ours (schema, speculation off): "
+                f"{ratios['vllm_same_tokens']}/{len(chats)}",
+                flush=True,
+            )
+            for r in peer["runs"]:
+                r.pop("token_ids")
         for rs in runs.values():
             for r in rs:
                 r.pop("token_ids")
-        results[name] = {"batch": batch, "runs": runs, "ratios": ratios}
+        results[name] = {"batch": batch, "runs": runs, "ratios": ratios, "vllm": peer}
     info["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"machine": info, "max_tokens": args.max_tokens, "results": results}, indent=1)
-    )
+    payload = {"machine": info, "max_tokens": args.max_tokens, "results": results, "failures": failures}
+    args.out.write_text(json.dumps(payload, indent=1))
     print("sample outputs:", results["b1"]["runs"]["schema"][0]["text0"])
+    if results["b1"]["vllm"]:
+        print("vLLM sample:", results["b1"]["vllm"]["runs"][0]["text0"])
+    for f in failures:
+        print("vLLM FAILED", f)
     print("written", args.out)
 
 
