@@ -107,8 +107,10 @@ def test_widening_gives_the_dequantized_matrix(monkeypatch, isa) -> None:
         assert (got - dense).abs().max() <= 4 * torch.finfo(torch.float32).eps * dense.abs().max()
 
 
-def test_bad_arguments_are_refused(monkeypatch) -> None:
+def test_no_rows_give_an_empty_product_and_bad_arguments_are_refused(monkeypatch) -> None:
     cpa = _variant(monkeypatch, "native")
+    w4 = quant.quantize_int4(torch.randn(16, 64))
+    assert cpa.int4_matmul(torch.randn(0, 64), cpa.pack_int4(w4.codes), w4.scales, w4.zeros).shape == (0, 16)
     w = quant.quantize_int8(torch.randn(16, 64))
     with pytest.raises(ValueError, match="float32"):
         cpa.int8_matmul(torch.randn(1, 64, dtype=torch.bfloat16), w.codes, w.scales)

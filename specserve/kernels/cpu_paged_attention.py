@@ -332,6 +332,8 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     ):
         raise ValueError("int8_matmul takes int8 codes [n, k] and float32 scales [n] or [n, k // 32]")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
     fn = _lib.specserve_int8_grouped_matmul if grouped else _lib.specserve_int8_matmul
     rc = fn(
         x.data_ptr(), x.stride(0), x.shape[0], codes.data_ptr(), scales.data_ptr(), n, k,
@@ -367,6 +369,8 @@ def int4_matmul(
     if x.shape[1] != k:
         raise ValueError(f"int4_matmul: activations of width {x.shape[1]} against weights of width {k}")
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0] == 0:
+        return out
     rc = _lib.specserve_int4_matmul(
         x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
         n, k, out.data_ptr(), n, torch.get_num_threads(),
