@@ -59,9 +59,15 @@ def check_mode(mode: str) -> None:
 def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a vectorised weight-only kernel runs this compute dtype here, so that `auto` keeps a
     checkpoint's quantization: float32 on AVX2 + FMA (our kernels, kernels/cpu_paged_attention.cpp), bfloat16
-    on AVX-512 (torch's packed-int kernels). torch's have no vectorised float32 path (SmolLM2's four layer
-    matmuls at batch 1: int8 0.99 ms, int4 2.8 ms against 0.19 ms for the dense float32 F.linear on the quiet
-    Xeon), which is why float32 takes ours."""
+    on AVX-512 (torch's packed-int kernels).
+
+    torch's have no vectorised float32 path: SmolLM2's four layer matmuls at batch 1 took int8 0.99 ms, int4
+    2.8 ms against 0.19 ms for the dense float32 F.linear on the quiet Xeon, and on the 2-core AVX2 EPYC
+    (`lscpu`: AMD EPYC, avx2 fma f16c, no avx512*) int8 3.0 ms, int4 4.4 ms against 0.46 ms. Ours, on that
+    EPYC (one thread, load ~4, all 30 layers' matrices so that weights come from memory): fp32 dense 39.8 ms,
+    int8 13.9 ms, int4 10.8 ms at one row; 88.7 / 34.2 / 37.6 ms at eight. End to end (bench/quant.py --batch1
+    --threads 1 --max-tokens-cap 128, ABBA, load 4.6-6.2): int8 1.86x, int4 2.28x, auto 1.81x fp32 dense; the
+    rest of a token (LM head, norms, attention, Python) is what keeps it from the issue's 2.5x / 4x."""
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
