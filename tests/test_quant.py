@@ -139,7 +139,9 @@ def test_quantized_greedy_matches_transformers_on_the_dequantized_weights(tiny_m
     llm = LLM(str(tiny_model_dir), dtype="float32", quantization=mode, num_kv_blocks=256)
     assert llm.engine.model.quantized
     head = llm.engine.model.lm_head
-    assert isinstance(head, quant.PackedInt8) == quant.kernels_fast(torch.device("cpu"), torch.float32)
+    # a random float32 head has no exact int8 form, so it stays dense (a lossy copy for few-row steps only
+    # would make the distribution depend on the step's size); a GGUF's Q8_0 head gets the int8 copy
+    assert not isinstance(head, quant.PackedInt8)
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     ours = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(ids, ours):

@@ -314,7 +314,11 @@ def head_form(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8
     verifier and logprobs then read (speculation stays lossless)."""
     if not _own_kernels(dtype, device) or w.dim() != 2 or w.shape[1] % GROUP != 0:
         return None
-    return quantize_int8_grouped(w)
+    q = quantize_int8_grouped(w)
+    # Only where it holds the head's own values (a Q8_0 head): steps of more rows read the dense head, so a
+    # lossy copy would make the model's distribution depend on the step's size, and speculation (whose verify
+    # steps have more rows) would no longer be lossless (tests/test_quant.py caught it on a float32 head).
+    return q if torch.equal(dequantize(q), w.float()) else None
 
 
 def pack_head(w: torch.Tensor, dense_mm: DenseMatmul, dtype: torch.dtype, device: torch.device) -> object:
