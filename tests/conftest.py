@@ -59,6 +59,18 @@ TINY_SHAPES = {
         num_key_value_heads=2,
         tie_word_embeddings=False,
     ),
+    # biases on every projection, o and down included (added once, after tensor parallelism's sum)
+    "llama_bias": dict(
+        arch="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        mlp_bias=True,
+    ),
     "mistral": dict(
         arch="mistral",
         hidden_size=64,

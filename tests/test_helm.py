@@ -305,9 +305,14 @@ def test_gpu_memory_utilization_reaches_the_engine() -> None:
     assert "gpuMemoryUtilization" in message
 
 
-def test_more_than_one_gpu_per_worker_is_refused_until_tensor_parallelism() -> None:
-    message = helm_error({"worker": {"gpu": {"count": 2}}})
-    assert "worker.gpu.count=2" in message and "one GPU" in message
+def test_gpus_per_worker_become_the_tensor_parallel_size() -> None:
+    """Two GPUs in a pod split the model over both (the engine's ranks), as the worker's config reads it."""
+    worker = container(deployment(tuple(render({"worker": {"gpu": {"count": 2}}})), "worker"), "worker")
+    kwargs = from_args(environ=kubelet_env(worker)).engine_kwargs()
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["device"] == "cuda"
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+    one = container(deployment(tuple(render({})), "worker"), "worker")
+    assert "tensor_parallel_size" not in from_args(environ=kubelet_env(one)).engine_kwargs()
 
 
 def test_grace_period_shorter_than_the_drain_is_refused() -> None:

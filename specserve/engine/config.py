@@ -46,6 +46,9 @@ class EngineConfig:
     # quantized where torch's packed-int kernels are vectorised (bf16 on AVX-512), and are dequantized
     # elsewhere; none: always dequantized; int8/int4: every decoder matrix quantized on load.
     quantization: str = "auto"
+    # Ranks one engine's forward is split over (vLLM's name): processes on CPU (gloo), one GPU each on CUDA
+    # (NCCL); engine/parallel.py and models/parallel.py.
+    tensor_parallel_size: int = 1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -62,6 +65,14 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
         check_quantization(self.quantization)
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
+        if tp > 1 and self.quantization in ("int8", "int4"):
+            raise ValueError(
+                f"quantization {self.quantization} is not supported with tensor_parallel_size {tp}: "
+                "the ranks shard dense weights (use quantization auto or none)"
+            )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         if not (isinstance(self.background_tokens, int) and self.background_tokens >= 1):

@@ -30,6 +30,7 @@ from specserve.engine.memory import activation_reserve_bytes, kv_pool_bytes, pla
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
+from specserve.engine.parallel import ModelSpec, ParallelRunner, RankGroup, build_model
 from specserve.engine.penalties import adjust_logits
 from specserve.engine.sampler import RowParams, sample
 from specserve.engine.sampling_params import InvalidParameter, SamplingParams
@@ -40,8 +41,8 @@ from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
 from specserve.engine.structured import StructuredOutputs
 from specserve.models import quant
 from specserve.models.config import ModelConfig
-from specserve.models.llama import LlamaModel
-from specserve.models.loader import demo_model_path, load_checkpoint, load_tokenizer, resolve_model
+from specserve.models.loader import demo_model_path, load_tokenizer, read_config, resolve_model
+from specserve.models.parallel import check_shardable
 from specserve.spec.decoder import SpeculativeDecoder
 from specserve.spec.factory import TargetInfo, build_decoder
 
@@ -111,26 +112,35 @@ class LLMEngine:
         self.model_name = config.model or "SmolLM2-135M-Instruct"
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(self.device)
-        self.quantization = quant.effective_mode(config.quantization, self.device, self.dtype)
-        ckpt = load_checkpoint(path, dtype=self.dtype, quantization=self.quantization)
-        self.model_config = ModelConfig.from_hf(ckpt.config)
-        self.tokenizer = load_tokenizer(path, self.model_config.model_type)
-        self.model = LlamaModel(
-            self.model_config,
-            ckpt.state_dict,
-            self.dtype,
-            self.device,
-            config.attention_backend,
-            self.quantization,
+        tp_size = config.tensor_parallel_size
+        # sharded ranks hold dense matrices: auto leaves a GGUF's quantization for the dequantized path
+        self.quantization = (
+            "none" if tp_size > 1 else quant.effective_mode(config.quantization, self.device, self.dtype)
         )
-        del ckpt
+        spec = ModelSpec(path, self.dtype, self.device.type, config.attention_backend, self.quantization)
+        if tp_size > 1:  # before any rank starts loading: a size that does not divide the heads is refused
+            check_shardable(ModelConfig.from_hf(read_config(path)), tp_size)
+        self.ranks = RankGroup(tp_size, spec) if tp_size > 1 else None
+        try:
+            self.model, hf_config = build_model(spec, self.ranks.tp if self.ranks else None)
+            if self.ranks is not None:
+                self.ranks.models_built()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        self.device = self.model.device
+        self.model_config = self.model.cfg
+        self.tokenizer = load_tokenizer(path, self.model_config.model_type)
         if self.device.type == "cpu":
             release_freed_memory()
             keep_freed_memory_in_heap()
 
         block_size = config.block_size
         mc = self.model_config
-        per_token = mc.kv_bytes_per_token(self.dtype)
+        # a rank holds its share of the KV heads; on CPU the ranks share the host's memory
+        per_token = mc.kv_bytes_per_token(self.dtype) * self.model.num_kv_heads // mc.num_kv_heads
+        share = tp_size if self.device.type == "cpu" else 1
         if config.num_kv_blocks:  # tests and benchmarks: an exact pool
             pool, why = config.num_kv_blocks * block_size * per_token, "num_kv_blocks"
         else:
@@ -145,6 +155,8 @@ class LLMEngine:
             pool, why = kv_pool_bytes(
                 self.device, config.kv_cache_bytes, config.gpu_memory_utilization, reserve
             )
+            if share > 1:
+                pool, why = pool // share, f"{why}, split between {share} ranks"
         plan = plan_kv_cache(
             pool, why, per_token, block_size, config.max_model_len, mc.max_position_embeddings
         )
@@ -152,7 +164,11 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, block_size, config.enable_prefix_caching and not config.static_batching
         )
-        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.runner = (
+            ParallelRunner(self.model, num_blocks, block_size, self.ranks)
+            if self.ranks is not None
+            else ModelRunner(self.model, num_blocks, block_size)
+        )
         batched_tokens = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             batched_tokens = max(batched_tokens, self.max_model_len)

@@ -87,8 +87,15 @@ class ModelRunner:
             torch.tensor(logit_rows, dtype=torch.long, device=device),
         )
 
+    def forward(self, entries: list[ForwardEntry]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of every token of the step, and the rows whose logits were asked for."""
+        input_ids, positions, attn, logit_rows = self.prepare(entries)
+        return self.model.forward(input_ids, positions, self.kv_caches, attn), logit_rows
+
     def run(self, entries: list[ForwardEntry]) -> torch.Tensor:
         """Float32 logits [sum(num_logits), vocab], rows in entry order."""
-        input_ids, positions, attn, logit_rows = self.prepare(entries)
-        hidden = self.model.forward(input_ids, positions, self.kv_caches, attn)
+        hidden, logit_rows = self.forward(entries)
         return self.model.logits(hidden[logit_rows]).cpu()
+
+    def close(self) -> None:
+        """Nothing to release here; a tensor-parallel runner stops its other ranks (engine/parallel.py)."""

@@ -22,6 +22,7 @@ from specserve.kernels import AttentionBackend, select_backend
 from specserve.kernels.huge_pages import advise_huge_pages
 from specserve.models import quant
 from specserve.models.config import ModelConfig
+from specserve.models.parallel import TensorParallel, check_shardable, local_heads, shard_state_dict
 
 
 @dataclass
@@ -156,8 +157,14 @@ class LlamaModel:
         device: torch.device | str = "cpu",
         attention_backend: str = "auto",
         quantization: str = "none",
+        tp: TensorParallel | None = None,
     ) -> None:
         self.cfg = cfg
+        self.tp = tp
+        if tp is not None:  # this rank's slice of each decoder matrix (models/parallel.py)
+            check_shardable(cfg, tp.size)
+            shard_state_dict(state_dict, cfg, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads = local_heads(cfg, tp.size if tp else 1)
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend: AttentionBackend = select_backend(self.device, attention_backend)
@@ -194,8 +201,12 @@ class LlamaModel:
         # the int kernels beat dense only up to a few rows (quant.KERNEL_MAX_ROWS), and widening per call
         # costs more than the copy's memory; int8/int4 asked for outright hold the weights quantized only.
         self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto")
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        if tp is not None:  # row-parallel biases are added once, to the sum of the ranks' partial products
+            for layer in self.layers:
+                layer.o_bias_after, layer.o_bias = layer.o_bias, None
+                layer.down_bias_after, layer.down_bias = layer.down_bias, None
         self.scale = cfg.scale
         self.windows = cfg.windows  # distinct sliding windows: the runner builds a plan for each
         self._cos: list[torch.Tensor] = []
@@ -261,11 +272,15 @@ class LlamaModel:
         self._rope_len = length
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.cfg.num_layers, 2, num_blocks, block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.cfg.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
         cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         advise_huge_pages(cache)  # before the first touch, so the pages fault in huge
         cache.zero_()
         return [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_layers)]
+
+    def _sum_ranks(self, partial: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = self.tp.all_reduce(partial)
+        return out if bias is None else out + bias
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
@@ -327,7 +342,7 @@ class LlamaModel:
             cos = [c[positions] for c in self._cos]
             sin = [s[positions] for s in self._sin]
         n = input_ids.shape[0]
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, cfg.head_dim
         h = self.embed[input_ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -373,10 +388,14 @@ class LlamaModel:
                 **softcap,
             )
             o = self.linear(o.view(n, self.q_size), layer.o, layer.o_bias)
+            if self.tp is not None:
+                o = self._sum_ranks(o, layer.o_bias_after)
             if layer.attn_out_norm is not None:
                 o = self._rms_norm(o, layer.attn_out_norm)
             h = h + o
             m = self._mlp(self._rms_norm(h, layer.mlp_norm), layer)
+            if self.tp is not None:
+                m = self._sum_ranks(m, layer.down_bias_after)
             if layer.mlp_out_norm is not None:
                 m = self._rms_norm(m, layer.mlp_out_norm)
             h = h + m

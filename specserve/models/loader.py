@@ -123,6 +123,20 @@ def load_checkpoint(
     return Checkpoint(config=config, state_dict=state, source=p)
 
 
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's HF-shaped config alone, without reading a weight (a GGUF's header is memory-mapped):
+    enough to check a configuration against the model before anything is loaded."""
+    p = _existing(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(p)
+        return _gguf_config(reader, _field(reader, "general.architecture"), p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return _normalize_hf_config(json.loads((p / "config.json").read_text()), p)
+    raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+
+
 def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTrainedTokenizerBase:
     """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template, or the
     family's published one (by `model_type`) when the source has none."""

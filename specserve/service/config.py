@@ -159,6 +159,13 @@ class ServiceConfig:
         "kernels pay, bf16 on AVX-512; none: dequantize; int8/int4: quantize on load)",
         choices=[None, "auto", "none", "int8", "int4"],
     )
+    tensor_parallel_size: int | None = _opt(
+        "SPECSERVE_TENSOR_PARALLEL_SIZE",
+        None,
+        "ranks one worker's model is split over (vLLM's name; default 1): one GPU each on CUDA, processes "
+        "sharing the cores on CPU; the model's heads and MLP must divide by it",
+        kind=int,
+    )
     # The service orders by priority (the engine's own default is vLLM's fcfs): requests are band 0 unless
     # they say otherwise, which orders them as fcfs does, and Batch API lines (band 10) then stay out of the
     # way of interactive ones (bench/shared_queue.py).
@@ -427,6 +434,7 @@ _ENGINE_KNOBS = (
     "enable_prefix_caching",
     "attention_backend",
     "quantization",
+    "tensor_parallel_size",
     "scheduling_policy",
     "background_tokens",
 )

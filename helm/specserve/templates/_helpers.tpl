@@ -312,9 +312,6 @@ them, so `helm template`, `install` and `upgrade` all refuse an inconsistent rel
 {{- if and (eq (include "specserve.device" .) "cuda") (eq (int .Values.worker.gpu.count) 0) }}
 {{- fail "engine.device=cuda needs worker.gpu.count > 0" }}
 {{- end }}
-{{- if gt (int .Values.worker.gpu.count) 1 }}
-{{- fail (printf "worker.gpu.count=%v: a worker uses one GPU (the engine has no tensor parallelism yet), so more would sit idle; run more worker replicas instead" .Values.worker.gpu.count) }}
-{{- end }}
 {{- if and .Values.worker.keda.enabled (gt (int .Values.worker.keda.minReplicas) (int .Values.worker.keda.maxReplicas)) }}
 {{- fail "worker.keda.minReplicas must not exceed worker.keda.maxReplicas" }}
 {{- end }}
