@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import re
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -206,18 +209,15 @@ def _existing(path: str | Path) -> Path:
 
 
 def _load_hf_dir(d: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     if not (d / "config.json").is_file():
         raise ValueError(f"{d}: no config.json, not an HF model directory")
     config = _normalize_hf_config(json.loads((d / "config.json").read_text()), d)
     state: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(d):
-        with safe_open(str(f), framework="pt") as fh:
-            for name in fh.keys():
-                # Old checkpoints carry the rotary inverse frequencies; they are derived from the config.
-                if not name.endswith("rotary_emb.inv_freq"):
-                    state[name] = _cast(fh.get_tensor(name), dtype)
+        for name, tensor in _read_safetensors(f, dtype):
+            # Old checkpoints carry the rotary inverse frequencies; they are derived from the config.
+            if not name.endswith("rotary_emb.inv_freq"):
+                state[name] = tensor
     if config["tie_word_embeddings"]:
         # Some tied checkpoints still store a copy of the embedding as lm_head; tied means use the embedding.
         state.pop("lm_head.weight", None)
@@ -299,13 +299,21 @@ def _load_gguf(p: Path, dtype: torch.dtype, quantization: str) -> tuple[dict[str
             if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 kept = _permute_rows(kept, heads if ".attn_q." in t.name else kv_heads)
             state[name] = kept
+            _release(reader, t)
+            continue
+        shape = tuple(reversed([int(n) for n in t.shape]))
+        name = _hf_name(t.name, p, names) if t.name not in _GGUF_ROPE_FACTORS else t.name
+        plain = len(shape) == 2 and not (arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name))
+        if plain:  # most matrices: dequantized in slices of rows straight into the served dtype
+            state[name] = _dequantize_rows(t, shape, dtype)
+            _release(reader, t)
             continue
         # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
-        w = dequantize(np.asarray(t.data), t.tensor_type).reshape(tuple(reversed([int(n) for n in t.shape])))
+        w = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
+        _release(reader, t)
         if t.name in _GGUF_ROPE_FACTORS:
             config["rope_scaling"][_GGUF_ROPE_FACTORS[t.name]] = [_f32(x) for x in w]
             continue
-        name = _hf_name(t.name, p, names)
         if w.ndim == 3:  # experts: HF names the 3-D tensor without a .weight suffix
             name = name.removesuffix(".weight")
         if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
@@ -318,6 +326,38 @@ def _load_gguf(p: Path, dtype: torch.dtype, quantization: str) -> tuple[dict[str
             w = w.copy()
         state[name] = _cast(torch.from_numpy(np.ascontiguousarray(w)), dtype)
     return config, _join_experts(state)
+
+
+GGUF_ROWS_PER_SLICE = 4096
+
+
+def _dequantize_rows(t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A 2-D tensor dequantized GGUF_ROWS_PER_SLICE rows at a time into a tensor of the served dtype: whole,
+    the demo's 49152-row embedding passed through a 113 MB float32 array on its way to bfloat16 (the load's
+    peak, bench/load.py)."""
+    from gguf.quants import dequantize
+
+    out = torch.empty(shape, dtype=dtype)
+    data = np.asarray(t.data)  # [rows, bytes a row] for quantized types, [rows, cols] for float ones
+    for start in range(0, shape[0], GGUF_ROWS_PER_SLICE):
+        rows = dequantize(data[start : start + GGUF_ROWS_PER_SLICE], t.tensor_type).reshape(-1, shape[1])
+        # float types come back as read-only views of the map: copied (a slice at a time) for torch
+        rows = rows if rows.flags.writeable and rows.flags.c_contiguous else rows.copy()
+        out[start : start + rows.shape[0]] = torch.from_numpy(rows)
+    return out
+
+
+def _release(reader: Any, t: Any) -> None:
+    """Drop the tensor's pages of the memory-mapped file from the resident set once it has been read (they
+    are read again from the file if touched): otherwise the whole file stays resident through the load."""
+    mapped = getattr(reader.data, "_mmap", None)
+    if mapped is None or not hasattr(mapped, "madvise"):
+        return
+    page = mmap.PAGESIZE
+    begin = int(t.data_offset) - int(t.data_offset) % page
+    end = min(len(mapped), int(t.data_offset) + int(t.n_bytes))
+    if end > begin:
+        mapped.madvise(mmap.MADV_DONTNEED, begin, end - begin)
 
 
 def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
@@ -381,6 +421,49 @@ def _permute_rows(w: quant.QuantizedWeight, n_head: int) -> quant.QuantizedWeigh
     if isinstance(w, quant.Int8Weight):
         return quant.Int8Weight(rows(w.codes), rows(w.scales))
     return quant.Int4Weight(rows(w.codes), rows(w.scales), rows(w.zeros))
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _read_safetensors(f: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of a .safetensors file, read into memory of its own and cast (matrices) to `dtype`.
+
+    Read with plain reads rather than through a memory map (safetensors' safe_open): a mapped file's pages
+    count in the process's resident set for as long as the map lives, and an fp32 file served in bf16
+    peaked at 3.0x the served weights that way (bench/load.py); read, the file passes through the page
+    cache only, and the peak is the weights plus one tensor in the file's dtype."""
+    with open(f, "rb") as fh:
+        (header_len,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(header_len))
+        base = 8 + header_len
+        header.pop("__metadata__", None)
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            source = SAFETENSORS_DTYPES.get(entry["dtype"])
+            if source is None:
+                raise ValueError(
+                    f"{f}: tensor {name} has dtype {entry['dtype']}, which this loader cannot read"
+                )
+            begin, end = entry["data_offsets"]
+            t = torch.empty(entry["shape"], dtype=source)
+            fh.seek(base + begin)
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            if end - begin != len(view) or fh.readinto(view) != len(view):
+                raise ValueError(f"{f}: tensor {name} is truncated or its offsets disagree with its shape")
+            yield name, _cast(t, dtype)
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
