@@ -70,3 +70,25 @@ def test_the_engine_refuses_at_start_up_and_logs_what_it_chose(tiny_model_dir, c
 def test_gpu_memory_utilization_out_of_range_is_refused(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(gpu_memory_utilization=bad)
+
+
+@pytest.mark.parametrize("tokens,seqs,rows", [(2048, 64, 512), (100, 8, 100), (7, 64, 512), (33, 4, 3)])
+def test_the_profiled_step_is_the_largest_the_scheduler_may_plan(tokens, seqs, rows, tiny_model_dir):
+    """What the CUDA profile run measures (engine/memory.py): every budgeted token, at most max_num_seqs
+    prompts, the logit rows asked; and it runs through the real model (here on CPU, where the allocator's
+    peak cannot be read, so the run itself is what is checked)."""
+    from specserve.engine.memory import largest_step, profile_activation_bytes
+    from specserve.engine.model_runner import ModelRunner
+
+    entries, blocks = largest_step(tokens, seqs, 16, rows)
+    assert sum(len(e.token_ids) for e in entries) == tokens
+    assert len(entries) <= seqs
+    assert sum(e.num_logits for e in entries) == min(rows, tokens)
+    used = [b for e in entries for b in e.block_table]
+    assert sorted(used) == list(range(blocks))
+    assert all(len(e.block_table) * 16 >= len(e.token_ids) for e in entries)
+    if tokens <= 100:
+        llm = LLM(str(tiny_model_dir), dtype="float32", num_kv_blocks=8)
+        logits = ModelRunner(llm.engine.model, blocks, 16).run(entries)
+        assert logits.shape[0] == min(rows, tokens) and torch.isfinite(logits).all()
+        assert profile_activation_bytes(llm.engine.model, tokens, seqs, 16, rows) == 0  # CPU: the estimate

@@ -26,7 +26,12 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.cpu_tuning import keep_freed_memory_in_heap, release_freed_memory
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.logprobs import record_prompt_logprobs, with_logprobs
-from specserve.engine.memory import activation_reserve_bytes, kv_pool_bytes, plan_kv_cache
+from specserve.engine.memory import (
+    activation_reserve_bytes,
+    kv_pool_bytes,
+    plan_kv_cache,
+    profile_activation_bytes,
+)
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
@@ -145,7 +150,18 @@ class LLMEngine:
             pool, why = config.num_kv_blocks * block_size * per_token, "num_kv_blocks"
         else:
             dtype_bytes = torch.tensor([], dtype=self.dtype).element_size()
-            reserve = activation_reserve_bytes(
+            logit_rows = min(config.max_num_batched_tokens, 512)
+            # on CUDA the largest step is run once and its peak measured (vLLM's profile run); the estimate
+            # is for CPU, where nothing reads the allocator's peak, and for tensor-parallel ranks, which
+            # could only run it together
+            profiled = (
+                profile_activation_bytes(
+                    self.model, config.max_num_batched_tokens, config.max_num_seqs, block_size, logit_rows
+                )
+                if tp_size == 1 and not config.kv_cache_bytes
+                else 0
+            )
+            reserve = profiled or activation_reserve_bytes(
                 config.max_num_batched_tokens,
                 mc.hidden_size,
                 mc.intermediate_size,

@@ -2,8 +2,9 @@
 
 - `kv_cache_bytes` given: that.
 - CUDA: vLLM's rule, `gpu_memory_utilization` (default 0.9) of the device's memory, less what is already in
-  use once the weights are loaded (by us and by anyone else on the device) and a reserve for one step's
-  activations at `max_num_batched_tokens`.
+  use once the weights are loaded (by us and by anyone else on the device) and the activation peak of the
+  largest step (`max_num_batched_tokens`), measured by running that step once (vLLM's profile run); the
+  estimate `activation_reserve_bytes` stands in where it cannot be measured (CPU, tensor-parallel ranks).
 - CPU: CPU_KV_SHARE of the memory this process may use (the cgroup limit in a container, else physical RAM),
   within [CPU_KV_MIN, CPU_KV_MAX]: 2.4 GiB on a 24 GiB machine, the old fixed figure's neighbourhood.
 
@@ -17,6 +18,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,6 +58,50 @@ def activation_reserve_bytes(
     per_token = (3 * intermediate_size + 6 * hidden_size) * dtype_bytes
     logits = min(max_num_batched_tokens, 512) * vocab_size * 4
     return 2 * max_num_batched_tokens * per_token + logits
+
+
+def largest_step(
+    max_num_batched_tokens: int, max_num_seqs: int, block_size: int, logit_rows: int
+) -> tuple[list[Any], int]:
+    """The largest step the scheduler may plan, as ForwardEntry's over a KV cache of their own: every token
+    budgeted, spread over up to `max_num_seqs` prompts, `logit_rows` logits among them. Also the blocks they
+    use."""
+    from specserve.engine.model_runner import ForwardEntry
+
+    seqs = max(1, min(max_num_seqs, max_num_batched_tokens, logit_rows))
+    lengths = [max_num_batched_tokens // seqs + (i < max_num_batched_tokens % seqs) for i in range(seqs)]
+    wanted = [logit_rows // seqs + (i < logit_rows % seqs) for i in range(seqs)]
+    entries, next_block = [], 0
+    for i, (n, w) in enumerate(zip(lengths, wanted)):
+        table = list(range(next_block, next_block + -(-n // block_size)))
+        next_block += len(table)
+        entries.append(ForwardEntry([i % 100 + 1] * n, 0, table, min(n, w)))
+    return entries, next_block
+
+
+def profile_activation_bytes(
+    model: Any, max_num_batched_tokens: int, max_num_seqs: int, block_size: int, logit_rows: int
+) -> int:
+    """The activation peak of the largest step, measured (vLLM's profile run): `largest_step` run once on a
+    KV cache just big enough for it, freed again. CUDA only: it reads the caching allocator's peak;
+    elsewhere it returns 0 and the estimate above stands."""
+    from specserve.engine.model_runner import ModelRunner
+
+    device = model.device
+    if device.type != "cuda":
+        return 0
+    entries, blocks = largest_step(max_num_batched_tokens, max_num_seqs, block_size, logit_rows)
+    runner = ModelRunner(model, blocks, block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner.run(entries)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del runner
+    torch.cuda.empty_cache()
+    return peak
 
 
 def kv_pool_bytes(
