@@ -182,3 +182,21 @@ def test_a_tp2_service_answers_and_leaves_no_rank_behind(tiny_model_factory, tmp
             proc.kill()
     assert text == ref[0].text, log.read_text(errors="replace")[-3000:]
     assert ranks and not alive
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen3_moe"])
+def test_a_rank_loads_only_its_slices(name, family):  # noqa: F811
+    """The loader shards each tensor as it reads it: the same slices as sharding the whole checkpoint,
+    without ever holding it (Phi-3's fused projections split on the way in)."""
+    from specserve.models.loader import load_checkpoint
+    from specserve.models.parallel import Sharder
+
+    path, _ = family(name)
+    cfg = ModelConfig.from_hf(read_config(path))
+    whole = load_checkpoint(path).state_dict
+    shard_state_dict(whole, cfg, 1, 2)
+    sliced = load_checkpoint(path, transform=Sharder(cfg, 1, 2)).state_dict
+    assert sliced.keys() == whole.keys()
+    assert all(torch.equal(sliced[k], whole[k]) for k in whole)
+    full = load_checkpoint(path).state_dict
+    assert sum(t.numel() for t in sliced.values()) < sum(t.numel() for t in full.values())

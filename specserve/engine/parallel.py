@@ -24,8 +24,8 @@ import torch
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaModel
-from specserve.models.loader import load_checkpoint
-from specserve.models.parallel import TensorParallel, join_group, serve_store
+from specserve.models.loader import load_checkpoint, read_config
+from specserve.models.parallel import Sharder, TensorParallel, join_group, serve_store
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ def threads_per_rank(size: int) -> int:
 def build_model(spec: ModelSpec, tp: TensorParallel | None) -> tuple[LlamaModel, dict[str, Any]]:
     """Load the checkpoint and build this rank's model; also the checkpoint's HF config."""
     device = rank_device(spec.device, tp.rank if tp else 0)
-    ckpt = load_checkpoint(spec.path, dtype=spec.dtype, quantization=spec.quantization)
+    # a rank keeps its slice of each tensor as it is read, never the whole model
+    shard = Sharder(ModelConfig.from_hf(read_config(spec.path)), tp.rank, tp.size) if tp else None
+    ckpt = load_checkpoint(spec.path, dtype=spec.dtype, quantization=spec.quantization, transform=shard)
     model = LlamaModel(
         ModelConfig.from_hf(ckpt.config),
         ckpt.state_dict,

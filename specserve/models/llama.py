@@ -22,7 +22,7 @@ from specserve.kernels import AttentionBackend, select_backend
 from specserve.kernels.huge_pages import advise_huge_pages
 from specserve.models import quant
 from specserve.models.config import ModelConfig
-from specserve.models.parallel import TensorParallel, check_shardable, local_heads, shard_state_dict
+from specserve.models.parallel import TensorParallel, check_shardable, local_heads
 
 
 @dataclass
@@ -161,9 +161,10 @@ class LlamaModel:
     ) -> None:
         self.cfg = cfg
         self.tp = tp
-        if tp is not None:  # this rank's slice of each decoder matrix (models/parallel.py)
+        # with tensor parallelism `state_dict` holds this rank's slices already (models/parallel.py: Sharder,
+        # applied by the loader); the model needs the head counts they make
+        if tp is not None:
             check_shardable(cfg, tp.size)
-            shard_state_dict(state_dict, cfg, tp.rank, tp.size)
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp.size if tp else 1)
         self.dtype = dtype
         self.device = torch.device(device)

@@ -11,7 +11,7 @@ import json
 import mmap
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,8 +101,16 @@ class Checkpoint:
     source: Path
 
 
+# What the loader does with each tensor as it is read: the (name, tensor) pairs to keep (a tensor-parallel
+# rank's slice of it, models/parallel.py: Sharder); None keeps every tensor whole.
+Transform = Callable[[str, Any], list[tuple[str, Any]]]
+
+
 def load_checkpoint(
-    path: str | Path, dtype: torch.dtype = torch.float32, quantization: str = "none"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+    transform: Transform | None = None,
 ) -> Checkpoint:
     """Load an HF model directory (config.json + safetensors) or a .gguf file, one tensor at a time: each
     matrix is cast (or dequantized) to `dtype` as it is read, so the host never holds the whole model in
@@ -117,9 +125,9 @@ def load_checkpoint(
     if p.is_file() and p.suffix in PICKLE_SUFFIXES:
         raise ValueError(f"{p}: refusing pickle checkpoint ({p.suffix}); convert it to safetensors or GGUF")
     if p.is_file() and p.suffix == ".gguf":
-        config, state = _load_gguf(p, dtype, quantization)
+        config, state = _load_gguf(p, dtype, quantization, transform)
     elif p.is_dir():
-        config, state = _load_hf_dir(p, dtype)
+        config, state = _load_hf_dir(p, dtype, transform)
     else:
         raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
     _check_names(config, state, p)
@@ -208,7 +216,13 @@ def _existing(path: str | Path) -> Path:
 # ---------------------------------------------------------------- HF safetensors directories
 
 
-def _load_hf_dir(d: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def _keep(state: dict[str, Any], name: str, tensor: Any, transform: Transform | None) -> None:
+    state.update(transform(name, tensor) if transform is not None else [(name, tensor)])
+
+
+def _load_hf_dir(
+    d: Path, dtype: torch.dtype, transform: Transform | None = None
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if not (d / "config.json").is_file():
         raise ValueError(f"{d}: no config.json, not an HF model directory")
     config = _normalize_hf_config(json.loads((d / "config.json").read_text()), d)
@@ -217,7 +231,7 @@ def _load_hf_dir(d: Path, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str,
         for name, tensor in _read_safetensors(f, dtype):
             # Old checkpoints carry the rotary inverse frequencies; they are derived from the config.
             if not name.endswith("rotary_emb.inv_freq"):
-                state[name] = tensor
+                _keep(state, name, tensor, transform)
     if config["tie_word_embeddings"]:
         # Some tied checkpoints still store a copy of the embedding as lm_head; tied means use the embedding.
         state.pop("lm_head.weight", None)
@@ -278,7 +292,9 @@ def _normalize_hf_config(raw: dict[str, Any], d: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- GGUF
 
 
-def _load_gguf(p: Path, dtype: torch.dtype, quantization: str) -> tuple[dict[str, Any], dict[str, Any]]:
+def _load_gguf(
+    p: Path, dtype: torch.dtype, quantization: str, transform: Transform | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -298,14 +314,14 @@ def _load_gguf(p: Path, dtype: torch.dtype, quantization: str) -> tuple[dict[str
             name = _hf_name(t.name, p, names)
             if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 kept = _permute_rows(kept, heads if ".attn_q." in t.name else kv_heads)
-            state[name] = kept
+            _keep(state, name, kept, transform)
             _release(reader, t)
             continue
         shape = tuple(reversed([int(n) for n in t.shape]))
         name = _hf_name(t.name, p, names) if t.name not in _GGUF_ROPE_FACTORS else t.name
         plain = len(shape) == 2 and not (arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name))
         if plain:  # most matrices: dequantized in slices of rows straight into the served dtype
-            state[name] = _dequantize_rows(t, shape, dtype)
+            _keep(state, name, _dequantize_rows(t, shape, dtype), transform)
             _release(reader, t)
             continue
         # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
@@ -324,7 +340,7 @@ def _load_gguf(p: Path, dtype: torch.dtype, quantization: str) -> tuple[dict[str
         if not w.flags.writeable:
             # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
             w = w.copy()
-        state[name] = _cast(torch.from_numpy(np.ascontiguousarray(w)), dtype)
+        _keep(state, name, _cast(torch.from_numpy(np.ascontiguousarray(w)), dtype), transform)
     return config, _join_experts(state)
 
 

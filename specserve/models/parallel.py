@@ -104,59 +104,78 @@ def _rows(t: torch.Tensor, start: int, count: int, dim: int = 0) -> torch.Tensor
     return t.narrow(dim, start, count).clone()
 
 
-def shard_state_dict(sd: dict[str, Any], cfg: ModelConfig, rank: int, size: int) -> None:
-    """Replace each decoder matrix of an HF-named state dict by rank `rank`'s slice, in place."""
-    if size == 1:
-        return
-    hd = cfg.head_dim
-    nh, nkv = local_heads(cfg, size)
-    q_start = rank * nh * hd
-    # with fewer KV heads than ranks, rank r's query heads read KV head r * num_kv_heads // size
-    kv_start = (rank * cfg.num_kv_heads // size if cfg.num_kv_heads < size else rank * nkv) * hd
-    q_full, kv_full = cfg.num_heads * hd, cfg.num_kv_heads * hd
+class Sharder:
+    """Rank `rank`'s slice of each decoder tensor, one tensor at a time: the loader applies it to every
+    tensor as it is read, so a rank never holds more than its share plus the tensor in hand (a rank that
+    loaded the whole checkpoint first would need the whole model's host memory, on every rank at once)."""
 
-    def q(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return _rows(t, q_start, nh * hd, dim)
+    def __init__(self, cfg: ModelConfig, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        hd = cfg.head_dim
+        self.nh, self.nkv = local_heads(cfg, size)
+        self.nh, self.nkv = self.nh * hd, self.nkv * hd  # rows, from here on
+        self.q_start = rank * self.nh
+        # with fewer KV heads than ranks, rank r's query heads read KV head r * num_kv_heads // size
+        kv_head = rank * cfg.num_kv_heads // size if cfg.num_kv_heads < size else rank * self.nkv // hd
+        self.kv_start = kv_head * hd
+        self.q_full, self.kv_full = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
-    def kv(t: torch.Tensor) -> torch.Tensor:
-        return _rows(t, kv_start, nkv * hd)
+    def _q(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        return _rows(t, self.q_start, self.nh, dim)
 
-    def inter(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        n = t.shape[dim] // size
-        return _rows(t, rank * n, n, dim)
+    def _kv(self, t: torch.Tensor) -> torch.Tensor:
+        return _rows(t, self.kv_start, self.nkv)
 
-    def halves(t: torch.Tensor, dim: int = 0) -> torch.Tensor:  # fused gate/up: each half split alike
+    def _inter(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        n = t.shape[dim] // self.size
+        return _rows(t, self.rank * n, n, dim)
+
+    def _halves(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:  # fused gate/up: each half alike
         gate, up = t.chunk(2, dim=dim)
-        return torch.cat([inter(gate, dim), inter(up, dim)], dim=dim)
+        return torch.cat([self._inter(gate, dim), self._inter(up, dim)], dim=dim)
 
-    for key in [k for k in sd if ".layers." in k]:
-        t = sd[key]
+    def __call__(self, key: str, t: Any) -> list[tuple[str, Any]]:
+        """The (name, tensor) pairs this rank keeps of checkpoint tensor `key` (HF names)."""
+        if ".layers." not in key or self.size == 1:
+            return [(key, t)]  # embeddings, the final norm and the LM head are whole
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{key}: tensor parallelism shards dense weights only (use quantization none)")
         name = key.rsplit(".layers.", 1)[1].split(".", 1)[1]  # "self_attn.q_proj.weight", ...
         if t.dim() == 1 and ("norm" in name or name.endswith(("o_proj.bias", "down_proj.bias"))):
-            continue  # norms are whole; the row-parallel biases are added once, after the sum
+            return [(key, t)]  # norms are whole; the row-parallel biases are added once, after the sum
         if name.startswith("self_attn.q_proj"):
-            sd[key] = q(t)
-        elif name.startswith(("self_attn.k_proj", "self_attn.v_proj")):
-            sd[key] = kv(t)
-        elif name.startswith("self_attn.qkv_proj"):  # Phi-3: fused, split into the three it stands for
+            return [(key, self._q(t))]
+        if name.startswith(("self_attn.k_proj", "self_attn.v_proj")):
+            return [(key, self._kv(t))]
+        if name.startswith("self_attn.qkv_proj"):  # Phi-3: fused, split into the three it stands for
             base = key.removesuffix(name) + "self_attn."
             suffix = name.rsplit(".", 1)[1]
-            del sd[key]
-            wq, wk, wv = t.split([q_full, kv_full, kv_full])
-            sd[f"{base}q_proj.{suffix}"], sd[f"{base}k_proj.{suffix}"] = q(wq), kv(wk)
-            sd[f"{base}v_proj.{suffix}"] = kv(wv)
-        elif name == "self_attn.o_proj.weight":
-            sd[key] = q(t, dim=1)
-        elif name.endswith("gate_up_proj.weight"):  # Phi-3's fused MLP (before the up_proj match below)
-            sd[key] = halves(t)
-        elif name.endswith(COLUMN_PARALLEL_MLP):
-            sd[key] = inter(t)
-        elif name.endswith(("down_proj.weight", ".w2.weight")):
-            sd[key] = inter(t, dim=1)
-        elif name.endswith("experts.gate_up_proj"):  # transformers 5: [experts, 2 x inter, hidden]
-            sd[key] = halves(t, dim=1)
-        elif name.endswith("experts.down_proj"):  # [experts, hidden, inter]
-            sd[key] = inter(t, dim=2)
-        # anything else (the MoE router) is whole on every rank
+            wq, wk, wv = t.split([self.q_full, self.kv_full, self.kv_full])
+            return [
+                (f"{base}q_proj.{suffix}", self._q(wq)),
+                (f"{base}k_proj.{suffix}", self._kv(wk)),
+                (f"{base}v_proj.{suffix}", self._kv(wv)),
+            ]
+        if name == "self_attn.o_proj.weight":
+            return [(key, self._q(t, dim=1))]
+        if name.endswith("gate_up_proj.weight"):  # Phi-3's fused MLP (before the up_proj match below)
+            return [(key, self._halves(t))]
+        if name.endswith(COLUMN_PARALLEL_MLP):
+            return [(key, self._inter(t))]
+        if name.endswith(("down_proj.weight", ".w2.weight")):
+            return [(key, self._inter(t, dim=1))]
+        if name.endswith("experts.gate_up_proj"):  # transformers 5: [experts, 2 x inter, hidden]
+            return [(key, self._halves(t, dim=1))]
+        if name.endswith(("experts.gate_proj", "experts.up_proj")):  # a GGUF's, joined after loading
+            return [(key, self._inter(t, dim=1))]
+        if name.endswith("experts.down_proj"):  # [experts, hidden, inter]
+            return [(key, self._inter(t, dim=2))]
+        return [(key, t)]  # anything else (the MoE router) is whole on every rank
+
+
+def shard_state_dict(sd: dict[str, Any], cfg: ModelConfig, rank: int, size: int) -> None:
+    """Replace each decoder matrix of an HF-named state dict by rank `rank`'s slice, in place."""
+    sharder = Sharder(cfg, rank, size)
+    for key in list(sd):
+        t = sd.pop(key)
+        sd.update(sharder(key, t))
