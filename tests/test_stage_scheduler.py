@@ -295,3 +295,52 @@ def test_a_waiting_better_sequence_holds_background_admissions_and_prefill_to_th
     plan = sched.schedule()
     rows = {s.seq.seq_id: s.num_tokens for s in plan.scheduled}
     assert rows == {1: 20, 0: 2}  # the band-0 prompt whole, the band-5 one two tokens of it
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_background_keeps_its_share_for_a_linger_after_the_better_work_leaves():
+    """The next interactive request reaches the engine tens of ms after the last one finished: for
+    background_linger_s the background bands keep their share instead of running all their rows in one
+    long step that the arrival would wait behind. After it, they run in full."""
+    clock = FakeClock()
+    sched = scheduler(
+        max_num_seqs=8, policy="priority", background_tokens=2, background_linger_s=0.25, clock=clock
+    )
+    bg = [ranked(decoding(i, 3), 5) for i in range(4)]
+    for seq in bg:
+        run(sched, seq)
+    fg = ranked(decoding(9, 3), 0)
+    run(sched, fg)
+    assert sum(s.num_tokens for s in sched.schedule().scheduled if s.seq.priority == 5) == 2
+    sched.finish(fg, "stop")
+    clock.now = 0.2  # within the linger: still the share, though only band 5 is left
+    plan = sched.schedule()
+    assert len(plan.scheduled) == 2 and all(s.seq.priority == 5 for s in plan.scheduled)
+    clock.now = 0.3  # past it: everyone runs
+    assert sorted(s.seq.seq_id for s in sched.schedule().scheduled) == [0, 1, 2, 3]
+    # and stays so: the linger follows better work only
+    clock.now = 10.0
+    assert len(sched.schedule().scheduled) == 4
+
+
+def test_a_band_alone_never_lingers_and_the_best_band_is_never_held():
+    clock = FakeClock()
+    sched = scheduler(max_num_seqs=8, policy="priority", background_linger_s=0.25, clock=clock)
+    for i in range(4):
+        run(sched, ranked(decoding(i, 3), 5))
+    assert len(sched.schedule().scheduled) == 4  # a batch alone from the start runs in full
+    fg = ranked(decoding(9, 3), 0)
+    run(sched, fg)
+    sched.schedule()
+    for seq in list(sched.running):
+        if seq.priority == 5:
+            sched.finish(seq, "stop")
+    plan = sched.schedule()  # the best band left alone within the linger is not background
+    assert plan_rows(plan) == [(9, 1, 0, True)]

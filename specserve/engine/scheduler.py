@@ -33,6 +33,15 @@ PROMPT_LOGPROBS_CHUNK = 256
 
 POLICIES = ("fcfs", "priority")
 
+# Priority policy: how long worse bands stay at their background share after the last better sequence left.
+# Interactive clients send their next request right after the last answer, and it reaches the engine tens of
+# ms later; without this, the batch behind them ran one step of all its rows in that gap (64 rows: 330-430 ms
+# on the 2-core EPYC, fp32, against ~30 ms for a step of 2 interactive + 2 background rows), and the arrival
+# waited for that step to end: most of bench/shared_queue.py's busy TTFT (614 ms against 174 idle). While
+# it lingers, a step of the share lasts ~25 ms, so an arrival waits that long at most; a batch alone (no
+# better band ever present) never lingers.
+BACKGROUND_LINGER_S = 0.25
+
 # Given the running sequences, how many draft tokens each decoding one may propose this step (seq_id -> k).
 LookaheadPolicy = Callable[[list[Sequence]], dict[int, int]]
 
@@ -49,6 +58,8 @@ class Scheduler:
         lookahead: LookaheadPolicy | None = None,
         policy: str = "fcfs",
         background_tokens: int = 2,
+        background_linger_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, not {policy!r}")
@@ -63,8 +74,12 @@ class Scheduler:
         # Priority policy: tokens per step that sequences of a worse band than the best one present share
         # (see _background_plan); the rest of them pause, holding their KV, while better work runs.
         self.background_tokens = background_tokens
+        # ... and keep sharing for this long after the better work has left (see _background_share)
+        self.background_linger_s = BACKGROUND_LINGER_S if background_linger_s is None else background_linger_s
+        self._clock = clock
         self._background_left: int | None = None  # this step's share left; None: no better work present
         self._best = 0  # the best band present, while a share applies
+        self._best_seen: float | None = None  # when a better band than the worst present was last seen
         self._turn = 0  # rotates which background sequences get the share
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -124,11 +139,22 @@ class Scheduler:
         ~2.7 ms of fp32 compute for SmolLM2 on the 2-core EPYC, against ~27 ms for one read of the weights),
         so a batch job running beside interactive requests would otherwise stretch every one of their tokens.
         None when everyone is of one band: then nobody is held back. Members take turns (the background part
-        of `running` is rotated by step), so none of them waits for good."""
+        of `running` is rotated by step), so none of them waits for good. When the better work has all gone,
+        the share holds for `background_linger_s` more (BACKGROUND_LINGER_S says why)."""
         bands = [s.priority for s in self.running] + [w.priority for w in self.waiting]
-        if not bands or min(bands) == max(bands):
+        if not bands:
             return None
-        self._best = min(bands)
+        now = self._clock()
+        if min(bands) < max(bands):
+            self._best, self._best_seen = min(bands), now
+        elif (
+            self._best_seen is None
+            or min(bands) <= self._best
+            or now - self._best_seen > self.background_linger_s
+        ):
+            self._best_seen = None
+            return None
+        # else the better work has just left: whoever is present stays background for the linger
         split = next((i for i, s in enumerate(self.running) if s.priority > self._best), len(self.running))
         background = self.running[split:]
         if background:
