@@ -4,12 +4,15 @@ finishing order is read off a producer's reply stream, where each final result l
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
-from valkey_helpers import TINY, run, service_stack
+from valkey_helpers import TINY, run, service_stack, wait_for
 
 from specserve.queue.client import Limits
 from specserve.queue.keys import Keys
 from specserve.queue.ready import FairShare
+from specserve.service import worker as worker_module
 
 pytest_plugins = ("valkey_fixtures",)
 KEYS = Keys("specserve")
@@ -90,9 +93,34 @@ def test_high_priority_work_overtakes_a_full_pool_of_low_priority_work(valkey, t
 
 
 async def _sleep() -> None:
-    import asyncio
-
     await asyncio.sleep(0.05)
+
+
+def test_a_full_workers_wait_ends_when_an_entry_arrives_and_takes_nothing(
+    valkey, tiny_model_dir, monkeypatch
+):
+    """A full worker that may overbook waits for new entries with a plain XREAD, not a sleep: the wait ends
+    when an entry is added (here its cap is a minute, so only the entry can end it), and it delivers
+    nothing: the entry is still new to the consumer group, for whichever worker reads it."""
+    monkeypatch.setattr(worker_module, "ARRIVAL_WAIT_MS", 60_000)
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir, start_worker=False) as (worker, client):
+            await worker.consumer.ensure_group()
+            watch = asyncio.ensure_future(worker._next_arrival())
+
+            async def blocked() -> bool:
+                clients = await client.r.execute_command("CLIENT", "LIST")
+                lines = (clients if isinstance(clients, str) else clients.decode()).splitlines()
+                return any("cmd=xread" in line and "flags=b" in line for line in lines)
+
+            await wait_for(blocked, what="the XREAD to block")
+            assert not watch.done()
+            await client.enqueue({"prompt": "wake up", "max_tokens": 2}, "arrival")
+            await asyncio.wait_for(watch, timeout=30)
+            return [e.request_id for e in await worker.consumer.read_new(10, wait=False)]
+
+    assert run(main(), timeout=120) == ["arrival"]
 
 
 def test_a_raw_xadd_over_its_tenants_cap_fails_naming_the_limit(valkey, tiny_model_dir):
