@@ -66,8 +66,8 @@ class Bench:
         self.http = self.service.http
         self.client = openai.AsyncOpenAI(base_url=f"{self.service.base}/v1", api_key="none", max_retries=0)
 
-    async def interactive_one(self, i: int) -> tuple[float, float]:
-        """Latency and time to first token of one streamed chat request."""
+    async def interactive_one(self, i: int) -> tuple[float, float, str]:
+        """Latency, time to first token and request id of one streamed chat request."""
         body = {
             "model": self.model,
             "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}],
@@ -78,24 +78,38 @@ class Bench:
         }
         t0 = time.perf_counter()
         ttft = None
+        rid = ""
         async with self.http.post(f"{self.service.base}/v1/chat/completions", json=body) as r:
             assert r.status == 200, await r.text()
             async for line in r.content:
+                if not rid and line.startswith(b"data: {"):
+                    rid = json.loads(line[6:])["id"]
                 if ttft is None and line.startswith(b"data: {") and b'"content":"' in line:
                     ttft = time.perf_counter() - t0
-        return time.perf_counter() - t0, ttft or 0.0
+        return time.perf_counter() - t0, ttft or 0.0, rid
+
+    async def queue_wait_ms(self, rid: str) -> float | None:
+        """Enqueue (the entry id's time) to the worker's claim, server clock, 1 ms grain."""
+        info = await self.service.redis.hmget(f"specserve:req:{rid}", ["created", "started"])
+        return float(info[1]) - float(info[0]) if info[0] and info[1] else None
 
     async def interactive(self) -> dict[str, float]:
         sem = asyncio.Semaphore(self.args.concurrency)
 
-        async def one(i: int) -> tuple[float, float]:
+        async def one(i: int) -> tuple[float, float, str]:
             async with sem:
                 return await self.interactive_one(i)
 
         res = await asyncio.gather(*(one(i) for i in range(self.args.interactive)))
+        waits = [w for w in [await self.queue_wait_ms(r[2]) for r in res] if w is not None]
+        n = self.args.interactive_tokens
+        # Where the latency goes: queue wait (enqueue to claim) is part of TTFT; the rest of the request is
+        # its decode, one token per step after the first.
         return {
             "p50_ms": 1000 * statistics.median(r[0] for r in res),
             "ttft_p50_ms": 1000 * statistics.median(r[1] for r in res),
+            "queue_wait_p50_ms": statistics.median(waits) if waits else -1.0,
+            "tpot_p50_ms": 1000 * statistics.median((r[0] - r[1]) / max(1, n - 1) for r in res),
         }
 
     async def submit_batch(self, rows: list[tuple[str, int]], chat: bool) -> str:
