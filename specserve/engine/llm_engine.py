@@ -23,7 +23,11 @@ from jinja2 import TemplateError
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.config import EngineConfig
-from specserve.engine.cpu_tuning import keep_freed_memory_in_heap, release_freed_memory
+from specserve.engine.cpu_tuning import (
+    keep_freed_memory_in_heap,
+    release_freed_memory,
+    return_freed_memory_at_once,
+)
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.logprobs import record_prompt_logprobs, with_logprobs
 from specserve.engine.memory import (
@@ -126,6 +130,8 @@ class LLMEngine:
         if tp_size > 1:  # before any rank starts loading: a size that does not divide the heads is refused
             check_shardable(ModelConfig.from_hf(read_config(path)), tp_size)
         self.ranks = RankGroup(tp_size, spec) if tp_size > 1 else None
+        if self.device.type == "cpu":
+            return_freed_memory_at_once()
         try:
             self.model, hf_config = build_model(spec, self.ranks.tp if self.ranks else None)
             if self.ranks is not None:

@@ -21,6 +21,11 @@ from typing import Any
 
 import torch
 
+from specserve.engine.cpu_tuning import (
+    keep_freed_memory_in_heap,
+    release_freed_memory,
+    return_freed_memory_at_once,
+)
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.models.config import ModelConfig
 from specserve.models.llama import LlamaModel
@@ -73,8 +78,12 @@ def _rank_main(rank: int, size: int, port: int, spec: ModelSpec, conn: Connectio
     try:
         if spec.device != "cuda":
             torch.set_num_threads(threads_per_rank(size))
+            return_freed_memory_at_once()
         tp = join_group(port, rank, size, rank_device(spec.device, rank))
         model, _ = build_model(spec, tp)
+        if spec.device != "cuda":
+            release_freed_memory()
+            keep_freed_memory_in_heap()
         conn.send(("ready", None))
         num_blocks, block_size = conn.recv()
         runner = ModelRunner(model, num_blocks, block_size)
