@@ -32,25 +32,24 @@ def release_freed_memory() -> bool:
     return bool(trim(0)) if trim is not None else False
 
 
+def _set_thresholds(mmap_bytes: int, trim_bytes: int) -> bool:
+    if not sys.platform.startswith("linux") or os.environ.get("SPECSERVE_KEEP_MALLOC") == "1":
+        return False
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap_bytes)) and bool(mallopt(M_TRIM_THRESHOLD, trim_bytes))
+
+
 def return_freed_memory_at_once() -> bool:
     """Called before the model is loaded: every block of 1 MiB or more gets a mapping of its own, returned to
     the OS when freed. Loading frees a tensor for each fused or cast copy it makes; with glibc's adaptive
     threshold those blocks stayed in the heap, and building the demo model's layers in bf16 added 78 MiB
     of such garbage to the load's peak (25 MiB with this)."""
-    if not sys.platform.startswith("linux") or os.environ.get("SPECSERVE_KEEP_MALLOC") == "1":
-        return False
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, 1 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 20))
+    return _set_thresholds(1 << 20, 1 << 20)
 
 
 def keep_freed_memory_in_heap() -> bool:
     """Called after the model is loaded: a load's transients are freed for good, a step's are reused."""
-    if not sys.platform.startswith("linux") or os.environ.get("SPECSERVE_KEEP_MALLOC") == "1":
-        return False
-    mallopt = getattr(_libc(), "mallopt", None)
-    if mallopt is None:
-        return False
     # glibc caps the mmap threshold at 32 MiB on 64-bit (HEAP_MAX/2); larger blocks still come from mmap.
-    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+    return _set_thresholds(32 << 20, 1 << 30)
