@@ -243,11 +243,21 @@ def test_engine_constrained_outputs_are_valid_and_equal_with_speculation_on_and_
         assert o.finish_reason == "stop" and _valid(o.text, c), o.text
 
 
-def test_bitmask_application_equals_xgrammars_kernel():
+@pytest.mark.parametrize("path", ["native", "portable", "torch"])
+def test_bitmask_application_equals_xgrammars_kernel(monkeypatch, path):
+    """Our C++ kernel (each build variant) and the torch fallback write what xgrammar's kernel does."""
     import xgrammar as xgr
 
+    from specserve.engine import structured
     from specserve.engine.structured import apply_bitmask
+    from specserve.kernels import cpu_paged_attention as cpa
 
+    if path == "torch":
+        monkeypatch.setattr(structured.cpa, "load", lambda: None)
+    else:
+        if cpa.load() is None:
+            pytest.skip("no C++ compiler")
+        monkeypatch.setattr(cpa, "_lib", cpa.build_variant(path))
     gen = torch.Generator().manual_seed(0)
     for vocab in (49152, 1000, 33):
         bitmask = xgr.allocate_token_bitmask(6, vocab)

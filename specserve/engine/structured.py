@@ -38,6 +38,7 @@ import torch
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
+from specserve.kernels import cpu_paged_attention as cpa
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -51,6 +52,8 @@ MAX_CACHED_GRAMMARS = 256
 # Compact separators (", " and ": ") instead of any whitespace: the text between values is then forced, and
 # jump-forward drafts it (31 of 51 tokens of a 7-field object had forced text; with any whitespace, none).
 ANY_WHITESPACE = False
+# Up to this many rows, a step's mask fills run on the step's own thread (see StructuredOutputs.__init__).
+FILL_ONE_THREAD_ROWS = 8
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\] [^:]+:\d+: (Check failed: \([^)]*\) is false: )?")
 
 
@@ -142,9 +145,15 @@ class StructuredOutputs:
         self._compiled: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
         self._states: dict[int, _State] = {}
-        # Fills every sequence's next-position mask in one call, on the cores the forward just left idle:
-        # 0.9 ms instead of 1.6 ms for 32 JSON-schema matchers on the 2-core EPYC (bench/structured.py's).
+        # Fills every sequence's next-position mask in one call. Many rows go to xgrammar's thread pool (0.9
+        # ms instead of 1.6 ms for 32 JSON-schema matchers on an idle 2-core EPYC); a few stay on this
+        # thread: a fill is 2-10 us a row, less than handing work to a pool whose other thread may be
+        # waiting for a core on a loaded machine.
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        self._batch_one = xgr.BatchGrammarMatcher(max_threads=1)
+        # One bitmask reused across steps (grown as needed): every fill writes its whole row and only filled
+        # rows are applied, so it needs no reset. Allocating it each step was an [R, V / 32] parallel fill.
+        self._bitmask = torch.empty(0, (vocab_size + 31) // 32, dtype=torch.int32)
 
     def __len__(self) -> int:
         return len(self._states)
@@ -220,9 +229,12 @@ class StructuredOutputs:
             row += 1 + (drafts.num_drafts(i) if drafts is not None else 0)
         if not constrained:
             return
-        bitmask = self._xgr.allocate_token_bitmask(logits.shape[0], self.info.vocab_size)
+        if self._bitmask.shape[0] < logits.shape[0]:
+            self._bitmask = torch.empty(logits.shape[0], self._bitmask.shape[1], dtype=torch.int32)
+        bitmask = self._bitmask
         rows = [first for _, first, _ in constrained]
-        self._batch.batch_fill_next_token_bitmask([st.matcher for st, _, _ in constrained], bitmask, rows)
+        batch = self._batch if len(constrained) > FILL_ONE_THREAD_ROWS else self._batch_one
+        batch.batch_fill_next_token_bitmask([st.matcher for st, _, _ in constrained], bitmask, rows)
         for state, first, i in constrained:
             m = state.matcher
             for j, t in enumerate(drafts.drafts(i) if drafts is not None and drafts.num_drafts(i) else ()):
@@ -264,9 +276,17 @@ _BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 
 @torch.inference_mode()  # the runner's logits are inference tensors
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """Forbidden tokens' logits to -inf, in place, on `rows`. xgrammar's CPU kernel tests one bit at a time:
-    5 ms for 32 rows of a 49k vocabulary with almost every token forbidden (a JSON schema's usual state),
-    2.2 ms a step on average in bench/structured.py at 32 in flight; this is 1.3 ms for the first case."""
+    """Forbidden tokens' logits to -inf, in place, on `rows` (bitmask row r for logits row r).
+
+    The C++ kernel where it is built (float32 logits): one pass, one thread, ~20 us a row. The torch form
+    below expands the bits into an [R, V] bool tensor and copies the rows twice, ~5 parallel ops over R x V
+    elements: 0.4 ms at batch 1 and 7.8 ms for 32 rows on the idle 2-core EPYC, and 12-35 ms median for 8-32
+    rows with the machine loaded (~5 on 2 cores), where each parallel region waits for a core another
+    process holds; with it, sampling took 16-21 ms a step at batch 1 against 1 ms for free text.
+    xgrammar's own CPU kernel tests one bit at a time (1.9 ms for 8 rows idle, 5.2 ms loaded)."""
     index = torch.tensor(rows, dtype=torch.long)
+    if logits.dtype == torch.float32 and logits.stride(1) == 1 and cpa.load() is not None:
+        cpa.apply_bitmask(logits, bitmask, index)
+        return
     allowed = _BYTE_BITS[bitmask[index].view(torch.uint8).long()].view(len(rows), -1)[:, : logits.shape[1]]
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
