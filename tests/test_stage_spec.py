@@ -94,6 +94,25 @@ def test_choose_ks_gives_the_next_slot_to_the_highest_gain():
     assert ks[0] >= ks[1] >= ks[2] and ks[0] > ks[2]
 
 
+# A quantized model's int kernels serve up to 8 rows, larger steps a dense copy: the AVX2 EPYC's int4 demo
+# took ~0.75 s for a plain 8-row step and 2.1-2.9 s for 8 requests' verify steps (loaded machine).
+CLIFF = lambda n: 0.3 + 0.05 * n if n <= 8 else 2.0 + 0.02 * n  # noqa: E731
+
+
+def test_choose_ks_prices_a_jump_in_step_cost():
+    p = AdaptivePolicy(4)
+    for _ in range(4):
+        for n in (1, 2, 3, 5, 8, 16, 24, 40):
+            p.target.observe(n, CLIFF(n))
+    p.draft_step_seconds.observe(1, 0.0002)
+    assert p.target.predict(8) == pytest.approx(CLIFF(8))
+    assert p.target.predict(12) == pytest.approx((CLIFF(8) + CLIFF(16)) / 2)
+    # one request: drafts stay under the jump and pay (3 deep, as on the straight 0.3 + 0.05 n alone)
+    assert p.choose_ks([0.7], 0) == [3]
+    # eight: any draft crosses it (a line through these counts made 8 x 1 draft look worth it)
+    assert p.choose_ks([0.7] * 8, 0) == [0] * 8
+
+
 def test_choose_ks_tries_the_longest_k_until_the_target_is_measured():
     assert AdaptivePolicy(5).choose_ks([0.0, 0.2], 0) == [5, 5]
 

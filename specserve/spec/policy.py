@@ -7,10 +7,17 @@ a linear function of the tokens in the forward (fitted online), the proposer's t
 0..k_max with the best  sum_s E_s(k) / (t_target(tokens(k)) + k * t_draft)  wins (SmartSpec's goodput).
 At large batches the target forward is compute-bound, each draft token costs as much as a real one, and
 k = 0 wins by itself.
+
+A forward's cost need not be linear in its tokens: a quantized model's int kernels serve steps of up to 8 rows
+(quant.KERNEL_MAX_ROWS) and larger ones read a dense copy, so on the 2-core AVX2 EPYC (demo GGUF as int4,
+loaded machine) a verify step of 8 requests x (1 + 4 drafts) took 2.1-2.9 s against 0.7-0.8 s for a plain
+8-row step, which a straight line through both underestimates for every depth in between. Steps are
+therefore priced from what each token count has cost (StepCost); the line only ranks drafts and fills gaps.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -58,6 +65,52 @@ class LinearCost:
         return a + b * n
 
 
+class StepCost:
+    """A target forward's seconds by its query tokens: an EWMA per token count seen, read between counts by
+    straight interpolation and past them along the linear fit's slope (LinearCost alone where nothing is
+    seen). Holds a jump in cost between two counts (the int kernels' row limit) that one line cannot."""
+
+    def __init__(self, weight: float = 0.2, max_counts: int = 1024) -> None:
+        self.linear = LinearCost()
+        self.weight = weight
+        self.max_counts = max_counts
+        self.by_count: dict[int, float] = {}
+        self._counts: list[int] = []  # sorted keys of by_count
+
+    def observe(self, n: int, seconds: float) -> None:
+        self.linear.observe(n, seconds)
+        prev = self.by_count.get(n)
+        if prev is not None:
+            self.by_count[n] = prev + self.weight * (seconds - prev)
+        elif len(self.by_count) < self.max_counts:
+            self.by_count[n] = seconds
+            bisect.insort(self._counts, n)
+
+    @property
+    def samples(self) -> float:
+        return self.linear.samples
+
+    def coefficients(self) -> tuple[float, float]:
+        return self.linear.coefficients()
+
+    def predict(self, n: int) -> float:
+        seen = self.by_count.get(n)
+        if seen is not None:
+            return seen
+        counts = self._counts
+        if not counts:
+            return self.linear.predict(n)
+        i = bisect.bisect_left(counts, n)
+        slope = self.linear.coefficients()[1]
+        if i == len(counts):  # past the largest count seen
+            return self.by_count[counts[-1]] + slope * (n - counts[-1])
+        if i == 0:
+            return max(self.by_count[counts[0]] - slope * (counts[0] - n), 0.0)
+        lo, hi = counts[i - 1], counts[i]
+        t_lo, t_hi = self.by_count[lo], self.by_count[hi]
+        return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     a = min(max(acceptance, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
@@ -70,7 +123,7 @@ class AdaptivePolicy:
         self.k_max = k_max
         self.ewma = ewma
         self.warmup_steps = warmup_steps
-        self.target = LinearCost()
+        self.target = StepCost()
         self.draft_step_seconds = LinearCost()  # per draft step, as a function of sequences drafted
 
     def observe_acceptance(self, acceptance_ewma: float, proposed: int, accepted: int) -> float:
@@ -86,7 +139,8 @@ class AdaptivePolicy:
         non-speculating part of the batch (prefill chunks, decodes of requests that do not speculate).
 
         Request s's j-th draft adds a_s^j expected tokens (it counts only if the j - 1 before it were
-        accepted) and costs one more token of the target's forward, b seconds; a step of depth D also costs D
+        accepted) and costs one more token of the target's forward, b seconds (the slope of the step's cost
+        from no drafts to D for every request); a step of depth D also costs D
         draft steps over the requests drafting. A draft pays while a_s^j > rate x b, the tokens the step
         would make in that time: so each request drafts up to its own j, a rarely-accepted one nothing and a
         copying one up to D. For each D that rate is found by two rounds of a fixed point, and the best D
@@ -98,14 +152,17 @@ class AdaptivePolicy:
             return []
         if self.target.samples < self.warmup_steps:
             return [self.k_max] * n  # measure speculation before judging it
-        a_t, b_t = self.target.coefficients()
         a_d, b_d = self.draft_step_seconds.coefficients()
         tokens = other_tokens + n
-        base_rate = n / max(a_t + b_t * tokens, 1e-9)
+        t_base = self.target.predict(tokens)
+        base_rate = n / max(t_base, 1e-9)
         accs = [min(max(a, 1e-6), 0.999) for a in acceptances]
         logs = [math.log(a) for a in accs]
         best_rate, best = base_rate, [0] * n
         for depth in range(1, self.k_max + 1):
+            # a draft token's cost: the cost curve's slope up to every request drafting `depth` (a jump in
+            # cost on the way, the int kernels' row limit, is spread over the tokens that cross it)
+            b_t = max((self.target.predict(tokens + n * depth) - t_base) / (n * depth), 0.0)
             rate = base_rate
             for _ in range(2):
                 threshold = rate * b_t
@@ -121,7 +178,7 @@ class AdaptivePolicy:
                     break
                 expected = n + sum(a * (1 - a**k) / (1 - a) for a, k in zip(accs, ks) if k)
                 drafting = sum(1 for k in ks if k)
-                seconds = a_t + b_t * (tokens + drafted) + max(ks) * (a_d + b_d * drafting)
+                seconds = self.target.predict(tokens + drafted) + max(ks) * (a_d + b_d * drafting)
                 rate = expected / max(seconds, 1e-9)
             if drafted and rate > best_rate:
                 best_rate, best = rate, ks
