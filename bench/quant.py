@@ -16,6 +16,7 @@ groups of 32).
 
     python bench/quant.py                  # both, on the demo model
     python bench/quant.py --skip-speed     # perplexity only
+    python bench/quant.py --batch1 --skip-ppl --llama-cpp /path/to/venv/bin/python   # and llama.cpp
 """
 
 from __future__ import annotations
@@ -121,6 +122,46 @@ def timed(llm, ids: list[list[int]], params: list, one_at_a_time: bool) -> float
     return time.perf_counter() - t0
 
 
+LLAMA_CPP_CHILD = r"""
+import json, sys, time
+from llama_cpp import Llama
+path, threads, jobs = sys.argv[1], int(sys.argv[2]), json.loads(sys.stdin.read())
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=4096, n_batch=512,
+            verbose=False, seed=0)
+def run(ids, n):
+    llm.reset()
+    out = 0
+    for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):  # greedy; generate never stops at EOS
+        out += 1
+        if out == n:
+            return
+run(jobs[0][0], 4)  # warm-up
+t0 = time.perf_counter()
+for ids, n in jobs:
+    run(ids, n)
+print("SECONDS", time.perf_counter() - t0)
+"""
+
+
+def llama_cpp_seconds(python: str, threads: int, ids: list[list[int]], params: list) -> float:
+    """llama.cpp (llama-cpp-python, built from PyPI's source package in its own venv) on the same GGUF and
+    the same prompt token ids, one request at a time, greedy, each for its max_tokens: the time of the
+    generations alone (not the load), as for our engine."""
+    import subprocess
+
+    from specserve.models.loader import demo_model_path
+
+    jobs = json.dumps([[i, p.max_tokens] for i, p in zip(ids, params)])
+    out = subprocess.run(
+        [python, "-c", LLAMA_CPP_CHILD, str(demo_model_path()), str(threads)],
+        input=jobs,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return float(next(x for x in out.splitlines() if x.startswith("SECONDS")).split()[1])
+
+
 def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     from specserve import LLM, SamplingParams
 
@@ -152,11 +193,15 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         tokens = sum(r.max_tokens for r in requests)
         for llm in engines.values():
             llm.generate(ids[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        runs: dict[str, list[float]] = {label: [] for label in engines}
-        order = list(engines) + list(reversed(engines))
+        labels = list(engines) + (["llama.cpp"] if args.llama_cpp and n_seqs == 1 else [])
+        runs: dict[str, list[float]] = {label: [] for label in labels}
+        order = labels + list(reversed(labels))
         print(f"\n{phase}: {len(requests)} requests, {tokens} output tokens; runs in order {order}")
         for label in order:
-            seconds = timed(engines[label], ids, params, one_at_a_time=n_seqs == 1)
+            if label == "llama.cpp":
+                seconds = llama_cpp_seconds(args.llama_cpp, _threads(), ids, params)
+            else:
+                seconds = timed(engines[label], ids, params, one_at_a_time=n_seqs == 1)
             runs[label].append(tokens / seconds)
             print(f"  {label:16s} {tokens / seconds:8.1f} tok/s ({seconds:.1f} s)", flush=True)
         base = statistics.fmean(runs[f"{native} none"])
@@ -193,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch1", action="store_true", help="time batch 1 only (with --in-flight: both)")
     p.add_argument("--in-flight", action="store_true", help="time --max-num-seqs in flight only")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    p.add_argument(
+        "--llama-cpp",
+        metavar="PYTHON",
+        help="a Python with llama-cpp-python: time llama.cpp on the demo GGUF at batch 1 beside our modes",
+    )
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
