@@ -180,9 +180,14 @@ def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_mode
             await wait_for(lambda: fresh_blocked_reader(r), timeout=30, what="a fresh XREADGROUP")
             drainer.signal(signal.SIGTERM)
             await wait_for(lambda: _not_ready(drainer), timeout=30, what="the drain to begin")
+            # Frozen while the batch goes in: the drain's 0.5 s grace would otherwise run on to the hand-back
+            # and close the read's connection, and under a full suite on two cores the XADD once came after
+            # that (the server's 2 s block still bounds the window).
+            await drainer.freeze()
             # The drain stopped the pull loop, but the server still holds its read: this batch goes to it.
             cut_batch, cut_valid, cut_poison = _mixed_batch("e")
             cut_ids = await xadd_multi(r, cut_batch)
+            drainer.thaw()
             assert set(cut_ids) <= set(await pending_of(r, "drainer")), "the cut-short read missed the batch"
             t.mark("SIGTERM; one batch read just before, one left in the read the drain cut short")
             rc = await drainer.wait_exit(60)
