@@ -1,7 +1,7 @@
 """Batched sampling: temperature, top-k, top-p and per-request seeds, vectorised over the rows of a step.
 
-Random draws use the exponential-race form (argmax p / E, E ~ Exp(1)), which samples exactly from p and
-lets every seeded request draw its noise from its own generator: its tokens do not depend on batch mates.
+A sampled row draws one uniform from its own generator (the engine's where it has none) and inverts its
+distribution's CDF: exact, and a seeded request's tokens do not depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -63,56 +63,180 @@ class RowParams:
         return self.select(rep)
 
 
-def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
-) -> torch.Tensor:
-    """Mask logits outside each row's top-k and nucleus (at least one token always survives)."""
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+# Candidate widths tried before a row's whole vocabulary is sorted: a top-p or top-k row's cut almost always
+# falls within its 64 most likely tokens, and torch.topk(64) over SmolLM2's 49,152 logits costs 0.04 ms a row
+# where the full sort top-p used to take costs 1.8 ms (2-core EPYC, bf16 model, fp32 logits): at 32 chat
+# requests in flight, half of them sampled at top_p 0.95, sampling took 58 ms a step beside a 47 ms forward.
+CANDIDATE_WIDTHS = (64, 1024)
+
+
+@dataclass(frozen=True)
+class Nucleus:
+    """Each row's sampling distribution as the tokens it can draw, in vocabulary order: probs[r, j] is the
+    chance of token token_ids[r, j] (zero on padding; each row sums to 1). token_ids None: the rows span
+    the whole vocabulary and probs is [R, V]."""
+
+    token_ids: torch.Tensor | None  # [R, W] long
+    probs: torch.Tensor  # [R, W] float32
+
+    def dense(self, vocab_size: int) -> torch.Tensor:
+        if self.token_ids is None:
+            return self.probs
+        out = torch.zeros(self.probs.shape[0], vocab_size, dtype=self.probs.dtype)
+        return out.scatter_(1, self.token_ids, self.probs)
+
+    def rows(self, index: torch.Tensor) -> Nucleus:
+        return Nucleus(None if self.token_ids is None else self.token_ids[index], self.probs[index])
+
+    def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[R] the chance of each row's token (zero outside its nucleus)."""
+        if self.token_ids is None:
+            return self.probs.gather(1, tokens[:, None]).squeeze(1)
+        return (self.probs * (self.token_ids == tokens[:, None])).sum(dim=1)
+
+    def without(self, tokens: torch.Tensor, where: torch.Tensor) -> Nucleus:
+        """Where `where`, the distribution with the row's token removed and the rest renormalised:
+        norm(max(0, p - q)) for a one-hot draft q that was rejected. A row whose whole mass is that token
+        keeps p (its draft could not have been rejected)."""
+        if self.token_ids is None:
+            hit = torch.zeros_like(self.probs, dtype=torch.bool).scatter_(1, tokens[:, None], True)
+        else:
+            hit = self.token_ids == tokens[:, None]
+        rest = self.probs.masked_fill(hit & where[:, None], 0.0)
+        mass = rest.sum(dim=1, keepdim=True)
+        return Nucleus(self.token_ids, torch.where(mass > 0, rest / mass.clamp(min=1e-30), self.probs))
+
+    def draw(self, uniform: torch.Tensor) -> torch.Tensor:
+        """[R] tokens, row r by inverting its distribution's CDF at uniform[r] in [0, 1): one draw a row,
+        exact up to float64 rounding. A wide row is walked in blocks (which block, then where in it), so a
+        draw over the whole vocabulary costs one pass that sums blocks, not a cumulative sum over it."""
+        num_rows, width = self.probs.shape
+        block = next((b for b in (256, 128, 64) if width > 4 * b and width % b == 0), width)
+        blocks = self.probs.view(num_rows, width // block, block)
+        block_cdf = blocks.sum(dim=2, dtype=torch.float64).cumsum(dim=1)
+        target = uniform.double() * block_cdf[:, -1]
+        b = _search(block_cdf, target, block_cdf.diff(dim=1, prepend=block_cdf.new_zeros(num_rows, 1)) > 0)
+        before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+        inside = blocks[torch.arange(num_rows), b]  # [R, block]
+        j = _search(inside.double().cumsum(dim=1), target - before, inside > 0)
+        pick = b * block + j
+        return pick if self.token_ids is None else self.token_ids.gather(1, pick[:, None]).squeeze(1)
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """Per row the first index whose cdf exceeds target, kept on an entry of positive mass (rounding may
+    carry the target onto or past the row's total)."""
+    at = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    last = (positive.long() * torch.arange(1, cdf.shape[1] + 1)).argmax(dim=1)
+    return torch.minimum(at, last)
+
+
+def _top_candidates(
+    probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `width` most likely tokens of each row with top-k, then top-p over the top-k tokens' own
+    distribution, applied (vLLM's order; a token stays while the share ranked above it is below top_p), and
+    whether each row's cut fell inside them."""
+    vals, ids = probs.topk(width, dim=-1)
+    keep = vals > 0
+    resolved = torch.zeros(probs.shape[0], dtype=torch.bool)
+    mass = torch.ones(probs.shape[0])  # what top-p's shares are of: the top-k tokens' mass
+    uncut = torch.ones(probs.shape[0], dtype=torch.bool)  # no top-k: the whole vocabulary's mass, 1
     if top_k is not None:
-        kth = sorted_logits.gather(1, (logits.shape[-1] - top_k).clamp(min=0)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        keep &= torch.arange(width)[None, :] < top_k[:, None]
+        within = top_k <= width
+        resolved |= within
+        mass = torch.where(within, (vals * keep).sum(dim=-1), mass)
+        uncut = top_k >= probs.shape[-1]
     if top_p is not None:
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= (1 - top_p)[:, None]
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        # float64: summed from the top, float32 shares stop adding up within the tail of a flat row
+        share = vals.double() * keep / mass.double()[:, None]
+        cum = share.cumsum(dim=-1)
+        keep &= ((cum - share) < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        # the next token's share above it would already be >= top_p (a top-k wider than `width` leaves the
+        # shares' denominator unknown here)
+        resolved |= uncut & (cum[:, -1] >= top_p)
+    return vals * keep, ids, resolved
+
+
+def _cut(probs: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> Nucleus:
+    """Rows whose top-k or top-p cuts the vocabulary: each as narrow as its cut allows."""
+    num_rows, vocab = probs.shape
+    widths = [w for w in CANDIDATE_WIDTHS if w < vocab] + [vocab]
+    vals = torch.zeros(num_rows, 0)
+    ids = torch.zeros(num_rows, 0, dtype=torch.long)
+    pending = torch.arange(num_rows)
+    for width in widths:
+        sub_k = None if top_k is None else top_k[pending]
+        sub_p = None if top_p is None else top_p[pending]
+        v, i, resolved = _top_candidates(probs[pending], sub_k, sub_p, width)
+        if width == vocab:
+            resolved[:] = True
+        if width > vals.shape[1]:  # widen what is kept so far (zero mass on padding)
+            pad = width - vals.shape[1]
+            vals = torch.cat([vals, torch.zeros(num_rows, pad)], dim=1)
+            ids = torch.cat([ids, torch.zeros(num_rows, pad, dtype=torch.long)], dim=1)
+        done = pending[resolved]
+        vals[done] = v[resolved]
+        ids[done] = i[resolved]
+        pending = pending[~resolved]
+        if not len(pending):
+            break
+    # in vocabulary order, as a dense row is: a seeded draw then picks the same token whichever form its
+    # batch mates leave the step in
+    ids, order = ids.sort(dim=1)
+    vals = vals.gather(1, order)
+    return Nucleus(ids, vals / vals.sum(dim=1, keepdim=True))
+
+
+def nucleus(logits: torch.Tensor, rows: RowParams) -> Nucleus:
+    """The distribution each row samples from: temperature, min_p, top-k and top-p applied in vLLM's order,
+    without sorting the vocabulary where a row's cut falls among its most likely tokens (nearly always)."""
+    probs = (logits.float() / rows.temperature).softmax(dim=-1)
+    if rows.min_p is not None:
+        floor = rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if rows.top_k is None and rows.top_p is None:
+        return Nucleus(None, probs)
+    vocab = probs.shape[-1]
+    cuts = torch.zeros(probs.shape[0], dtype=torch.bool)
+    if rows.top_k is not None:
+        cuts |= rows.top_k < vocab
+    if rows.top_p is not None:
+        cuts |= rows.top_p < 1.0
+    if bool(cuts.all()):
+        return _cut(probs, rows.top_k, rows.top_p)
+    # some row draws from its whole vocabulary: every row dense, the cut ones scattered back
+    idx = cuts.nonzero().squeeze(1)
+    if len(idx):
+        sub_k = None if rows.top_k is None else rows.top_k[idx]
+        sub_p = None if rows.top_p is None else rows.top_p[idx]
+        probs[idx] = _cut(probs[idx], sub_k, sub_p).dense(vocab)
+    return Nucleus(None, probs)
 
 
 def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
-    """The distribution each row samples from (temperature, min_p, top-k, top-p applied, in vLLM's order);
-    float32."""
-    logits = logits / rows.temperature
-    if rows.min_p is not None:
-        probs = logits.softmax(dim=-1)
-        floor = rows.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    logits = apply_top_k_top_p(logits, rows.top_k, rows.top_p)
-    return logits.softmax(dim=-1)
+    """nucleus() as [R, V] probabilities (a draft model's q for rejection sampling); float32."""
+    return nucleus(logits, rows).dense(logits.shape[-1])
 
 
-def per_row_draws(rows: RowParams, width: int, fallback: torch.Generator, kind: str) -> torch.Tensor:
-    """Exp(1) ("exponential") or U(0, 1) ("uniform") draws per row from the row's own generator (the
-    engine's where it has none); greedy rows draw nothing and consume no RNG, and hold 1 (or 0)."""
-    draws = (
-        torch.ones(len(rows.generators), width)
-        if kind == "exponential"
-        else torch.zeros(len(rows.generators), width)
-    )
+def per_row_uniform(rows: RowParams, width: int, fallback: torch.Generator) -> torch.Tensor:
+    """U(0, 1) draws per row from the row's own generator (the engine's where it has none); greedy rows draw
+    nothing, consume no RNG, and hold 0."""
+    draws = torch.zeros(len(rows.generators), width)
     for i, (gen, greedy) in enumerate(zip(rows.generators, rows.greedy.tolist())):
         if not greedy:
-            getattr(draws[i], kind + "_")(generator=gen if gen is not None else fallback)
+            draws[i].uniform_(generator=gen if gen is not None else fallback)
     return draws
 
 
 def sample(logits: torch.Tensor, rows: RowParams, fallback: torch.Generator) -> torch.Tensor:
-    """One token per row: argmax on greedy rows, a draw from probabilities() on the others."""
+    """One token per row: argmax on greedy rows, one uniform draw from nucleus() on the others."""
     greedy_tokens = logits.argmax(dim=-1)
     if rows.all_greedy:
         return greedy_tokens
-    probs = probabilities(logits, rows)
-    noise = per_row_draws(rows, probs.shape[-1], fallback, "exponential")
-    drawn = (probs / noise).argmax(dim=-1)
-    return torch.where(rows.greedy, greedy_tokens, drawn)
+    sampled = (~rows.greedy).nonzero().squeeze(1)
+    sub = rows.select(sampled)
+    drawn = nucleus(logits[sampled], sub).draw(per_row_uniform(sub, 1, fallback)[:, 0])
+    return greedy_tokens.index_copy(0, sampled, drawn)

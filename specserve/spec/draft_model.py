@@ -14,7 +14,7 @@ import torch
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
-from specserve.engine.sampler import RowParams, per_row_draws, probabilities
+from specserve.engine.sampler import Nucleus, RowParams, per_row_uniform, probabilities
 from specserve.engine.sequence import Sequence
 from specserve.models.llama import LlamaModel
 from specserve.spec.proposer import Draft
@@ -69,7 +69,7 @@ class DraftModelProposer:
                 tokens_out = torch.where(
                     rows.greedy,
                     logits.argmax(dim=-1),
-                    (q / per_row_draws(rows, q.shape[-1], generator, "exponential")).argmax(dim=-1),
+                    Nucleus(None, q).draw(per_row_uniform(rows, 1, generator)[:, 0]),
                 )
             for j, i in enumerate(idx):
                 seq = active[i][0]

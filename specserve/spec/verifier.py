@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.engine.sampler import RowParams, per_row_draws, probabilities
+from specserve.engine.sampler import Nucleus, RowParams, nucleus, per_row_uniform
 
 
 @dataclass
@@ -47,42 +47,38 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
     rows = batch.rows
     valid = torch.arange(k)[None, :] < batch.num_drafts[:, None]  # [S, K]
     target_argmax = logits.argmax(dim=-1)  # [S, K + 1]
-    accept = target_argmax[:, :k] == batch.draft_tokens
+    accept = (target_argmax[:, :k] == batch.draft_tokens) & valid
+    if rows.all_greedy:
+        num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # leading run of acceptances
+        return VerifyResult(num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
 
-    if not rows.all_greedy:
-        per_pos = rows.per_position(k_plus_1)
-        p = probabilities(logits.reshape(-1, vocab), per_pos).view(num_seqs, k_plus_1, vocab)
-        p_draft = p[:, :k].gather(2, batch.draft_tokens[:, :, None]).squeeze(2)  # p(x) [S, K]
-        if batch.draft_probs is None:
-            q = None
-            q_draft = torch.ones_like(p_draft)
-        else:
-            q = batch.draft_probs
-            q_draft = q.gather(2, batch.draft_tokens[:, :, None]).squeeze(2)
-        u = per_row_draws(rows, k, fallback, "uniform")
-        stochastic_accept = u * q_draft < p_draft  # u < p/q without dividing by a zero q
-        accept = torch.where(rows.greedy[:, None], accept, stochastic_accept)
-
-    accept &= valid
-    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # leading run of acceptances
+    # Sampled rows only: their distribution at every position, [s * (K + 1)] rows of a Nucleus.
+    sampled = (~rows.greedy).nonzero().squeeze(1)
+    sub = rows.select(sampled)
+    s = len(sampled)
+    p = nucleus(logits[sampled].reshape(-1, vocab), sub.per_position(k_plus_1))
+    drafts = batch.draft_tokens[sampled]  # [s, K]
+    padded = torch.cat([drafts, torch.zeros(s, 1, dtype=torch.long)], dim=1)  # a token at every position
+    p_draft = p.prob_of(padded.reshape(-1)).view(s, k_plus_1)[:, :k]  # p(x) [s, K]
+    q = batch.draft_probs[sampled] if batch.draft_probs is not None else None
+    q_draft = torch.ones_like(p_draft) if q is None else q.gather(2, drafts[:, :, None]).squeeze(2)
+    u = per_row_uniform(sub, k, fallback)
+    accept[sampled] = (u * q_draft < p_draft) & valid[sampled]  # u < p/q without dividing by a zero q
+    num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # greedy rows: argmax there
 
-    if not rows.all_greedy:
-        at = num_accepted[:, None, None].expand(-1, 1, vocab)
-        p_at = p.gather(1, at).squeeze(1)  # [S, V] target distribution at the stop position
-        rejected = num_accepted < batch.num_drafts
-        residual = p_at
-        if rejected.any():
-            if q is None:
-                # one-hot q: the residual is p with the rejected token removed
-                q_at = torch.zeros_like(p_at)
-                rejected_tok = batch.draft_tokens.gather(1, num_accepted.clamp(max=max(k - 1, 0))[:, None])
-                q_at.scatter_(1, rejected_tok, 1.0)
-            else:
-                q_at = q.gather(1, num_accepted.clamp(max=max(k - 1, 0))[:, None, None].expand(-1, 1, vocab))
-                q_at = q_at.squeeze(1)
-            residual = torch.where(rejected[:, None], residual_distribution(p_at, q_at), p_at)
-        noise = per_row_draws(rows, vocab, fallback, "exponential")
-        drawn = (residual / noise).argmax(dim=-1)
-        next_token = torch.where(rows.greedy, next_token, drawn)
-    return VerifyResult(num_accepted, next_token)
+    at = num_accepted[sampled]  # where each sampled row stops
+    p_at = p.rows(torch.arange(s) * k_plus_1 + at)  # the target distribution there
+    rejected = at < batch.num_drafts[sampled]
+    stop = at.clamp(max=max(k - 1, 0))  # the rejected draft's position (k > 0 wherever one was rejected)
+    if not bool(rejected.any()):
+        residual = p_at  # every draft accepted: the bonus token comes from p
+    elif q is None:  # one-hot q: p with the rejected token removed
+        residual = p_at.without(drafts.gather(1, stop[:, None]).squeeze(1), rejected)
+    else:
+        q_at = q.gather(1, stop[:, None, None].expand(-1, 1, vocab)).squeeze(1)
+        p_dense = p_at.dense(vocab)
+        dense = torch.where(rejected[:, None], residual_distribution(p_dense, q_at), p_dense)
+        residual = Nucleus(None, dense)
+    drawn = residual.draw(per_row_uniform(sub, 1, fallback)[:, 0])
+    return VerifyResult(num_accepted, next_token.index_copy(0, sampled, drawn))

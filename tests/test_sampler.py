@@ -1,0 +1,82 @@
+"""The sampler's nucleus (temperature, min_p, top-k, top-p without sorting the vocabulary) against a plain
+sort-based reference, and its one-uniform draws against the distribution they claim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specserve.engine.sampler import CANDIDATE_WIDTHS, RowParams, nucleus, probabilities, sample
+from specserve.engine.sampling_params import SamplingParams
+
+
+def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """vLLM's order on one row, by sorting: temperature, min_p, top-k, then top-p over the top-k tokens."""
+    probs = (logits.double() / p.temperature).softmax(-1)
+    if p.min_p:
+        probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
+        probs = probs / probs.sum()
+    vals, order = probs.sort(descending=True)
+    keep = vals > 0
+    if p.top_k:
+        keep &= torch.arange(len(vals)) < p.top_k
+    vals = vals * keep
+    if p.top_p < 1.0:
+        share = vals / vals.sum()
+        keep &= (share.cumsum(0) - share) < p.top_p
+    vals = vals * keep
+    return torch.zeros_like(probs).scatter_(0, order, vals / vals.sum())
+
+
+CASES = [
+    SamplingParams(temperature=0.7, top_p=0.95),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_k=40, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.05, top_p=0.9),
+    SamplingParams(temperature=1.0, top_k=3000, top_p=0.999),  # a top-k wider than the first candidates
+    SamplingParams(temperature=1.0),  # the whole vocabulary
+]
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat rows need wider candidates, or the full sort
+def test_nucleus_equals_the_sorting_reference(scale: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 5000
+    logits = torch.randn(len(CASES), vocab, generator=gen) * scale
+    for rows in (CASES, CASES[:-1]):  # with a whole-vocabulary row (dense form) and without (narrow form)
+        got = probabilities(logits[: len(rows)], RowParams.build(rows, [None] * len(rows), vocab))
+        for i, p in enumerate(rows):
+            want = reference(logits[i], p).float()
+            # the same support but for a token that float rounding puts on either side of the top-p cut
+            assert ((got[i] > 0) != (want > 0)).sum() <= 1
+            torch.testing.assert_close(got[i], want, atol=2e-3, rtol=0)
+
+
+def test_flat_rows_fall_back_past_the_candidate_widths() -> None:
+    vocab = 4 * CANDIDATE_WIDTHS[-1]
+    logits = torch.zeros(1, vocab)  # uniform: top_p 0.9 keeps 90 % of the vocabulary
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    n = nucleus(logits, RowParams.build([params], [None], vocab))
+    assert int((n.probs > 0).sum()) == pytest.approx(0.9 * vocab, abs=2)
+
+
+def test_draws_follow_the_distribution_and_do_not_depend_on_the_form() -> None:
+    vocab = 300
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 2
+    narrow = SamplingParams(temperature=0.8, top_p=0.9)
+    rows = RowParams.build([narrow], [None], vocab)
+    want = probabilities(logits, rows)[0]
+    n = 100_000
+    tokens = sample(
+        logits.expand(n, vocab), RowParams.build([narrow] * n, [None] * n, vocab), torch.Generator()
+    )
+    freq = torch.bincount(tokens, minlength=vocab).float() / n
+    assert freq[want == 0].sum() == 0
+    assert (freq - want).abs().max() < 0.01
+    # a seeded row draws the same token alone (narrow form) and beside a whole-vocabulary row (dense form)
+    for seed in range(20):
+        alone = sample(logits, RowParams.build([narrow], [torch.Generator().manual_seed(seed)], vocab), None)
+        mates = [narrow, SamplingParams(temperature=1.0)]
+        gens = [torch.Generator().manual_seed(seed), torch.Generator()]
+        beside = sample(logits.expand(2, vocab), RowParams.build(mates, gens, vocab), None)
+        assert int(alone[0]) == int(beside[0])
