@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specserve.engine.penalties import adjust_logits
+from specserve.engine.penalties import adjust_logits, adjusts
 from specserve.engine.sampler import RowParams
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
@@ -145,10 +145,10 @@ class SpeculativeDecoder:
         k = max(counts)
         vocab = logits.shape[-1]
         count_t = torch.tensor(counts)
-        # Scatter the packed rows into a padded [S, K + 1, V] view; padding rows repeat a real one.
+        # Position j of row s is packed row index[s, j]; padding positions repeat a real one.
         starts = (count_t + 1).cumsum(0) - count_t - 1
         offsets = torch.arange(k + 1)[None, :].clamp(max=count_t[:, None])
-        target_logits = logits[(starts[:, None] + offsets).clamp(max=logits.shape[0] - 1)]
+        index = (starts[:, None] + offsets).clamp(max=logits.shape[0] - 1)
         is_draft = torch.arange(k)[None, :] < count_t[:, None]
         draft_tokens = torch.zeros(len(seqs), k, dtype=torch.long)
         draft_tokens[is_draft] = torch.tensor(drafts.token_ids, dtype=torch.long)  # flat, row-major
@@ -159,10 +159,14 @@ class SpeculativeDecoder:
             for row, i in enumerate(rows_of):
                 if drafts.probs[i] is not None:
                     draft_probs[row, : counts[row]] = drafts.probs[i]
-        # penalties and biases at each position count the drafts before it (engine/penalties.py)
-        target_logits = adjust_logits(target_logits, seqs, draft_tokens, eos_token_ids)
         rows = RowParams.build([s.params for s in seqs], [s.generator for s in seqs], vocab)
-        result = verify(VerifyBatch(target_logits, draft_tokens, count_t, draft_probs, rows), generator)
+        if any(adjusts(s.params) for s in seqs):
+            # penalties and biases at each position count the drafts before it (engine/penalties.py)
+            target_logits = adjust_logits(logits[index], seqs, draft_tokens, eos_token_ids)
+            batch = VerifyBatch(target_logits, draft_tokens, count_t, draft_probs, rows)
+        else:
+            batch = VerifyBatch(logits, draft_tokens, count_t, draft_probs, rows, index)
+        result = verify(batch, generator)
         num_accepted = result.num_accepted.tolist()
         next_token = result.next_token.tolist()
         draft_rows = draft_tokens.tolist()

@@ -24,6 +24,15 @@ class VerifyBatch:
     num_drafts: torch.Tensor  # [S]
     draft_probs: torch.Tensor | None  # [S, K, V]; None: every proposal is one-hot (n-gram or greedy)
     rows: RowParams  # one row per sequence
+    # Given, target_logits is the forward's packed [T, V] and position j of sequence s is its row
+    # index[s, j]: no padded copy is made (at 32 in flight, S x (K + 1) x V is 31 MB a step, mostly padding)
+    index: torch.Tensor | None = None  # [S, K + 1]
+
+    def positions(self, seqs: torch.Tensor) -> torch.Tensor:
+        """[len(seqs) * (K + 1), V]: those sequences' logits at every position, row-major."""
+        if self.index is None:
+            return self.target_logits[seqs].reshape(-1, self.target_logits.shape[-1])
+        return self.target_logits[self.index[seqs].reshape(-1)]
 
 
 @dataclass
@@ -42,11 +51,14 @@ def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
     logits = batch.target_logits
-    num_seqs, k_plus_1, vocab = logits.shape
-    k = k_plus_1 - 1
+    vocab = logits.shape[-1]
+    num_seqs, k = batch.draft_tokens.shape
+    k_plus_1 = k + 1
     rows = batch.rows
     valid = torch.arange(k)[None, :] < batch.num_drafts[:, None]  # [S, K]
     target_argmax = logits.argmax(dim=-1)  # [S, K + 1]
+    if batch.index is not None:
+        target_argmax = target_argmax[batch.index]
     accept = (target_argmax[:, :k] == batch.draft_tokens) & valid
     if rows.all_greedy:
         num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # leading run of acceptances
@@ -56,7 +68,7 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
     sampled = (~rows.greedy).nonzero().squeeze(1)
     sub = rows.select(sampled)
     s = len(sampled)
-    p = nucleus(logits[sampled].reshape(-1, vocab), sub.per_position(k_plus_1))
+    p = nucleus(batch.positions(sampled), sub.per_position(k_plus_1))
     drafts = batch.draft_tokens[sampled]  # [s, K]
     padded = torch.cat([drafts, torch.zeros(s, 1, dtype=torch.long)], dim=1)  # a token at every position
     p_draft = p.prob_of(padded.reshape(-1)).view(s, k_plus_1)[:, :k]  # p(x) [s, K]
