@@ -80,3 +80,42 @@ def test_draws_follow_the_distribution_and_do_not_depend_on_the_form() -> None:
         gens = [torch.Generator().manual_seed(seed), torch.Generator()]
         beside = sample(logits.expand(2, vocab), RowParams.build(mates, gens, vocab), None)
         assert int(alone[0]) == int(beside[0])
+
+
+def test_token_zero_keeps_its_mass_when_cut_rows_end_at_different_widths() -> None:
+    """Rows cut at 64 candidates are padded with token 0 at mass 0 beside a row that needed the full sort;
+    the dense form must not let that padding overwrite a real token 0 (SmolLM2's end of text)."""
+    vocab = 5000
+    peaked = torch.full((vocab,), -12.0)
+    peaked[:10] = torch.linspace(3, 2, 10)  # token 0 the most likely
+    flat = torch.zeros(vocab)  # top_p 0.9 over a flat row: past every candidate width
+    rows = [SamplingParams(temperature=1.0, top_p=0.9)] * 2 + [SamplingParams(temperature=1.0)]
+    logits = torch.stack([peaked, flat, flat])
+    got = probabilities(logits, RowParams.build(rows, [None] * 3, vocab))
+    torch.testing.assert_close(got[0], reference(peaked, rows[0]).float(), atol=1e-6, rtol=0)
+
+
+def test_tokens_tied_with_the_kth_stay() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 3.0, 3.0, 1.0] + [0.0] * 200])
+    got = probabilities(logits, RowParams.build([SamplingParams(top_k=3)], [None], logits.shape[1]))
+    assert (got[0] > 0).tolist()[:6] == [True, True, True, True, True, False]
+
+
+def test_a_seeded_verify_row_does_not_depend_on_its_mates_draft_counts() -> None:
+    """Row 0 proposes one draft; its mate 1 or 4, which makes the step's padded width K 1 or 4."""
+    from specserve.spec.verifier import VerifyBatch, verify
+
+    vocab, gen = 40, torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, vocab, generator=gen)
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=1.0)]
+    for seed in range(30):
+        drafts = torch.randint(0, vocab, (2, 4), generator=torch.Generator().manual_seed(seed))
+        out = []
+        for k in (1, 4):
+            gens = [torch.Generator().manual_seed(seed), torch.Generator().manual_seed(0)]
+            rows = RowParams.build(params, gens, vocab)
+            batch = VerifyBatch(logits[:, : k + 1], drafts[:, :k], torch.tensor([1, k]), None, rows)
+            result = verify(batch, torch.Generator())
+            after = float(torch.rand(1, generator=gens[0]))  # what the row's generator gives next
+            out.append((int(result.num_accepted[0]), int(result.next_token[0]), after))
+        assert out[0] == out[1]

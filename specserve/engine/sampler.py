@@ -83,7 +83,7 @@ class Nucleus:
         if self.token_ids is None:
             return self.probs
         out = torch.zeros(self.probs.shape[0], vocab_size, dtype=self.probs.dtype)
-        return out.scatter_(1, self.token_ids, self.probs)
+        return out.scatter_add_(1, self.token_ids, self.probs)  # padding repeats token 0 with mass 0
 
     def rows(self, index: torch.Tensor) -> Nucleus:
         return Nucleus(None if self.token_ids is None else self.token_ids[index], self.probs[index])
@@ -143,9 +143,11 @@ def _top_candidates(
     mass = torch.ones(probs.shape[0])  # what top-p's shares are of: the top-k tokens' mass
     uncut = torch.ones(probs.shape[0], dtype=torch.bool)  # no top-k: the whole vocabulary's mass, 1
     if top_k is not None:
-        keep &= torch.arange(width)[None, :] < top_k[:, None]
+        # every token tied with the k-th stays (vLLM masks only those below it: bf16 logits tie often)
+        kth = vals.gather(1, (top_k - 1).clamp(max=width - 1)[:, None])
+        keep &= (vals >= kth) | (top_k[:, None] > width)
         within = top_k <= width
-        resolved |= within
+        resolved |= within & (vals[:, -1] < kth[:, 0])  # a run of ties to the end may go on past it
         mass = torch.where(within, (vals * keep).sum(dim=-1), mass)
         uncut = top_k >= probs.shape[-1]
     if top_p is not None:
@@ -221,13 +223,17 @@ def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return nucleus(logits, rows).dense(logits.shape[-1])
 
 
-def per_row_uniform(rows: RowParams, width: int, fallback: torch.Generator) -> torch.Tensor:
-    """U(0, 1) draws per row from the row's own generator (the engine's where it has none); greedy rows draw
-    nothing, consume no RNG, and hold 0."""
+def per_row_uniform(
+    rows: RowParams, width: int, fallback: torch.Generator, counts: list[int] | None = None
+) -> torch.Tensor:
+    """U(0, 1) draws per row from the row's own generator (the engine's where it has none): `width` each, or
+    counts[i] for row i (the rest hold 0), so what a row consumes never depends on its batch mates. Greedy
+    rows draw nothing, consume no RNG, and hold 0."""
     draws = torch.zeros(len(rows.generators), width)
     for i, (gen, greedy) in enumerate(zip(rows.generators, rows.greedy.tolist())):
-        if not greedy:
-            draws[i].uniform_(generator=gen if gen is not None else fallback)
+        n = width if counts is None else counts[i]
+        if not greedy and n:
+            draws[i, :n].uniform_(generator=gen if gen is not None else fallback)
     return draws
 
 

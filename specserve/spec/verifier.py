@@ -74,7 +74,7 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
     p_draft = p.prob_of(padded.reshape(-1)).view(s, k_plus_1)[:, :k]  # p(x) [s, K]
     q = batch.draft_probs[sampled] if batch.draft_probs is not None else None
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(2, drafts[:, :, None]).squeeze(2)
-    u = per_row_uniform(sub, k, fallback)
+    u = per_row_uniform(sub, k, fallback, batch.num_drafts[sampled].tolist())  # its own drafts' worth
     accept[sampled] = (u * q_draft < p_draft) & valid[sampled]  # u < p/q without dividing by a zero q
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # greedy rows: argmax there
