@@ -246,7 +246,9 @@ def test_engine_line_reports_throughput_batch_kv_and_draft_acceptance(valkey, ti
             await worker._refresh_stats()  # the engine is shared with earlier tests: its counters run on
             line = StatsLine(worker.telemetry, clock=lambda: now[0])
             idle, busy = line.line()
+            # a fixed depth: "auto" on an engine shared with earlier tests may have learnt to draft nothing
             params = {"prompt": "abc abc abc abc abc", "max_tokens": 20, "ignore_eos": True, "temperature": 0}
+            params["speculation"] = 2
             result = await client.wait((await client.enqueue(params)).id)
             await worker._refresh_stats()
             now[0] += 10.0

@@ -25,7 +25,12 @@ def test_defaults():
         8001,
         30.0,
     )
-    assert c.speculative_config() is None and c.keys_list() == []
+    assert c.keys_list() == []
+    # n-gram speculation is on by default (README: chat traffic gains at 1 in flight and is level at 8 and 32,
+    # as requests' "auto" backs off); --speculative-method none turns it off
+    assert c.speculative_config() == {"method": "ngram", "num_speculative_tokens": 4}
+    off = cfg_mod.from_args(_parse(["--speculative-method", "none"]), environ={})
+    assert off.speculative_config() is None
 
 
 def test_environment_names_and_flag_precedence(tmp_path):

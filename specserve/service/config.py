@@ -114,7 +114,10 @@ class ServiceConfig:
     )
     device: str = _opt("SPECSERVE_DEVICE", "auto", "where the model runs", choices=["auto", "cpu", "cuda"])
     speculative_method: str = _opt(
-        "SPECSERVE_SPEC_METHOD", "none", "speculative decoding", choices=["none", "ngram", "draft_model"]
+        "SPECSERVE_SPEC_METHOD",
+        "ngram",
+        "speculative decoding (n-gram by default: requests' `auto` drafts only where it pays)",
+        choices=["none", "ngram", "draft_model"],
     )
     speculative_model: str | None = _opt("SPECSERVE_SPEC_MODEL", None, "draft model (method draft_model)")
     num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")
