@@ -1172,5 +1172,5 @@ def test_queue_limits_and_fair_share_reach_the_api_and_the_workers_config() -> N
     assert worker.scheduling_policy == "fcfs" and worker.background_tokens == 4
     default = from_args(environ=kubelet_env(container(deployment(rendered("default"), "worker"), "worker")))
     assert default.max_backlog == 0 and default.scheduling_policy == "priority"
-    assert default.engine_kwargs()["background_tokens"] == 2  # the chart's value
+    assert default.engine_kwargs()["background_tokens"] == 1  # the chart's value
     assert default.worker_config().fair_share.oldest_every == 8

@@ -33,8 +33,11 @@ class EngineConfig:
     # sequences when slots or KV blocks are short (engine/scheduler.py).
     scheduling_policy: str = "fcfs"
     # Priority policy: tokens per step that sequences of a worse band than the best present share while it
-    # runs; the others of them pause, keeping their KV (engine/scheduler.py _background_share).
-    background_tokens: int = 2
+    # runs; the others of them pause, keeping their KV (engine/scheduler.py _background_share). One, not two:
+    # at 1-8 rows a step's cost grows with its rows (int4 kernels), and bench/shared_queue.py's interactive
+    # p50 with a batch behind it was 1.21x idle with one against 1.29x with two (2-core EPYC, AVX512-BF16,
+    # bf16); on the AVX2 EPYC one gave 1.24x against 1.25x and 1.42x. The batch alone runs at full speed.
+    background_tokens: int = 1
     static_batching: bool = False  # benchmark baseline only
     # With static_batching: a finished member keeps its slot and is computed on (its output discarded) until
     # the whole batch is done, as in HF generate's padded batches. Off, finished members leave the batch.

@@ -57,7 +57,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         lookahead: LookaheadPolicy | None = None,
         policy: str = "fcfs",
-        background_tokens: int = 2,
+        background_tokens: int = 1,
         background_linger_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

@@ -184,7 +184,7 @@ class ServiceConfig:
         "SPECSERVE_BACKGROUND_TOKENS",
         None,
         "under the priority policy, tokens a step gives sequences of worse bands while better ones run "
-        "(the rest pause, keeping their KV; default 2)",
+        "(the rest pause, keeping their KV; default 1)",
         kind=int,
     )
     attention_backend: str | None = _opt(
