@@ -65,7 +65,7 @@ class RowParams:
 
 # Candidate widths tried before a row's whole vocabulary is sorted: a top-p or top-k row's cut almost always
 # falls within its 64 most likely tokens, and torch.topk(64) over SmolLM2's 49,152 logits costs 0.04 ms a row
-# where the full sort top-p used to take costs 1.8 ms (2-core EPYC, bf16 model, fp32 logits): at 32 chat
+# where the full sort top-p used to take cost 1.8 ms (2-core EPYC, bf16 model, fp32 logits): at 32 chat
 # requests in flight, half of them sampled at top_p 0.95, sampling took 58 ms a step beside a 47 ms forward.
 CANDIDATE_WIDTHS = (64, 1024)
 
