@@ -17,7 +17,7 @@ from specserve.engine.sampler import Nucleus, RowParams, nucleus, per_row_unifor
 
 @dataclass
 class VerifyBatch:
-    """Padded view of the speculating sequences of one step (K = the longest proposal)."""
+    """The speculating sequences of one step, padded to K positions (K = the longest proposal)."""
 
     target_logits: torch.Tensor  # [S, K + 1, V] target logits at the last token and at every draft
     draft_tokens: torch.Tensor  # [S, K] (padding: 0)
