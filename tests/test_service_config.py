@@ -74,6 +74,7 @@ def test_environment_names_and_flag_precedence(tmp_path):
         "kv_cache_bytes": 1048576,
         # the service's own defaults (the engine's are vLLM's fcfs): Batch API lines yield to interactive work
         "scheduling_policy": "priority",
+        "prefill_tokens_beside_decode": 128,
     }
 
 
@@ -215,6 +216,7 @@ def test_every_engine_knob_is_a_flag_and_a_variable_and_reaches_the_engine():
         "device",
         "speculative_config",
         "scheduling_policy",  # the service's own default, not the engine's (service/config.py)
+        "prefill_tokens_beside_decode",  # likewise: a stream's token gaps matter to a service
     }
     from specserve.engine.config import EngineConfig
 
@@ -227,6 +229,7 @@ def test_every_engine_knob_is_a_flag_and_a_variable_and_reaches_the_engine():
         {"SPECSERVE_BLOCK_SIZE": "0"},
         {"SPECSERVE_MAX_MODEL_LEN": "-5"},
         {"SPECSERVE_ATTENTION_BACKEND": "gpu"},
+        {"SPECSERVE_PREFILL_TOKENS_BESIDE_DECODE": "-1"},
     ],
 )
 def test_bad_engine_knobs_are_refused_before_any_model_loads(env):

@@ -344,3 +344,53 @@ def test_a_band_alone_never_lingers_and_the_best_band_is_never_held():
             sched.finish(seq, "stop")
     plan = sched.schedule()  # the best band left alone within the linger is not background
     assert plan_rows(plan) == [(9, 1, 0, True)]
+
+
+# ---- prefill beside decodes --------------------------------------------------------------------------------
+
+
+def test_prefill_beside_decodes_is_bounded_running_chunks_first_then_admissions():
+    sched = scheduler(budget=64, prefill_tokens_beside_decode=6)
+    run(sched, decoding(0, 5))
+    mid_prompt = make_seq(1, 20)
+    run(sched, mid_prompt)
+    mid_prompt.status, mid_prompt.num_computed_tokens = SeqStatus.RUNNING, 16  # 4 prompt tokens left
+    sched.add(make_seq(2, 10))
+    sched.add(make_seq(3, 10))
+    # the decode, the running prompt's 4 tokens, then 2 of the arrival's; the next arrival waits
+    assert plan_rows(sched.schedule()) == [(0, 1, 0, True), (1, 4, 0, True), (2, 2, 0, False)]
+    assert [s.seq_id for s in sched.waiting] == [3]
+
+
+def test_prefill_beside_decodes_leaves_a_spent_share_s_running_prompt_waiting_with_its_kv():
+    sched = scheduler(budget=64, prefill_tokens_beside_decode=3, ks={0: 2})
+    first, second = make_seq(1, 10), make_seq(2, 10)
+    run(sched, first)
+    run(sched, second)
+    run(sched, decoding(0, 5))
+    for s in (first, second):
+        s.status, s.num_computed_tokens = SeqStatus.RUNNING, 4
+    blocks = sched.bm.num_free_blocks
+    # decodes are not prompt tokens: the decode keeps its lookahead whatever the share
+    assert plan_rows(sched.schedule()) == [(1, 3, 0, False), (0, 1, 2, True)]
+    assert second.status is SeqStatus.RUNNING and sched.bm.num_free_blocks <= blocks
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_without_decodes_or_chunking_prefill_takes_the_whole_budget(chunked):
+    sched = scheduler(budget=64, prefill_tokens_beside_decode=4, chunked=chunked)
+    sched.add(make_seq(0, 30))
+    sched.add(make_seq(1, 20))
+    assert plan_rows(sched.schedule()) == [(0, 30, 0, True), (1, 20, 0, True)]
+    if not chunked:  # a prompt cannot be split, so nothing bounds it even beside a decode
+        run(sched, decoding(2, 5))
+        sched.add(make_seq(3, 12))
+        assert (3, 12, 0, True) in plan_rows(sched.schedule())
+
+
+def test_prefill_beside_decode_must_be_a_non_negative_integer():
+    from specserve.engine.config import EngineConfig
+
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="prefill_tokens_beside_decode"):
+            EngineConfig(prefill_tokens_beside_decode=bad)

@@ -27,6 +27,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the device the engine may fill (vLLM's)
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    # Prompt tokens one step computes while other sequences are decoding (0: up to max_num_batched_tokens).
+    # A step's time grows with its tokens on a CPU, and every decoding sequence waits for it: a prefill of
+    # arrivals is the long tail of inter-token latency (engine/scheduler.py says by how much).
+    prefill_tokens_beside_decode: int = 0
     # Share the K/V of prompt prefixes already computed (vLLM's name and default); static batching never does.
     enable_prefix_caching: bool = True
     # fcfs (vLLM's default) or priority: lower `priority` runs sooner and may preempt lower-priority running
@@ -78,6 +82,9 @@ class EngineConfig:
             )
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
+        p = self.prefill_tokens_beside_decode
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"prefill_tokens_beside_decode must be a non-negative integer, not {p!r}")
         if not (isinstance(self.background_tokens, int) and self.background_tokens >= 1):
             raise ValueError(f"background_tokens must be a positive integer, not {self.background_tokens!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

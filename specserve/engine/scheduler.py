@@ -10,6 +10,10 @@ computed again); the prompt blocks a step will fill are named when it is planned
 blocks its committed tokens fill, for later sequences; a
 preempted sequence's blocks become evictable cache, so its recompute often finds them.
 
+With prefill_tokens_beside_decode set, a step in which some running sequence decodes computes at most that
+many prompt tokens (running prompts' chunks first, then admissions); the rest wait for the next step, so
+arrivals' prefill stretches no decode step by more than that (_prefill_share says why).
+
 With policy "priority" (vLLM's scheduling_policy), order is (priority, arrival) instead of arrival: the
 waiting queue is kept in that order, running sequences are scheduled in it (so the one preempted when memory
 runs dry is the lowest priority, latest arrival), and a waiting sequence that outranks the lowest running one
@@ -59,6 +63,7 @@ class Scheduler:
         policy: str = "fcfs",
         background_tokens: int = 1,
         background_linger_s: float | None = None,
+        prefill_tokens_beside_decode: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -76,6 +81,8 @@ class Scheduler:
         self.background_tokens = background_tokens
         # ... and keep sharing for this long after the better work has left (see _background_share)
         self.background_linger_s = BACKGROUND_LINGER_S if background_linger_s is None else background_linger_s
+        self.prefill_tokens_beside_decode = prefill_tokens_beside_decode
+        self._prefill_left: int | None = None  # this step's prefill tokens left; None: no bound
         self._clock = clock
         self._background_left: int | None = None  # this step's share left; None: no better work present
         self._best = 0  # the best band present, while a share applies
@@ -110,6 +117,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         displaced = self._displace_for_waiting() if self.by_priority else []
         self._background_left = self._background_share() if self.by_priority else None
+        self._prefill_left = self._prefill_share()
         scheduled, preempted, budget = self._schedule_running(self.max_num_batched_tokens)
         if not preempted:  # memory is short: admitting now would only preempt again next step
             # nor is one displaced this step taken back in it (the room was made for the better one)
@@ -163,6 +171,18 @@ class Scheduler:
             self.running[split:] = background[at:] + background[:at]
         return self.background_tokens
 
+    def _prefill_share(self) -> int | None:
+        """Prompt tokens this step may compute, when some running sequence is decoding and a bound is set;
+        None: up to the step budget. Every decoding sequence waits for the whole step, and a step's time
+        grows with its prompt tokens on a CPU (~1 ms a token in bf16 on the 2-core Zen 4 EPYC), so with
+        16 streams in flight and arrivals' prompts of ~280 tokens a step that prefilled them took 316-648 ms
+        against ~40 ms for a decode step: that was the p99 of inter-token latency in bench/serve_peer.py.
+        Without chunked prefill a prompt cannot be split, so no bound applies."""
+        cap = self.prefill_tokens_beside_decode
+        if not cap or not self.chunked or not any(s.in_decode for s in self.running):
+            return None
+        return cap
+
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
         ks = self.lookahead(self.running) if self.lookahead is not None and self.running else {}
         scheduled: list[ScheduledSeq] = []
@@ -179,6 +199,12 @@ class Scheduler:
                 n = min(n, PROMPT_LOGPROBS_CHUNK)
             if background:
                 n = min(n, self._background_left)
+            prefill = not seq.in_decode
+            if prefill and self._prefill_left is not None:
+                if not self._prefill_left:
+                    i += 1  # the step's prefill share is spent: this chunk waits, its KV kept
+                    continue
+                n = min(n, self._prefill_left)
             k = min(ks.get(seq.seq_id, 0), budget - n) if ks and seq.in_decode and not background else 0
             if k and not self._allocate(seq, n + k):
                 k = 0  # speculation yields to memory before anyone is preempted
@@ -195,6 +221,8 @@ class Scheduler:
             budget -= n + k
             if background:
                 self._background_left -= n
+            if prefill and self._prefill_left is not None:
+                self._prefill_left -= n
             i += 1
         return scheduled, preempted, budget
 
@@ -209,6 +237,10 @@ class Scheduler:
                 if not self._background_left:
                     break  # the share is spent: background admissions wait for a step with room
                 budget = min(budget, self._background_left)
+            if self._prefill_left is not None:
+                if not self._prefill_left:
+                    break
+                budget = min(budget, self._prefill_left)
             # prompt logprobs need every prompt position computed: no prefix cache hit then
             cached = self.bm.allocate_prefix(seq.seq_id, [] if seq.wants_prompt_rows else seq.token_ids)
             seq.num_computed_tokens = cached
@@ -230,6 +262,8 @@ class Scheduler:
             budget -= n
             if background:
                 self._background_left -= n
+            if self._prefill_left is not None:
+                self._prefill_left -= n
         return scheduled
 
     def _name_scheduled(self, seq: Sequence, n: int) -> None:
