@@ -8,6 +8,11 @@ concurrency. Reported per system: requests completed, output tokens, output tok/
 Targets: output tokens equal, throughput >= 1.0x vLLM, ITL p99 within 1.5x vLLM's.
 
     python bench/serve_peer.py [--num-prompts 64] [--input-len 256] [--output-len 128] [--concurrency 16]
+        [--layouts serve,api+worker] [--variant "--speculative-method none" ...] [--rounds 1]
+
+Each --variant is one more `specserve` configuration (its extra CLI arguments) run in every layout; with
+--rounds R the whole sequence (ours, then vLLM) is repeated R times, and ratios are taken within a round,
+since this machine's run-to-run spread is as large as the differences sought.
 """
 
 from __future__ import annotations
@@ -86,7 +91,9 @@ def client(python: Path, port: int, model: str, args: argparse.Namespace) -> dic
     return json.loads(line.removeprefix("RESULT "))
 
 
-def ours(python: Path, model: str, args: argparse.Namespace, tmp: Path, env: dict, layout: str) -> dict:
+def ours(
+    python: Path, model: str, args: argparse.Namespace, tmp: Path, env: dict, layout: str, extra: list[str]
+) -> dict:
     """`specserve serve` (API, worker and valkey in one process), or the API and the worker as processes of
     their own on one valkey, as a deployment runs them (and as vLLM runs its API server and engine core)."""
     from specserve.queue.embedded import EmbeddedValkey
@@ -101,6 +108,7 @@ def ours(python: Path, model: str, args: argparse.Namespace, tmp: Path, env: dic
         "64",
         "--kv-cache-bytes",
         str(2 << 30),
+        *extra,
     ]
     cli = [sys.executable, "-m", "specserve.service.cli"]
     log = open(tmp / f"specserve-{layout.replace('+', '-')}.log", "wb")
@@ -136,7 +144,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--vllm-python")
+    p.add_argument("--layouts", default="serve,api+worker")
+    p.add_argument("--variant", action="append", default=None, help="extra specserve CLI arguments")
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
+    variants = args.variant or [""]
     python = vllm_python(args.vllm_python)
     if python is None:
         raise SystemExit("no vLLM venv (see bench/vllm_peer.py); --vllm-python")
@@ -146,39 +158,54 @@ def main() -> None:
         f"{args.output_len} out tokens, {args.concurrency} in flight, --ignore-eos",
         flush=True,
     )
-    results = {}
+    rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for layout in ("serve", "api+worker"):
-            results[f"specserve {layout}"] = ours(python, model, args, Path(tmp), env, layout)
-        port = free_port()
-        theirs = subprocess.Popen(
-            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
-             "--dtype", args.dtype, "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(2 << 30)],
-            cwd=tempfile.gettempdir(), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
-            stdout=open(Path(tmp) / "vllm.log", "wb"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", theirs, 1200)
-            results["vllm"] = client(python, port, model, args)
-        finally:
-            stop(theirs)
-    for name, r in results.items():
-        print(
-            f"  {name:<20}: {r['completed']} requests, {r['total_output_tokens']} output tokens, "
-            f"{r['output_throughput']:.1f} tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
-            f"ITL p50 {r['p50_itl_ms']:.1f} ms p99 {r['p99_itl_ms']:.1f} ms",
-            flush=True,
-        )
-    theirs = results["vllm"]
-    for name, r in results.items():
-        if name == "vllm":
-            continue
-        print(
-            f"{name} / vLLM: output tokens {r['total_output_tokens']} vs {theirs['total_output_tokens']}, "
-            f"throughput {r['output_throughput'] / theirs['output_throughput']:.2f}x (target >= 1.0), "
-            f"ITL p99 {r['p99_itl_ms'] / theirs['p99_itl_ms']:.2f}x (target <= 1.5)"
-        )
+        for _ in range(args.rounds):
+            results = {}
+            for variant in variants:
+                for layout in args.layouts.split(","):
+                    name = f"specserve {layout}" + (f" {variant}" if variant else "")
+                    results[name] = ours(python, model, args, Path(tmp), env, layout, variant.split())
+                    report(name, results[name])
+            results["vllm"] = theirs(python, model, args, Path(tmp), env)
+            report("vllm", results["vllm"])
+            rounds.append(results)
+    for i, results in enumerate(rounds, 1):
+        vllm = results["vllm"]
+        for name, r in results.items():
+            if name == "vllm":
+                continue
+            print(
+                f"round {i}: {name} / vLLM: output tokens {r['total_output_tokens']} vs "
+                f"{vllm['total_output_tokens']}, throughput "
+                f"{r['output_throughput'] / vllm['output_throughput']:.2f}x (target >= 1.0), "
+                f"ITL p99 {r['p99_itl_ms'] / vllm['p99_itl_ms']:.2f}x (target <= 1.5)"
+            )
+
+
+def theirs(python: Path, model: str, args: argparse.Namespace, tmp: Path, env: dict) -> dict:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(port),
+         "--dtype", args.dtype, "--max-num-seqs", "64", "--kv-cache-memory-bytes", str(2 << 30)],
+        cwd=tempfile.gettempdir(), env={**env, "VLLM_CPU_OMP_THREADS_BIND": "0-1"},
+        stdout=open(tmp / "vllm.log", "wb"), stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", proc, 1200)
+        return client(python, port, model, args)
+    finally:
+        stop(proc)
+
+
+def report(name: str, r: dict) -> None:
+    print(
+        f"  {name:<20}: {r['completed']} requests, {r['total_output_tokens']} output tokens, "
+        f"{r['output_throughput']:.1f} tok/s, mean TTFT {r['mean_ttft_ms']:.0f} ms, "
+        f"ITL p50 {r['p50_itl_ms']:.1f} ms p99 {r['p99_itl_ms']:.1f} ms",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
