@@ -119,3 +119,31 @@ def test_a_seeded_verify_row_does_not_depend_on_its_mates_draft_counts() -> None
             after = float(torch.rand(1, generator=gens[0]))  # what the row's generator gives next
             out.append((int(result.num_accepted[0]), int(result.next_token[0]), after))
         assert out[0] == out[1]
+
+
+def test_verify_reads_the_packed_logits_as_the_padded_ones() -> None:
+    """Rows drafting 0, 3 and 1 tokens: the forward's packed rows (through `index`) and a padded
+    [S, K + 1, V] copy give the same tokens for the same seeds; only the real positions are sampled from."""
+    from specserve.spec.verifier import VerifyBatch, verify
+
+    vocab, counts = 50, [0, 3, 1]
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        packed = torch.randn(sum(counts) + len(counts), vocab, generator=gen) * 2
+        drafts = torch.randint(0, vocab, (3, 3), generator=gen)
+        starts = [0, 1, 5]
+        index = torch.tensor([[min(s + j, s + c) for j in range(4)] for s, c in zip(starts, counts)])
+        for r, c in enumerate(counts):  # make some drafts likely enough to be accepted
+            for j in range(c):
+                packed[starts[r] + j, drafts[r, j]] += 3.0
+        padded = packed[index]
+        padded[0, 1:] = float("nan")  # padding positions must never be read
+        out = []
+        for logits, idx in ((packed, index), (padded, None)):
+            params = [SamplingParams(temperature=0.8, seed=seed + r) for r in range(3)]
+            gens = [torch.Generator().manual_seed(seed + r) for r in range(3)]
+            rows = RowParams.build(params, gens, vocab)
+            num = torch.tensor(counts)
+            result = verify(VerifyBatch(logits, drafts, num, None, rows, idx), torch.Generator())
+            out.append((result.num_accepted.tolist(), result.next_token.tolist()))
+        assert out[0] == out[1]

@@ -57,11 +57,6 @@ class RowParams:
             None if self.min_p is None else self.min_p[idx],
         )
 
-    def per_position(self, n: int) -> RowParams:
-        """Each row repeated n times in place (a speculative step's positions of one sequence)."""
-        rep = torch.arange(len(self.generators)).repeat_interleave(n)
-        return self.select(rep)
-
 
 # Candidate widths tried before a row's whole vocabulary is sorted: a top-p or top-k row's cut almost always
 # falls within its 64 most likely tokens, and torch.topk(64) over SmolLM2's 49,152 logits costs 0.04 ms a row

@@ -107,6 +107,8 @@ class SpeculativeDecoder:
                 token_ids.extend(draft.token_ids)
             cu.append(len(token_ids))
             probs.append(None if draft is None else draft.probs)
+        if not token_ids:  # nothing found to propose: the step samples as a plain one (no verify rows)
+            return None
         has_probs = any(p is not None for p in probs)
         return DraftBatch(tuple(token_ids), tuple(cu), tuple(probs) if has_probs else None)
 

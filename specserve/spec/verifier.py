@@ -28,11 +28,12 @@ class VerifyBatch:
     # index[s, j]: no padded copy is made (at 32 in flight, S x (K + 1) x V is 31 MB a step, mostly padding)
     index: torch.Tensor | None = None  # [S, K + 1]
 
-    def positions(self, seqs: torch.Tensor) -> torch.Tensor:
-        """[len(seqs) * (K + 1), V]: those sequences' logits at every position, row-major."""
+    def positions(self, seqs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """[real.sum(), V]: those sequences' logits at the positions `real` ([len(seqs), K + 1]) marks,
+        row-major."""
         if self.index is None:
-            return self.target_logits[seqs].reshape(-1, self.target_logits.shape[-1])
-        return self.target_logits[self.index[seqs].reshape(-1)]
+            return self.target_logits[seqs][real]
+        return self.target_logits[self.index[seqs][real]]
 
 
 @dataclass
@@ -64,24 +65,30 @@ def verify(batch: VerifyBatch, fallback: torch.Generator) -> VerifyResult:
         num_accepted = accept.int().cumprod(dim=1).sum(dim=1)  # leading run of acceptances
         return VerifyResult(num_accepted, target_argmax.gather(1, num_accepted[:, None]).squeeze(1))
 
-    # Sampled rows only: their distribution at every position, [s * (K + 1)] rows of a Nucleus.
+    # Sampled rows only: their distribution at each real position (a row's drafts and the one after
+    # them), not at the padding up to K: with one of 16 rows drafting 4, that is 20 rows, not 80.
     sampled = (~rows.greedy).nonzero().squeeze(1)
     sub = rows.select(sampled)
     s = len(sampled)
-    p = nucleus(batch.positions(sampled), sub.per_position(k_plus_1))
+    counts = batch.num_drafts[sampled]
+    real = torch.arange(k_plus_1)[None, :] <= counts[:, None]  # [s, K + 1]
+    # position -> its row among the real ones; padding maps to its row's last real one
+    flat = real.long().view(-1).cumsum(0).view(s, k_plus_1) - 1
+    origin = torch.arange(s).repeat_interleave(counts + 1)  # the sampled row each real position belongs to
+    p = nucleus(batch.positions(sampled, real), sub.select(origin))
     drafts = batch.draft_tokens[sampled]  # [s, K]
     padded = torch.cat([drafts, torch.zeros(s, 1, dtype=torch.long)], dim=1)  # a token at every position
-    p_draft = p.prob_of(padded.reshape(-1)).view(s, k_plus_1)[:, :k]  # p(x) [s, K]
+    p_draft = p.prob_of(padded[real]).gather(0, flat.view(-1)).view(s, k_plus_1)[:, :k]  # p(x) [s, K]
     q = batch.draft_probs[sampled] if batch.draft_probs is not None else None
     q_draft = torch.ones_like(p_draft) if q is None else q.gather(2, drafts[:, :, None]).squeeze(2)
-    u = per_row_uniform(sub, k, fallback, batch.num_drafts[sampled].tolist())  # its own drafts' worth
+    u = per_row_uniform(sub, k, fallback, counts.tolist())  # its own drafts' worth
     accept[sampled] = (u * q_draft < p_draft) & valid[sampled]  # u < p/q without dividing by a zero q
     num_accepted = accept.int().cumprod(dim=1).sum(dim=1)
     next_token = target_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # greedy rows: argmax there
 
     at = num_accepted[sampled]  # where each sampled row stops
-    p_at = p.rows(torch.arange(s) * k_plus_1 + at)  # the target distribution there
-    rejected = at < batch.num_drafts[sampled]
+    p_at = p.rows(flat.gather(1, at[:, None]).squeeze(1))  # the target distribution there
+    rejected = at < counts
     stop = at.clamp(max=max(k - 1, 0))  # the rejected draft's position (k > 0 wherever one was rejected)
     if not bool(rejected.any()):
         residual = p_at  # every draft accepted: the bonus token comes from p
