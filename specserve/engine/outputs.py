@@ -40,7 +40,6 @@ class StepDelta:
     usage: Usage | None = None  # set on the final delta
     first_token_time: float | None = None  # time.monotonic() of the first output token; on the final delta
     logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when the request asked
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # one per prompt token, None for the first
     # on a request's first delta, when it asked: one per prompt token, None for the first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
