@@ -217,7 +217,7 @@ class LLMEngine:
             lookahead=self.spec.lookahead if self.spec else None,
             policy=config.scheduling_policy,
             background_tokens=config.background_tokens,
-            prefill_tokens_beside_decode=config.prefill_tokens_beside_decode or None,
+            prefill_tokens_beside_decode=config.prefill_tokens_beside_decode,
         )
         if config.static_batching:  # the benchmark's baseline
             self.scheduler: Scheduler = StaticScheduler(

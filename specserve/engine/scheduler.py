@@ -63,7 +63,7 @@ class Scheduler:
         policy: str = "fcfs",
         background_tokens: int = 1,
         background_linger_s: float | None = None,
-        prefill_tokens_beside_decode: int | None = None,
+        prefill_tokens_beside_decode: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if policy not in POLICIES:
@@ -172,12 +172,12 @@ class Scheduler:
         return self.background_tokens
 
     def _prefill_share(self) -> int | None:
-        """Prompt tokens this step may compute, when some running sequence is decoding and a bound is set;
-        None: up to the step budget. Every decoding sequence waits for the whole step, and a step's time
-        grows with its prompt tokens on a CPU (~1 ms a token in bf16 on the 2-core Zen 4 EPYC), so with
-        16 streams in flight and arrivals' prompts of ~280 tokens a step that prefilled them took 316-648 ms
-        against ~40 ms for a decode step: that was the p99 of inter-token latency in bench/serve_peer.py.
-        Without chunked prefill a prompt cannot be split, so no bound applies."""
+        """Prompt tokens this step may compute, when some running sequence is decoding and a bound is set
+        (prefill_tokens_beside_decode > 0); None: up to the step budget. Every decoding sequence waits for
+        the whole step, and a step's time grows with its prompt tokens on a CPU (~1 ms a token in bf16 on
+        the 2-core Zen 4 EPYC): with 16 streams in flight and arrivals' prompts of ~280 tokens, a step that
+        prefilled them took 316-648 ms against ~40 ms for a decode step, the p99 of inter-token latency in
+        bench/serve_peer.py. Without chunked prefill a prompt cannot be split, so no bound applies."""
         cap = self.prefill_tokens_beside_decode
         if not cap or not self.chunked or not any(s.in_decode for s in self.running):
             return None
