@@ -328,9 +328,10 @@ async def deliver_to_frozen(r: aioredis.Redis, worker: Proc, entries: list[dict[
     and the reply sits unread in its socket. The worker leaves this function frozen; it either resumes
     (SIGCONT) or dies (SIGKILL) with the batch read and not yet handled, at the test's choice.
     """
-    for _ in range(100):
+    for _ in range(300):
         await worker.freeze()
-        if await blocked_group_readers(r) == 1:
+        # A read sent under a second ago: at least a second of its 2 s block is left for the XADD.
+        if await fresh_blocked_reader(r):
             ids = await xadd_multi(r, entries)
             pending = await pending_of(r, worker.name)
             assert set(ids) <= set(pending), "the frozen worker's read did not take the whole batch"
