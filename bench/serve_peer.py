@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def client(python: Path, port: int, model: str, args: argparse.Namespace) -> dict:
+def client(python: Path, port: int, model: str, args: argparse.Namespace, servers: list[int]) -> dict:
     cmd = [
         str(python), "-c", CLIENT, "--backend", "openai-chat", "--base-url", f"http://127.0.0.1:{port}",
         "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", model,
@@ -84,11 +85,46 @@ def client(python: Path, port: int, model: str, args: argparse.Namespace) -> dic
         "--max-concurrency", str(args.concurrency), "--percentile-metrics", "ttft,tpot,itl",
         "--metric-percentiles", "50,99", "--seed", "0",
     ]  # fmt: skip
+    before, t0 = cpu_seconds(servers), time.monotonic()
+    client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tempfile.gettempdir(), timeout=3600)
+    client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    after, wall = cpu_seconds(servers), time.monotonic() - t0
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
         raise SystemExit(f"vllm bench serve failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(line.removeprefix("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    used = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    used["client"] = sum(
+        getattr(client_after, f) - getattr(client_before, f) for f in ("ru_utime", "ru_stime")
+    )
+    # where the two cores went while the client ran, in cores (CPU seconds over wall seconds)
+    result["cores"] = {
+        k: round(v / wall, 2) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v > 0.01 * wall
+    }
+    return result
+
+
+def cpu_seconds(roots: list[int]) -> dict[str, float]:
+    """CPU seconds so far of every thread of the servers' process trees, keyed "process/thread:tid"."""
+    import psutil
+
+    totals: dict[str, float] = {}
+    for root in roots:
+        try:
+            procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        for proc in procs:
+            try:
+                name = proc.name()
+                for th in proc.threads():
+                    comm = Path(f"/proc/{proc.pid}/task/{th.id}/comm").read_text().strip()
+                    key = f"{name}/{'main' if th.id == proc.pid else f'{comm}:{th.id}'}"
+                    totals[key] = totals.get(key, 0.0) + th.user_time + th.system_time
+            except (psutil.NoSuchProcess, FileNotFoundError):
+                continue
+    return totals
 
 
 def ours(
@@ -128,7 +164,8 @@ def ours(
                                           stdout=log, stderr=subprocess.STDOUT))  # fmt: skip
         for proc in procs:
             wait_http(f"http://127.0.0.1:{port}/readyz", proc, 600)
-        return client(python, port, model, args)
+        roots = [p.pid for p in procs] + ([server.proc.pid] if server is not None and server.proc else [])
+        return client(python, port, model, args, roots)
     finally:
         for proc in procs:
             stop(proc)
@@ -194,7 +231,7 @@ def theirs(python: Path, model: str, args: argparse.Namespace, tmp: Path, env: d
     )  # fmt: skip
     try:
         wait_http(f"http://127.0.0.1:{port}/health", proc, 1200)
-        return client(python, port, model, args)
+        return client(python, port, model, args, [proc.pid])
     finally:
         stop(proc)
 
@@ -206,6 +243,7 @@ def report(name: str, r: dict) -> None:
         f"ITL p50 {r['p50_itl_ms']:.1f} ms p99 {r['p99_itl_ms']:.1f} ms",
         flush=True,
     )
+    print("    cores used: " + ", ".join(f"{k} {v:.2f}" for k, v in r["cores"].items()), flush=True)
 
 
 if __name__ == "__main__":
