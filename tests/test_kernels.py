@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_cases import assert_close, dense_attention, make_batch, tolerance
 
 from specserve.kernels import reference, select_backend
@@ -331,6 +332,64 @@ def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dty
     assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         cpa.rope_write_kv(qkv.half(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+
+
+def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many bfloat16 steps apart two tensors are, element by element (same sign assumed near zero)."""
+    bits = lambda t: t.to(torch.bfloat16).view(torch.int16).to(torch.int32)  # noqa: E731
+    return (bits(got) - bits(want)).abs()
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_fused_add_rms_norm_is_the_residual_add_then_torch_rms_norm(monkeypatch, isa, dtype, rows) -> None:
+    """The residual stream it leaves in h is exactly h + add; its norm is F.rms_norm's up to the order of
+    the squares' sum (300 rows: the threaded loop; add a strided view, as a slice of a wider output is)."""
+    cpa = _variant(monkeypatch, isa)
+    gen = torch.Generator().manual_seed(5)
+    d = 576
+    h = (torch.randn(rows, d, generator=gen) * 3).to(dtype)
+    wide = torch.randn(rows, d + 64, generator=gen).to(dtype)
+    add, weight = wide[:, 32 : 32 + d], torch.randn(d, generator=gen).to(dtype)
+    want_h = h + add
+    want = F.rms_norm(want_h, (d,), weight, 1e-6)
+    got_h = h.clone()
+    got = cpa.add_rms_norm(got_h, add, weight, 1e-6)
+    assert torch.equal(got_h, want_h)
+    plain = cpa.add_rms_norm(want_h.clone(), None, weight, 1e-6)
+    for out in (got, plain):
+        if dtype == torch.bfloat16:
+            ulps = _bf16_ulps(out, want)
+            assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.01
+        else:
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        cpa.add_rms_norm(h.clone(), add, weight.float() if dtype == torch.bfloat16 else weight.double(), 1e-6)
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_fused_silu_mul_is_silu_of_gate_times_up(monkeypatch, isa, dtype, rows) -> None:
+    """silu(gate) * up for a fused gate_up row (gate first) with torch's two roundings in bfloat16: rarely
+    a step from torch's silu, so at most two from its product; float32 to a few ulps."""
+    cpa = _variant(monkeypatch, isa)
+    gen = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = cpa.silu_mul(gate_up)
+    assert got.shape == want.shape and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        ulps = _bf16_ulps(got, want)
+        assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01
+        silu = cpa.silu_mul(torch.cat([gate, torch.ones_like(up)], dim=-1))
+        assert int(_bf16_ulps(silu, F.silu(gate)).max()) <= 1
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="gate_up"):
+        cpa.silu_mul(gate_up.half())
 
 
 def test_triton_backend_without_triton_names_the_extra(monkeypatch) -> None:

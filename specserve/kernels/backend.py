@@ -20,6 +20,10 @@ class AttentionBackend:
     build_plan: Callable[..., object] | None
     # Rotary embedding + KV write fused for bfloat16 (cpu_paged_attention.rope_write_kv), where available.
     rope_write_kv: Callable[..., None] | None = None
+    # The layer's elementwise steps in one pass each (residual add + RMSNorm, silu(gate) * up), where the
+    # backend has them (cpu_paged_attention.add_rms_norm / silu_mul).
+    add_rms_norm: Callable[..., torch.Tensor] | None = None
+    silu_mul: Callable[..., torch.Tensor] | None = None
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
@@ -55,6 +59,12 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
             raise ValueError("the cpu attention backend needs a CPU device and a C++ compiler for its kernel")
         plan = functools.partial(reference.build_plan, native_short=True)
         return AttentionBackend(
-            "cpu", reference.write_kv, reference.paged_attention, plan, cpu_paged_attention.rope_write_kv
+            "cpu",
+            reference.write_kv,
+            reference.paged_attention,
+            plan,
+            cpu_paged_attention.rope_write_kv,
+            cpu_paged_attention.add_rms_norm,
+            cpu_paged_attention.silu_mul,
         )
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

@@ -1160,3 +1160,156 @@ extern "C" int specserve_apply_bitmask(float* logits, int64_t logits_stride, int
   }
   return 0;
 }
+
+
+// ---- the decoder layer's elementwise steps, fused --------------------------------------------------------
+//
+// torch runs F.rms_norm on CPU as a chain of ops (widen, pow, mean, add, rsqrt, mul, mul, narrow) and a
+// gated MLP's silu(gate) * up as two more, each a pass over memory and, above torch's grain size, a
+// parallel region. Under `serve`, where the client and the event loop share the two cores, every region is
+// a barrier that waits for a descheduled thread. These do each step in one pass with torch's roundings:
+// float32 arithmetic, one rounding to the storage type where torch stores a tensor.
+
+namespace {
+
+inline float round_as(const float*, float v) { return v; }
+inline float round_as(const uint16_t*, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  bits &= 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rows of d: with `add`, h += add (stored rounded, the residual stream as torch keeps it) first; then
+// out = h * rsqrt(mean(h^2) + eps) * w, rounded once (F.rms_norm's float32 math).
+template <typename T>
+void add_rms_norm(T* h, const T* add, const T* w, T* out, int64_t n, int64_t d, int64_t h_stride,
+                  int64_t add_stride, int64_t out_stride, float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (n * d >= 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    T* hr = h + i * h_stride;
+    T* orow = out + i * out_stride;
+    float ss = 0.f;
+    if (add != nullptr) {
+      const T* ar = add + i * add_stride;
+      for (int64_t j = 0; j < d; ++j) {
+        const float s = round_as(hr, load(hr, j) + load(ar, j));
+        store(hr, j, s);
+        ss += s * s;
+      }
+    } else {
+      for (int64_t j = 0; j < d; ++j) {
+        const float v = load(hr, j);
+        ss += v * v;
+      }
+    }
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+    for (int64_t j = 0; j < d; ++j) store(orow, j, load(hr, j) * r * load(w, j));
+  }
+}
+
+// silu in IEEE division and unreordered arithmetic: under -ffast-math, bfloat16 products came out two
+// steps from torch's silu(gate) * up, not one.
+#pragma GCC push_options
+#pragma GCC optimize("no-reciprocal-math", "no-associative-math")
+
+// The region's own widen / round helpers: GCC does not inline across optimize() options, and a call in
+// the loop would keep it from vectorising.
+inline float widen_ieee(const float* p, int64_t i) { return p[i]; }
+inline float widen_ieee(const uint16_t* p, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float round_ieee(const float*, float v) { return v; }
+inline float round_ieee(const uint16_t*, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store_ieee(float* p, int64_t i, float v) { p[i] = v; }
+inline void store_ieee(uint16_t* p, int64_t i, float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  p[i] = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// exp(x) to about an ulp, in SLEEF's expf_u10 scheme: x = q ln2 + s with ln2 in two parts, a degree-7
+// minimax polynomial in s, then 2^q. (The attention softmax's exp_nonpositive is ~1e-5 relative: silu
+// through it was 1e-5 from float64's, against torch's 1e-7.) About 1 in 1,000 bfloat16 results still
+// differ from torch's by one step: float32 results a few ulps apart, rounded from either side of a tie.
+inline float exp_sleef(float x) {
+  const float q = __builtin_rintf(x * 1.442695040888963407359924681001892137f);  // std:: is not inlined
+  float s = __builtin_fmaf(q, -0.693145751953125f, x);
+  s = __builtin_fmaf(q, -1.428606765330187045e-06f, s);
+  float u = 0.000198527617612853646278381f;
+  u = __builtin_fmaf(u, s, 0.00139304355252534151077271f);
+  u = __builtin_fmaf(u, s, 0.00833336077630519866943359f);
+  u = __builtin_fmaf(u, s, 0.0416664853692054748535156f);
+  u = __builtin_fmaf(u, s, 0.166666671633720397949219f);
+  u = __builtin_fmaf(u, s, 0.5f);
+  u = __builtin_fmaf(s * s, u, s + 1.0f);
+  // 2^q in two factors, as SLEEF's ldexp2k: q reaches 128 just below the overflow threshold
+  const int32_t qi = static_cast<int32_t>(q);
+  const int32_t half = qi >> 1;
+  const uint32_t b1 = static_cast<uint32_t>(half + 127) << 23, b2 = static_cast<uint32_t>(qi - half + 127) << 23;
+  float f1, f2;
+  std::memcpy(&f1, &b1, sizeof f1);
+  std::memcpy(&f2, &b2, sizeof f2);
+  u = u * f1 * f2;
+  u = x < -104.f ? 0.f : u;
+  return x > 88.72283935546875f ? __builtin_inff() : u;
+}
+
+// out[:, :d] = silu(gu[:, :d]) * gu[:, d:2d]: silu rounded to T, then the product rounded (two torch ops).
+template <typename T>
+void silu_mul(const T* gu, T* out, int64_t n, int64_t d, int64_t gu_stride, int64_t out_stride,
+              int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (n * d >= 65536)
+  for (int64_t i = 0; i < n; ++i) {
+    const T* g = gu + i * gu_stride;
+    const T* u = g + d;
+    T* o = out + i * out_stride;
+    for (int64_t j = 0; j < d; ++j) {
+      const float x = widen_ieee(g, j);
+      const float act = round_ieee(g, x / (1.f + exp_sleef(-x)));
+      store_ieee(o, j, act * widen_ieee(u, j));
+    }
+  }
+}
+#pragma GCC pop_options
+
+}  // namespace
+
+extern "C" int specserve_add_rms_norm(void* h, const void* add, const void* w, void* out, int64_t n,
+                                      int64_t d, int64_t h_stride, int64_t add_stride, int64_t out_stride,
+                                      float eps, int dtype, int num_threads) {
+  if (dtype == 0)
+    add_rms_norm(static_cast<float*>(h), static_cast<const float*>(add), static_cast<const float*>(w),
+                 static_cast<float*>(out), n, d, h_stride, add_stride, out_stride, eps, num_threads);
+  else if (dtype == 1)
+    add_rms_norm(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(add), static_cast<const uint16_t*>(w),
+                 static_cast<uint16_t*>(out), n, d, h_stride, add_stride, out_stride, eps, num_threads);
+  else
+    return 2;
+  return 0;
+}
+
+extern "C" int specserve_silu_mul(const void* gu, void* out, int64_t n, int64_t d, int64_t gu_stride,
+                                  int64_t out_stride, int dtype, int num_threads) {
+  if (dtype == 0)
+    silu_mul(static_cast<const float*>(gu), static_cast<float*>(out), n, d, gu_stride, out_stride, num_threads);
+  else if (dtype == 1)
+    silu_mul(static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), n, d, gu_stride, out_stride,
+             num_threads);
+  else
+    return 2;
+  return 0;
+}

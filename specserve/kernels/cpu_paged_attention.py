@@ -123,6 +123,8 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_int8_widen", "p p i i p c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
+    _bind(lib, "specserve_add_rms_norm", "p p p p i i i i i f c c")
+    _bind(lib, "specserve_silu_mul", "p p i i i i c c")
     return lib
 
 
@@ -283,6 +285,62 @@ def rope_write_kv(
     )
     if rc != 0:
         raise ValueError(f"rope_write_kv refused its arguments (code {rc})")
+
+
+def _rows(t: torch.Tensor, d: int, what: str) -> None:
+    if t.dim() != 2 or t.shape[1] < d or t.stride(1) != 1 or t.dtype not in DTYPES:
+        raise ValueError(f"{what} must be float32 or bfloat16 rows of at least {d} contiguous elements")
+
+
+def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm(h, weight) of rows [n, d], one pass; with `add`, h += add in place first (the residual
+    stream, rounded to its dtype as `h + add` is) and the norm is of the sum."""
+    n, d = h.shape
+    for t, what in ((h, "h"), *(((add, "add"),) if add is not None else ())):
+        _rows(t, d, what)
+    if weight.shape != (d,) or not weight.is_contiguous() or weight.dtype != h.dtype:
+        raise ValueError("weight must be a contiguous vector of h's width and dtype")
+    if add is not None and (add.shape[0] != n or add.dtype != h.dtype):
+        raise ValueError("add must have h's rows and dtype")
+    out = torch.empty_like(h, memory_format=torch.contiguous_format)
+    rc = _lib.specserve_add_rms_norm(
+        h.data_ptr(),
+        None if add is None else add.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        n,
+        d,
+        h.stride(0),
+        0 if add is None else add.stride(0),
+        out.stride(0),
+        eps,
+        DTYPES[h.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"add_rms_norm refused its arguments (code {rc})")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [n, 2d] holding gate then up (a fused gate_up projection), one pass."""
+    n, d2 = gate_up.shape
+    _rows(gate_up, d2, "gate_up")
+    d = d2 // 2
+    out = torch.empty(n, d, dtype=gate_up.dtype)
+    rc = _lib.specserve_silu_mul(
+        gate_up.data_ptr(),
+        out.data_ptr(),
+        n,
+        d,
+        gate_up.stride(0),
+        d,
+        DTYPES[gate_up.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"silu_mul refused its arguments (code {rc})")
+    return out
 
 
 # The weight-only quantized products (models/quant.py holds the matrices; these only read them). int4 codes

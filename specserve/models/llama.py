@@ -201,6 +201,13 @@ class LlamaModel:
         # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy: on AVX-512
         # the int kernels beat dense only up to a few rows (quant.KERNEL_MAX_ROWS), and widening per call
         # costs more than the copy's memory; int8/int4 asked for outright hold the weights quantized only.
+        # bfloat16 only: float32 keeps torch's ops, whose results the HF oracle tests compare bit for bit (the
+        # fused norm sums its squares in another order). Measured in bench/kernels.py --elementwise.
+        fused_elementwise = dtype == torch.bfloat16
+        self._fused_add_norm = self.backend.add_rms_norm if fused_elementwise else None
+        self._fused_silu_mul = (
+            self.backend.silu_mul if fused_elementwise and cfg.hidden_act == "silu" else None
+        )
         self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto")
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
@@ -286,6 +293,16 @@ class LlamaModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
+    def _add_norm(
+        self, h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + add, rms_norm(h + add)); the fused kernel adds into h in place (h is this forward's own)."""
+        if self._fused_add_norm is not None and weight.dtype == h.dtype:
+            return h, self._fused_add_norm(h, add, weight, self.cfg.rms_norm_eps)
+        if add is not None:
+            h = h + add
+        return h, self._rms_norm(h, weight)
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot = cos.shape[-1]
         if rot != x.shape[-1]:  # partial rotary: the tail of each head passes through
@@ -297,7 +314,10 @@ class LlamaModel:
     def _mlp(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
         if layer.router is not None:
             return self._moe(x, layer)
-        gate, up = self.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+        gate_up = self.linear(x, layer.gate_up, layer.gate_up_bias)
+        if self._fused_silu_mul is not None:
+            return self.linear(self._fused_silu_mul(gate_up), layer.down, layer.down_bias)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.linear(self.act(gate) * up, layer.down, layer.down_bias)
 
     def _moe(self, x: torch.Tensor, layer: Layer) -> torch.Tensor:
@@ -349,8 +369,9 @@ class LlamaModel:
             h = h * self.embed_scale
         backend = self.backend
         softcap = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
+        pending = None  # the last layer's MLP output: added to h by the next layer's norm, in one pass
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = self._rms_norm(h, layer.input_norm)
+            h, x = self._add_norm(h, pending, layer.input_norm)
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:  # per-head RMSNorm of q and k, before rope
                 qk = qkv[:, : self.q_size + self.kv_size].view(n, nh + nkv, hd)
@@ -393,14 +414,14 @@ class LlamaModel:
                 o = self._sum_ranks(o, layer.o_bias_after)
             if layer.attn_out_norm is not None:
                 o = self._rms_norm(o, layer.attn_out_norm)
-            h = h + o
-            m = self._mlp(self._rms_norm(h, layer.mlp_norm), layer)
+            h, x = self._add_norm(h, o, layer.mlp_norm)
+            m = self._mlp(x, layer)
             if self.tp is not None:
                 m = self._sum_ranks(m, layer.down_bias_after)
             if layer.mlp_out_norm is not None:
                 m = self._rms_norm(m, layer.mlp_out_norm)
-            h = h + m
-        return h
+            pending = m
+        return h if pending is None else h + pending
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
