@@ -193,6 +193,42 @@ def test_async_engine_streams_and_aborts(tiny_model_dir, hf_reference):
     asyncio.run(main())
 
 
+def test_a_loaded_engine_is_built_and_stepped_on_one_thread(tiny_model_dir, hf_reference, monkeypatch):
+    """`load` builds the engine on the thread that then steps it, never on the event loop's or a pool's:
+    torch's OpenMP pool is per thread, and a second live one throttles both (async_engine.EngineThread)."""
+    import threading
+
+    from specserve.engine import async_engine
+
+    seen: dict[str, set[int]] = {"init": set(), "step": set()}
+
+    class Recording(async_engine.LLMEngine):
+        def __init__(self, *args, **kwargs):
+            seen["init"].add(threading.get_ident())
+            super().__init__(*args, **kwargs)
+
+        def step(self):
+            seen["step"].add(threading.get_ident())
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "LLMEngine", Recording)
+
+    async def main():
+        engine = await AsyncLLMEngine.load(model=str(tiny_model_dir), dtype="float32")
+        await engine.start()
+        try:
+            tokens = [t async for d in engine.add_request("r0", PROMPTS[0], GREEDY) for t in d.token_ids]
+            assert tokens == hf_reference("llama_gqa_tied")[0]
+        finally:
+            await engine.shutdown()
+        return threading.get_ident()
+
+    loop_thread = asyncio.run(main())
+    assert len(seen["init"]) == 1 and seen["step"] == seen["init"] and loop_thread not in seen["init"]
+    with pytest.raises(FileNotFoundError):  # a failed load is the awaiting caller's exception
+        asyncio.run(AsyncLLMEngine.load(model=str(tiny_model_dir / "absent"), dtype="float32"))
+
+
 def test_a_final_only_request_gets_one_delta_with_everything(tiny_model_dir, hf_reference):
     async def main():
         engine = AsyncLLMEngine.from_args(model=str(tiny_model_dir), dtype="float32")

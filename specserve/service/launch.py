@@ -66,7 +66,7 @@ async def load_engine(cfg: ServiceConfig):
     from specserve.engine.async_engine import AsyncLLMEngine
 
     name = cfg.model or "the demo SmolLM2-135M-Instruct"
-    task = asyncio.create_task(asyncio.to_thread(AsyncLLMEngine.from_args, **cfg.engine_kwargs()))
+    task = asyncio.create_task(AsyncLLMEngine.load(**cfg.engine_kwargs()))
     start = time.monotonic()
     tty = sys.stderr.isatty()
     spinner = "|/-\\"
