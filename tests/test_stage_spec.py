@@ -156,6 +156,30 @@ def test_what_update_learns_moves_the_next_lookahead():
     assert spec.lookahead([seq]) == {0: 0}
 
 
+def test_a_new_request_starts_from_the_workloads_acceptance():
+    """Drafts rejected across earlier requests lower where a new one starts (it need not spend its own
+    drafts proving the optimistic prior wrong); accepted ones raise it again."""
+    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec.policy = policy(MEMORY_BOUND)
+    assert spec.acceptance(99) == ACCEPTANCE_PRIOR
+    for i in range(12):  # twelve requests, each rejecting its four drafts once, then finishing
+        seq = make_seq(i, [1, 2, 3])
+        spec.update(SchedulerOutput((ScheduledSeq(seq, 1, 4),)), [Accepted((9,), 0, 4)])
+        spec.forget(seq)
+    low = spec.acceptance(99)
+    assert low < 0.3
+    fresh = make_seq(99, [1, 2, 3])
+    fresh.token_ids.append(5)
+    fresh.num_computed_tokens += 1
+    assert spec.lookahead([fresh])[99] < 4  # where a request starting from the prior drafts 4
+    spec.update(SchedulerOutput((ScheduledSeq(fresh, 1, 0),)), [Accepted((9,), 0, 0)])
+    assert low < spec.acceptance(99) < ACCEPTANCE_PRIOR  # idle, it relaxes toward the prior: it will probe
+    for i in range(12, 40):
+        seq = make_seq(i, [1, 2, 3])
+        spec.update(SchedulerOutput((ScheduledSeq(seq, 1, 4),)), [Accepted((9, 9, 9, 9, 9), 4, 4)])
+    assert spec.acceptance(1000) > 0.6
+
+
 # ---- verify ---------------------------------------------------------------------------------------------
 
 
