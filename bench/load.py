@@ -45,7 +45,10 @@ def tensors(x, seen, out):
         return
     seen.add(id(x))
     if isinstance(x, torch.Tensor):
-        out[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        try:
+            out[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        except NotImplementedError:  # oneDNN's prepacked bf16 weights (OpaqueTensorImpl) expose no storage
+            out[("opaque", id(x))] = x.numel() * x.element_size()
     elif isinstance(x, functools.partial):
         for y in (*x.args, *x.keywords.values()):
             tensors(y, seen, out)
