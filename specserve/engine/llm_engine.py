@@ -127,8 +127,12 @@ class LLMEngine:
             "none" if tp_size > 1 else quant.effective_mode(config.quantization, self.device, self.dtype)
         )
         spec = ModelSpec(path, self.dtype, self.device.type, config.attention_backend, self.quantization)
+        header = ModelConfig.from_hf(read_config(path))
         if tp_size > 1:  # before any rank starts loading: a size that does not divide the heads is refused
-            check_shardable(ModelConfig.from_hf(read_config(path)), tp_size)
+            check_shardable(header, tp_size)
+        # Before the weights: building a GGUF's tokenizer holds ~100 MiB of Python strings for a moment (its
+        # vocabulary and merges), which on top of the weights was the load's peak (bench/load.py).
+        self.tokenizer = load_tokenizer(path, header.model_type)
         self.ranks = RankGroup(tp_size, spec) if tp_size > 1 else None
         if self.device.type == "cpu":
             return_freed_memory_at_once()
@@ -142,7 +146,6 @@ class LLMEngine:
             raise
         self.device = self.model.device
         self.model_config = self.model.cfg
-        self.tokenizer = load_tokenizer(path, self.model_config.model_type)
         if self.device.type == "cpu":
             release_freed_memory()
             keep_freed_memory_in_heap()
