@@ -97,10 +97,17 @@ def quantize_int8_grouped(w: torch.Tensor) -> Int8Weight:
     dequantized comes back bit for bit (each block's largest code is +-127, and 127 times its float16 scale
     is exact in float32, so amax / 127 is that scale and every value divides back to its code)."""
     n, k = w.shape
-    groups = w.float().reshape(n, k // GROUP, GROUP)
-    scales = groups.abs().amax(dim=-1).clamp(min=1e-30) / 127.0
-    codes = torch.round(groups / scales[..., None]).clamp(-127, 127).to(torch.int8)
-    return Int8Weight(codes.reshape(n, k), scales)
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // GROUP)
+    # 4,096 rows at a time: whole, a 49,152-row head's float temporaries were the load's peak (bench/load.py)
+    for r0 in range(0, n, 4096):
+        groups = w[r0 : r0 + 4096].float().reshape(-1, k // GROUP, GROUP)
+        s = groups.abs().amax(dim=-1).clamp(min=1e-30) / 127.0
+        scales[r0 : r0 + 4096] = s
+        codes[r0 : r0 + 4096] = (
+            torch.round(groups / s[..., None]).clamp(-127, 127).to(torch.int8).reshape(-1, k)
+        )
+    return Int8Weight(codes, scales)
 
 
 def fits_int4(out_features: int, in_features: int) -> bool:
@@ -318,7 +325,13 @@ def head_form(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8
     # Only where it holds the head's own values (a Q8_0 head): steps of more rows read the dense head, so a
     # lossy copy would make the model's distribution depend on the step's size, and speculation (whose verify
     # steps have more rows) would no longer be lossless (tests/test_quant.py caught it on a float32 head).
-    return q if torch.equal(dequantize(q), w.float()) else None
+    # Compared 4,096 rows at a time: the whole head dequantized twice over (its float codes and their
+    # product) was the load peak for the demo GGUF in float32: 235 MiB over the loaded model (bench/load.py).
+    for r0 in range(0, w.shape[0], 4096):
+        rows = Int8Weight(q.codes[r0 : r0 + 4096], q.scales[r0 : r0 + 4096])
+        if not torch.equal(dequantize(rows), w[r0 : r0 + 4096].float()):
+            return None
+    return q
 
 
 def pack_head(w: torch.Tensor, dense_mm: DenseMatmul, dtype: torch.dtype, device: torch.device) -> object:
