@@ -77,10 +77,27 @@ MODES = {
 }
 
 
-def run_ours(workload: Workload, name: str, max_num_seqs: int, args: argparse.Namespace) -> Result:
+# `serve`'s default speculation: n-gram proposals of up to 4 tokens, each request `auto` (drafts only
+# while they pay). vLLM's n-gram is given the same k and n-gram lengths.
+NGRAM_K = 4
+OURS_NGRAM = {"method": "ngram", "num_speculative_tokens": NGRAM_K}
+VLLM_NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": NGRAM_K,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1,
+}
+SPECULATION = ("off", "ngram")
+NGRAM_SUFFIX = " + n-gram"
+
+
+def run_ours(
+    workload: Workload, name: str, max_num_seqs: int, args: argparse.Namespace, speculation: str = "off"
+) -> Result:
     from specserve import LLM, SamplingParams
 
     static, padding = MODES[name]
+    ngram = speculation == "ngram"
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
@@ -89,10 +106,13 @@ def run_ours(workload: Workload, name: str, max_num_seqs: int, args: argparse.Na
         static_batching=static,
         static_padding=padding,
         attention_backend=args.attention_backend,
+        speculative_config=OURS_NGRAM if ngram else None,
     )
     ids = [r.prompt_token_ids for r in workload.requests]
     params = [
-        SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, speculation="off")
+        SamplingParams(
+            max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True, speculation="auto" if ngram else "off"
+        )
         for r in workload.requests
     ]
     llm.generate(ids[:2], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
@@ -108,7 +128,8 @@ def run_ours(workload: Workload, name: str, max_num_seqs: int, args: argparse.Na
         if best is None or seconds < best[0]:
             best = (seconds, step_delta(before, llm.engine.step_times.as_dict()))
     steps = breakdown(best[1])
-    return Result(name, max_num_seqs, best[0], workload.output_tokens, steps["batch"] / max_num_seqs, steps)
+    label = name + (NGRAM_SUFFIX if ngram else "")
+    return Result(label, max_num_seqs, best[0], workload.output_tokens, steps["batch"] / max_num_seqs, steps)
 
 
 # ---------------------------------------------------------------- HF transformers
@@ -189,7 +210,17 @@ def verdicts(results: list[Result], reference: dict[int, Result], hf_best: Resul
         vllm = find("vLLM CPU (peer)", n)
         if vllm:
             x = ours.tok_s / vllm.tok_s
-            lines.append(f"continuous / vLLM at {n} in flight: {x:.2f}x (target >= 1x: {_ok(x >= 1)})")
+            lines.append(f"continuous / vLLM at {n} in flight: {x:.2f}x (target >= 1.2x: {_ok(x >= 1.2)})")
+        spec = find("specserve continuous" + NGRAM_SUFFIX, n)
+        if spec:
+            lines.append(f"continuous + n-gram / continuous at {n} in flight: {spec.tok_s / ours.tok_s:.2f}x")
+            for peer in (vllm, find("vLLM CPU" + NGRAM_SUFFIX + " (peer)", n)):
+                if peer:
+                    x = spec.tok_s / peer.tok_s
+                    lines.append(
+                        f"continuous + n-gram / {peer.system.removesuffix(' (peer)')} at {n} in flight: "
+                        f"{x:.2f}x (target >= 1.2x: {_ok(x >= 1.2)})"
+                    )
     if hf_best and hf_best.in_flight in reference:
         x = reference[hf_best.in_flight].tok_s / hf_best.tok_s
         lines.append(
@@ -232,6 +263,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens-cap", type=int, help="cap every request's output length")
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {SYSTEMS}")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument(
+        "--speculation",
+        default="off",
+        help=f"comma-separated subset of {SPECULATION}: off, and/or n-gram k={NGRAM_K} as `serve` runs it "
+        "(requests `auto`), with vLLM's n-gram at the same k beside it (continuous and vllm systems)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences in flight, ours and HF")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--hf-batch-sizes", default="8,16,32")
@@ -266,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown system(s) {sorted(unknown)}; choose from {SYSTEMS}")
+    speculations = [s.strip() for s in args.speculation.split(",") if s.strip()]
+    if not speculations or set(speculations) - set(SPECULATION):
+        raise SystemExit(f"--speculation: a comma-separated subset of {SPECULATION}")
     if args.model and ("hf" in systems or "vllm" in systems) and not args.hf_dir:
         raise SystemExit("--model needs --hf-dir (the same weights as an HF dir) for the hf and vllm systems")
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -304,17 +344,51 @@ def main(argv: list[str] | None = None) -> int:
         payload["results"] = [r.to_json() for r in results]
         json_path.write_text(json.dumps(payload, indent=2) + "\n")
 
-    def ours(name: str, n: int) -> None:
-        r = run_ours(workload, name, n, args)
+    def ours(name: str, n: int, speculation: str = "off") -> None:
+        r = run_ours(workload, name, n, args, speculation)
         results.append(r)
-        if not MODES[name][0]:
+        if not MODES[name][0] and speculation == "off":
             reference[n] = r
         save()
         print(f"  {r.system} @ {n}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
         print(format_breakdown("", r.steps), flush=True)
 
+    def run_peer(n: int, speculation: str) -> None:
+        label = "vLLM CPU" + (NGRAM_SUFFIX if speculation == "ngram" else "") + " (peer)"
+        print(f"  {label} ({python}) @ {n}: starting (start-up takes minutes) ...", flush=True)
+        try:
+            peer = run_vllm(
+                python,
+                hf_dir,
+                workload,
+                args.out_dir,
+                f"throughput-{speculation}",
+                dtype=args.dtype,
+                max_num_seqs=n,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                speculative_config=VLLM_NGRAM if speculation == "ngram" else None,
+                bind=args.vllm_bind,
+                repeats=args.repeats,
+            )
+            run = min(peer.runs, key=lambda r: r["seconds"])
+            if run["output_tokens"] != workload.output_tokens:
+                got, want = run["output_tokens"], workload.output_tokens
+                raise RuntimeError(f"vLLM produced {got} tokens, expected {want}")
+        except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
+            payload["failures"].append(f"{label}: {e}")
+            save()
+            print(f"  {label} failed: {e}", flush=True)
+            return
+        note = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}" if args.vllm_bind else "default binding"
+        if run["proposed"]:
+            note += f"; draft acceptance {run['accepted'] / run['proposed']:.2f}"
+        results.append(Result(label, n, run["seconds"], run["output_tokens"], note=note))
+        save()
+        print(f"  {label} @ {n}: {results[-1].tok_s:.1f} tok/s; log {peer.log}", flush=True)
+
     if "continuous" in systems:
-        ours("specserve continuous", args.max_num_seqs)
+        for speculation in speculations:
+            ours("specserve continuous", args.max_num_seqs, speculation)
     if "static" in systems:
         ours("specserve static (padded)", args.max_num_seqs)
         ours("specserve static (shrinking)", args.max_num_seqs)
@@ -335,43 +409,18 @@ def main(argv: list[str] | None = None) -> int:
         if "continuous" in systems and hf_best.in_flight not in reference:
             ours("specserve continuous", hf_best.in_flight)
 
+    python = vllm_python(args.vllm_python) if "vllm" in systems else None
     if "vllm" in systems:
-        python = vllm_python(args.vllm_python)
         if python is None:
             print("  vLLM: no venv found (--vllm-python / $SPECSERVE_VLLM_PYTHON); skipped", flush=True)
         else:
             ensure_target_dir(hf_dir)
             n = args.vllm_max_num_seqs
             if "continuous" in systems and n not in reference:
-                ours("specserve continuous", n)
-            print(f"  vLLM ({python}) @ {n}: starting (start-up takes minutes) ...", flush=True)
-            try:
-                peer = run_vllm(
-                    python,
-                    hf_dir,
-                    workload,
-                    args.out_dir,
-                    "throughput",
-                    dtype=args.dtype,
-                    max_num_seqs=n,
-                    max_num_batched_tokens=args.max_num_batched_tokens,
-                    bind=args.vllm_bind,
-                    repeats=args.repeats,
-                )
-                run = min(peer.runs, key=lambda r: r["seconds"])
-                if run["output_tokens"] != workload.output_tokens:
-                    raise RuntimeError(
-                        f"vLLM produced {run['output_tokens']} tokens, expected {workload.output_tokens}"
-                    )
-            except (RuntimeError, OSError, ValueError, subprocess.TimeoutExpired) as e:
-                payload["failures"].append(f"vLLM: {e}")
-                save()
-                print(f"  vLLM failed: {e}", flush=True)
-            else:
-                bind = f"VLLM_CPU_OMP_THREADS_BIND={args.vllm_bind}" if args.vllm_bind else "default binding"
-                results.append(Result("vLLM CPU (peer)", n, run["seconds"], run["output_tokens"], note=bind))
-                save()
-                print(f"  vLLM @ {n}: {results[-1].tok_s:.1f} tok/s; log {peer.log}", flush=True)
+                for speculation in speculations:
+                    ours("specserve continuous", n, speculation)
+            for speculation in speculations:
+                run_peer(n, speculation)
 
     print_table(results, reference)
     ours_runs = [r for r in results if r.steps is not None]
