@@ -121,3 +121,55 @@ def test_no_rows_give_an_empty_product_and_bad_arguments_are_refused(monkeypatch
     nibbles = cpa.pack_int4(w4.codes)
     with pytest.raises(ValueError, match="width"):
         cpa.int4_matmul(torch.randn(1, 96), nibbles, w4.scales, w4.zeros)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
+def test_only_avx512_bf16_builds_report_the_bf16_int8_product(monkeypatch, isa) -> None:
+    cpa = _variant(monkeypatch, isa)
+    bf16 = isa == "native" and torch.cpu._is_avx512_bf16_supported()
+    assert cpa.quant_bf16_fast() == bf16
+    if not bf16:  # a build without it refuses the call instead of computing anything
+        tiles = cpa.int8_tiles(torch.zeros(16, 32, dtype=torch.int8))
+        x = torch.zeros(1, 32, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="code 2"):
+            cpa.int8_matmul_bf16(x, tiles, torch.ones(16))
+
+
+# rows: a single row block (widened in registers), 12 exactly, a block and a tail, several chunks of rows
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 37, 300])
+def test_bf16_int8_matmul_is_the_exact_product_rounded_once(monkeypatch, rows) -> None:
+    cpa = _variant(monkeypatch, "native")
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the bf16 int8 product needs AVX512-BF16")
+    # SmolLM2's shapes, an odd number of 16-output tiles (a last panel of one), the smallest matrix
+    for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 2)]):
+        torch.manual_seed(10 * rows + i)
+        w = quant.quantize_int8(torch.randn(n, k))
+        scales = w.scales.to(torch.bfloat16).float()  # the values PackedInt8 passes
+        wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
+        x = wide[:, :k]
+        got = cpa.int8_matmul_bf16(x, cpa.int8_tiles(w.codes), scales)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        exact = x.double() @ (w.codes.double() * scales.double()[:, None]).t()
+        # one bf16 rounding of a float32 sum: half a bf16 step, plus the sum's own float32 error
+        terms = x.double().abs() @ (w.codes.double().abs() * scales.double()[:, None]).t()
+        bound = exact.abs() * 2.0**-8 + terms * k * torch.finfo(torch.float32).eps
+        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+
+
+def test_bf16_int8_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
+    cpa = _variant(monkeypatch, "native")
+    codes = quant.quantize_int8(torch.randn(32, 64)).codes
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpa.int8_tiles(codes[:24])
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the bf16 int8 product needs AVX512-BF16")
+    tiles = cpa.int8_tiles(codes)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert cpa.int8_matmul_bf16(x[:0], tiles, torch.ones(32)).shape == (0, 32)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        cpa.int8_matmul_bf16(x.float(), tiles, torch.ones(32))
+    with pytest.raises(ValueError, match="float32 scales"):
+        cpa.int8_matmul_bf16(x, tiles, torch.ones(32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
+        cpa.int8_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, torch.ones(32))

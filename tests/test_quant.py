@@ -220,3 +220,27 @@ def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy(dtype):
     )
     got = auto.engine.model.linear(x, layer.o).float()
     assert (got - ref).abs().max() <= (1e-5 if dtype == "float32" else 0.02) * ref.abs().max()
+
+
+def test_bf16_int8_runs_on_our_kernel_at_every_step_size(tiny_model_dir, monkeypatch):
+    """Where the AVX512-BF16 int8 product is built, a bf16 int8 model holds no dense copy and no torch
+    layout: steps of one row and of many run on it, close to the dense model on the dequantized weights."""
+    cpu = torch.device("cpu")
+    if not quant.own_bf16_int8(quant.quantize_int8(torch.randn(16, 64)), torch.bfloat16, cpu):
+        pytest.skip("the bf16 int8 product needs AVX512-BF16")
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="int8", num_kv_blocks=128)
+    layer = llm.engine.model.layers[0]
+    assert layer.qkv.own_bf16 and layer.qkv.many_rows == layer.qkv.kernel and not hasattr(layer.qkv, "codes")
+    dense = load_checkpoint(tiny_model_dir, torch.float32, "none").state_dict
+    w = quant.quantize_int8(dense["model.layers.0.mlp.down_proj.weight"])  # what the model quantized
+    for rows in (1, quant.KERNEL_MAX_ROWS + 5, 64):
+        x = torch.randn(rows, w.codes.shape[1]).to(torch.bfloat16)
+        ref = x.double() @ quant.dequantize(w).double().t()
+        got = llm.engine.model.linear(x, layer.down).double()
+        assert (got - ref).abs().max() <= 2.0**-7 * ref.abs().max()
+    # auto keeps a dense copy of such a matrix only where AMX runs the copy faster than the kernel
+    int8 = quant.quantize_int8(torch.randn(32, 64))
+    assert not quant.dense_copy_pays(int8, torch.bfloat16, cpu) or torch.cpu._is_amx_tile_supported()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert quant.dense_copy_pays(int8, torch.bfloat16, cpu)
+    assert quant.dense_copy_pays(quant.quantize_int4(torch.randn(32, 64)), torch.bfloat16, cpu)

@@ -39,9 +39,12 @@ CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "portable": []}
 ISA_ENV = "SPECSERVE_KERNEL_ISA"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# specserve_paths() bits: the fast kernels that take queries of any length (prefill chunks too), and the
-# AVX2 + FMA weight-only int8 / int4 products for float32 activations
-PATH_F32, PATH_BF16, PATH_QUANT_F32 = 1, 2, 4
+# specserve_paths() bits: the fast kernels that take queries of any length (prefill chunks too), the
+# AVX2 + FMA weight-only int8 / int4 products for float32 activations, and the AVX512-BF16 int8 product for
+# bfloat16 activations
+PATH_F32, PATH_BF16, PATH_QUANT_F32, PATH_QUANT_BF16 = 1, 2, 4, 8
+# The bfloat16 int8 product reads its codes in tiles of this many outputs (int8_tiles)
+INT8_TILE = 16
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -121,6 +124,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_int8_grouped_matmul", "p i i p p i i p i c")
     _bind(lib, "specserve_int4_matmul", "p i i p p p i i p i c")
     _bind(lib, "specserve_int8_widen", "p p i i p c")
+    _bind(lib, "specserve_int8_matmul_bf16", "p i i p p i i p i c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
     _bind(lib, "specserve_add_rms_norm", "p p p p i i i i i f c c")
@@ -352,6 +356,42 @@ INT4_GROUP = 32
 def quant_fast() -> bool:
     """Whether the loaded library vectorises the int8 / int4 products (AVX2 + FMA builds)."""
     return bool(_paths & PATH_QUANT_F32)
+
+
+def quant_bf16_fast() -> bool:
+    """Whether the loaded library has the int8 product for bfloat16 activations (AVX512-BF16 builds)."""
+    return bool(_paths & PATH_QUANT_BF16)
+
+
+def int8_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [n, k] -> [n // 16, k // 2, 16, 2], the layout int8_matmul_bf16 reads: for each tile of 16
+    outputs and each pair of inputs, the 16 outputs' two codes side by side (one vdpbf16ps operand)."""
+    n, k = codes.shape
+    if codes.dtype != torch.int8 or n % INT8_TILE != 0 or k % 2 != 0:
+        raise ValueError(f"int8_tiles takes int8 codes [n, k] with n a multiple of {INT8_TILE} and k even")
+    return codes.view(n // INT8_TILE, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w[j] = codes[j] * scales[j] (float32 [n]), the
+    codes in int8_tiles' layout; products exact, sums in float32, rounded once. Needs quant_bf16_fast()."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("int8_matmul_bf16 takes bfloat16 activations [rows, k] with k innermost")
+    if tiles.dtype != torch.int8 or tiles.dim() != 4 or not tiles.is_contiguous():
+        raise ValueError("int8_matmul_bf16 takes the codes as int8_tiles gives them")
+    n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
+    if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous() or x.shape[1] != k:
+        raise ValueError(f"int8_matmul_bf16: activations [rows, {k}] and float32 scales [{n}]")
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if x.shape[0] == 0:
+        return out
+    rc = _lib.specserve_int8_matmul_bf16(
+        x.data_ptr(), x.stride(0), x.shape[0], tiles.data_ptr(), scales.data_ptr(), n, k, out.data_ptr(), n,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"int8_matmul_bf16 refused its arguments (code {rc})")
+    return out
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -242,7 +242,8 @@ class LlamaModel:
             if not isinstance(w, quant.Int8Weight | quant.Int4Weight):
                 return dense_form(w)
             dense_mm = None
-            if keep_dense:  # steps of many rows read a dense copy (quant.KERNEL_MAX_ROWS)
+            # steps of many rows read a dense copy (quant.KERNEL_MAX_ROWS) where it beats the kernels
+            if keep_dense and quant.dense_copy_pays(w, self.dtype, self.device):
                 copy = dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype))
                 dense_mm = partial(dense, weight=copy)
             return quant.pack(w, self.dtype, self.device, dense_mm)

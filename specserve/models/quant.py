@@ -3,8 +3,8 @@
 gpt-fast call).
 
 Two stored forms, both plain data until the model packs them for its device:
-- `Int8Weight`: symmetric int8 per output channel; run by ours in float32, by `torch._weight_int8pack_mm`
-  in bf16.
+- `Int8Weight`: symmetric int8 per output channel; run by ours in float32 (AVX2 + FMA) and in bf16
+  (AVX512-BF16, any step size), elsewhere in bf16 by `torch._weight_int8pack_mm`.
 - `Int4Weight`: 4-bit codes with a scale and zero per group of 32 along the input, in tinygemm's convention
   w = (q - 8) * scale + zero; run by ours in float32, `torch._weight_int4pack_mm_for_cpu` in bf16. GGUF's
   Q4_0, Q4_1 and Q4_K are this exactly (groups of 32 with a scale and a minimum), so they load without
@@ -166,10 +166,11 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
 
 
 # Up to this many rows the packed-int kernels run; above, a dense copy kept beside them (auto) or the matrix
-# widened to the compute dtype for one dense matmul. SmolLM2's four layer matrices, bf16, both cores of the
-# AMX Xeon, at 1 / 16 / 64 / 256 rows: int8 kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened 0.59 / 0.62 /
-# 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 / 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 / 0.80 ms. The
-# kernels pay only while a step reads few rows: batch-1 decode. Our float32 AVX2 kernels are written for 1..8.
+# widened to the compute dtype for one dense matmul (our bf16 int8 kernel runs those too: own_bf16_int8).
+# SmolLM2's four layer matrices, bf16, both cores of the AMX Xeon, at 1 / 16 / 64 / 256 rows: torch's int8
+# kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened 0.59 / 0.62 / 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 /
+# 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 / 0.80 ms. torch's kernels pay only while a step reads
+# few rows: batch-1 decode. Our float32 AVX2 kernels are written for 1..8.
 KERNEL_MAX_ROWS = 8
 
 
@@ -197,6 +198,32 @@ def _widened_blocks(x: torch.Tensor, n: int, widen: Callable[[int, int], torch.T
 def _own_kernels(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether our AVX2 kernels serve this matrix's few-row steps (float32 only)."""
     return dtype == torch.float32 and kernels_fast(device, dtype)
+
+
+def own_bf16_int8(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether our AVX512-BF16 kernel runs this int8 matrix (a scale per output, outputs in whole tiles).
+    It serves every step size: SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core
+    Zen 4, `python bench/quant_kernels.py --rows 1,8,16,64,256`) at 1 / 8 / 16 / 64 / 256 rows took 8.9 /
+    12.4 / 18.6 / 43.1 / 143 ms against torch's _weight_int8pack_mm 10.9 / 30.0 / 48.1 / 130 / 408 ms and the
+    dense bf16 matmuls (prepacked) 17.2 / 18.5 / 22.9 / 54.2 / 157 ms."""
+    return (
+        isinstance(w, Int8Weight)
+        and dtype == torch.bfloat16
+        and device.type == "cpu"
+        and w.scales.dim() == 1
+        and w.codes.shape[0] % cpu_kernels.INT8_TILE == 0
+        and w.codes.shape[1] % 2 == 0
+        and cpu_kernels.load() is not None
+        and cpu_kernels.quant_bf16_fast()
+    )
+
+
+def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows: not where our
+    bf16 int8 kernel runs it without AMX (it beats the dense matmul there at 64 rows, see own_bf16_int8); with
+    AMX, oneDNN's tiles run the dense copy 3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's
+    four matrices on the AMX Xeon)."""
+    return not own_bf16_int8(w, dtype, device) or torch.cpu._is_amx_tile_supported()
 
 
 def _own_widening(dtype: torch.dtype) -> bool:
@@ -227,19 +254,30 @@ class _Packed:
 
 class PackedInt8(_Packed):
     """An int8 matrix as the kernels read it: codes [out, in] (each output's inputs contiguous), scales in
-    the compute dtype."""
+    the compute dtype; for our bf16 kernel the codes in its 16-output tiles and the scales (the same bf16
+    values) in float32, and that kernel serves steps of any size unless a dense copy is kept for them."""
 
     def __init__(
         self, w: Int8Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
     ) -> None:
         self.own = _own_kernels(dtype, device)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
+        self.own_bf16 = own_bf16_int8(w, dtype, device)
         self.own_widening = _own_widening(dtype) and not self.grouped
-        super().__init__(self.own or (dtype == torch.bfloat16 and not self.grouped), dense_mm)
-        self.codes = w.codes.to(device).contiguous()
+        torch_kernel = dtype == torch.bfloat16 and not self.grouped
+        super().__init__(self.own or self.own_bf16 or torch_kernel, dense_mm)
         self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
+        if self.own_bf16:
+            self.tiles = cpu_kernels.int8_tiles(w.codes.to(device))
+            self.scales = self.scales.float()
+            if dense_mm is None:
+                self.many_rows = self.kernel
+        else:
+            self.codes = w.codes.to(device).contiguous()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.own_bf16:
+            return cpu_kernels.int8_matmul_bf16(x, self.tiles, self.scales)
         if self.own:
             return cpu_kernels.int8_matmul(x, self.codes, self.scales)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
