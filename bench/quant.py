@@ -5,7 +5,8 @@ Speed, every mode in one process, runs in ABBA order (each mode's figure is the 
 - W1 at --max-num-seqs in flight (quantization must not cost throughput at large batch).
 Modes: dense in float32, and dense / int8 / int4 / auto in the machine's native dtype (bf16 where AVX512-BF16
 exists; on an AVX2 machine float32 is native and every row is float32). int4 on the demo GGUF keeps its Q4_1
-blocks; auto does too, and runs steps of more than 8 rows on a dense copy (models/quant.py).
+blocks; auto does too, and runs steps of more than 8 rows on a dense copy where that is faster than the
+kernels (models/quant.py: dense_copy_pays).
 
 Perplexity on a fixed held-out text (docstrings of CPython stdlib modules, --ppl-tokens of them, in windows
 of --ppl-window), for SmolLM2-135M (Q4_1) and Gemma 3 270M (Q4_K_M: mostly Q5_0, some Q4_K, Q6_K, Q8_0): the

@@ -1,13 +1,15 @@
 """The weight-only products alone: SmolLM2-135M's four layer matrices for all 30 layers, at a few step sizes.
 
-Each layer has its own random weights (int8 codes and their bf16 scales, or the dense bf16 matrix in
-oneDNN's prepacked layout, as the model holds them), and a pass runs every layer's four products, so
-weights come from memory as in a step rather than from cache. Times are the mean of --passes passes after
-one warm-up, on torch's threads (one per core by default).
+Each layer has its own random weights, held as the model holds them: int8 codes with their bf16 scales,
+int4 codes with a scale and zero per group of 32, the dense bf16 matrix in oneDNN's prepacked layout. A pass
+runs every layer's four products, so weights come from memory as in a step rather than from cache. Times are
+the mean of --passes passes after one warm-up, on torch's threads (one per core by default).
 
 - dense: the bf16 matmul the unquantized model runs (torch.ops.mkldnn._linear_pointwise, prepacked);
-- torch int8: torch._weight_int8pack_mm, the packed-int kernel torchao and gpt-fast call;
-- ours int8: kernels/cpu_paged_attention.cpp's AVX512-BF16 product (int8_matmul_bf16), where built.
+- torch int8 / int4: torch._weight_int8pack_mm and _weight_int4pack_mm_for_cpu (groups of 32), the
+  packed-int kernels torchao and gpt-fast call;
+- ours int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (int8_matmul_bf16,
+  int4_matmul_bf16), where built.
 
     python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N]
 """
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.models import quant
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -46,26 +49,41 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(LAYERS):
         mats = []
         for n, k in SHAPES:
-            codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-            scales = (torch.rand(n) * 0.01).to(torch.bfloat16)
-            dense = torch.ops.mkldnn._reorder_linear_weight(codes.to(torch.bfloat16) * scales[:, None])
-            tiles = cpa.int8_tiles(codes) if ours else None
-            mats.append((k, dense, codes, scales, tiles, scales.float()))
+            q8 = quant.quantize_int8(torch.randn(n, k))
+            scales = q8.scales.to(torch.bfloat16)
+            q4 = quant.quantize_int4(torch.randn(n, k))
+            mat = {
+                "dense": torch.ops.mkldnn._reorder_linear_weight(quant.dequantize(q8).to(torch.bfloat16)),
+                "torch int8": (q8.codes, scales),
+                "torch int4": (
+                    torch._convert_weight_to_int4pack_for_cpu(q4.codes.to(torch.int32), 2),
+                    torch.stack([q4.scales.t(), q4.zeros.t()], dim=-1).to(torch.bfloat16),
+                ),
+            }
+            if ours:
+                mat["ours int8"] = (cpa.int8_tiles(q8.codes), scales.float())
+                mat["ours int4"] = cpa.int4_tiles(q4.codes, q4.scales, q4.zeros)
+            mats.append((k, mat))
         layers.append(mats)
 
     def products(kind: str, xs: dict[int, torch.Tensor]) -> None:
         for mats in layers:
-            for k, dense, codes, scales, tiles, scales_f32 in mats:
+            for k, mat in mats:
+                w = mat[kind]
                 if kind == "dense":
-                    torch.ops.mkldnn._linear_pointwise(xs[k], dense, None, "none", [], "")
+                    torch.ops.mkldnn._linear_pointwise(xs[k], w, None, "none", [], "")
                 elif kind == "torch int8":
-                    torch._weight_int8pack_mm(xs[k], codes, scales)
+                    torch._weight_int8pack_mm(xs[k], *w)
+                elif kind == "torch int4":
+                    torch._weight_int4pack_mm_for_cpu(xs[k], w[0], quant.GROUP, w[1])
+                elif kind == "ours int8":
+                    cpa.int8_matmul_bf16(xs[k], *w)
                 else:
-                    cpa.int8_matmul_bf16(xs[k], tiles, scales_f32)
+                    cpa.int4_matmul_bf16(xs[k], *w)
 
-    kinds = ["dense", "torch int8"] + (["ours int8"] if ours else [])
+    kinds = ["dense", "torch int8", "torch int4"] + (["ours int8", "ours int4"] if ours else [])
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
-    print(f"{'rows':>5}" + "".join(f"{k + ' ms':>16}" for k in kinds) + f"{'dense / ours':>14}")
+    print(f"{'rows':>5}" + "".join(f"{k + ' ms':>14}" for k in kinds))
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
         ms = {}
@@ -75,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.passes):
                 products(kind, xs)
             ms[kind] = (time.perf_counter() - t0) / args.passes * 1e3
-        ratio = f"{ms['dense'] / ms['ours int8']:>13.2f}x" if ours else ""
-        print(f"{rows:>5}" + "".join(f"{ms[k]:>16.2f}" for k in kinds) + ratio, flush=True)
+        print(f"{rows:>5}" + "".join(f"{ms[k]:>14.2f}" for k in kinds), flush=True)
     return 0
 
 

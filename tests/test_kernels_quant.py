@@ -173,3 +173,43 @@ def test_bf16_int8_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpa.int8_matmul_bf16(x, tiles, torch.ones(32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
         cpa.int8_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, torch.ones(32))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 12, 13, 37, 300])
+def test_bf16_int4_matmul_is_the_product_with_the_weights_in_bf16(monkeypatch, rows) -> None:
+    cpa = _variant(monkeypatch, "native")
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the bf16 int4 product needs AVX512-BF16")
+    for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 32)]):
+        torch.manual_seed(10 * rows + i)
+        w = quant.quantize_int4(torch.randn(n, k))
+        tiles, scales, zeros = cpa.int4_tiles(w.codes, w.scales, w.zeros)
+        wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
+        x = wide[:, :k]
+        got = cpa.int4_matmul_bf16(x, tiles, scales, zeros)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # the weights as the dense bf16 form holds them, the rounding of each step too: the product of x and
+        # them is exact in float64, leaving the float32 sum and one bf16 rounding
+        weights = quant.dequantize(w).to(torch.bfloat16).double()
+        exact = x.double() @ weights.t()
+        terms = x.double().abs() @ weights.abs().t()
+        bound = exact.abs() * 2.0**-8 + terms * k * torch.finfo(torch.float32).eps
+        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+
+
+def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
+    cpa = _variant(monkeypatch, "native")
+    w = quant.quantize_int4(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpa.int4_tiles(w.codes[:24], w.scales[:24], w.zeros[:24])
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the bf16 int4 product needs AVX512-BF16")
+    tiles, scales, zeros = cpa.int4_tiles(w.codes, w.scales, w.zeros)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert cpa.int4_matmul_bf16(x[:0], tiles, scales, zeros).shape == (0, 32)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        cpa.int4_matmul_bf16(x.float(), tiles, scales, zeros)
+    with pytest.raises(ValueError, match="scales and zeros"):
+        cpa.int4_matmul_bf16(x, tiles, w.scales, zeros)
+    with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
+        cpa.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)

@@ -125,6 +125,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_int4_matmul", "p i i p p p i i p i c")
     _bind(lib, "specserve_int8_widen", "p p i i p c")
     _bind(lib, "specserve_int8_matmul_bf16", "p i i p p i i p i c")
+    _bind(lib, "specserve_int4_matmul_bf16", "p i i p p p i i p i c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
     _bind(lib, "specserve_add_rms_norm", "p p p p i i i i i f c c")
@@ -359,7 +360,7 @@ def quant_fast() -> bool:
 
 
 def quant_bf16_fast() -> bool:
-    """Whether the loaded library has the int8 product for bfloat16 activations (AVX512-BF16 builds)."""
+    """Whether the loaded library has the int8 / int4 products for bfloat16 activations (AVX512-BF16)."""
     return bool(_paths & PATH_QUANT_BF16)
 
 
@@ -391,6 +392,53 @@ def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor)
     )  # fmt: skip
     if rc != 0:
         raise ValueError(f"int8_matmul_bf16 refused its arguments (code {rc})")
+    return out
+
+
+def int4_tiles(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 codes [n, k] (0..15) with float32 scales and zeros [n, k // 32] -> the layout int4_matmul_bf16
+    reads: codes [n // 16, k // 2, 16] bytes (output j's two codes of an input pair in one byte, the first in
+    the low nibble), scales and zeros [n // 16, k // 32, 16]."""
+    n, k = codes.shape
+    if n % INT8_TILE != 0 or k % INT4_GROUP != 0 or scales.shape != (n, k // INT4_GROUP):
+        raise ValueError(f"int4_tiles takes codes [n, k] with n a multiple of {INT8_TILE}, k of {INT4_GROUP}")
+    pairs = codes.to(torch.uint8).view(n // INT8_TILE, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3)
+    tiles = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+    def by_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.float().view(n // INT8_TILE, INT8_TILE, -1).permute(0, 2, 1).contiguous()
+
+    return tiles, by_tile(scales), by_tile(zeros)
+
+
+def int4_matmul_bf16(
+    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w = (code - 8) * scale + zero per group of 32
+    inputs, rounded to bf16 as the dense bf16 form (quant.dequantize) holds it, in int4_tiles' layout; sums in
+    float32. Written for steps of many rows (few are torch's int4 kernel's). Needs quant_bf16_fast()."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("int4_matmul_bf16 takes bfloat16 activations [rows, k] with k innermost")
+    if tiles.dtype != torch.uint8 or tiles.dim() != 3 or not tiles.is_contiguous():
+        raise ValueError("int4_matmul_bf16 takes the codes as int4_tiles gives them")
+    n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
+    shape = (tiles.shape[0], k // INT4_GROUP, INT8_TILE)
+    for t in (scales, zeros):
+        if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous():
+            raise ValueError(f"int4_matmul_bf16: float32 scales and zeros {list(shape)} (int4_tiles)")
+    if x.shape[1] != k:
+        raise ValueError(f"int4_matmul_bf16: activations [rows, {k}], not {list(x.shape)}")
+    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if x.shape[0] == 0:
+        return out
+    rc = _lib.specserve_int4_matmul_bf16(
+        x.data_ptr(), x.stride(0), x.shape[0], tiles.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
+        out.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"int4_matmul_bf16 refused its arguments (code {rc})")
     return out
 
 

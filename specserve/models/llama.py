@@ -207,9 +207,9 @@ class LlamaModel:
         self._fused_silu_mul = (
             self.backend.silu_mul if fused_elementwise and cfg.hidden_act == "silu" else None
         )
-        # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy: on AVX-512
-        # the int kernels beat dense only up to a few rows (quant.KERNEL_MAX_ROWS), and widening per call
-        # costs more than the copy's memory; int8/int4 asked for outright hold the weights quantized only.
+        # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy where that
+        # is faster (quant.dense_copy_pays: float32, and bf16 with AMX; without AMX our bf16 kernels run
+        # every step size as fast as dense); int8/int4 asked for outright hold the weights quantized only.
         self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto")
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
@@ -225,9 +225,9 @@ class LlamaModel:
         self._rope_cache(min(cfg.max_position_embeddings, 4096))
 
     def _pack_weights(self, prepack: bool, keep_dense: bool) -> None:
-        """Quantized matrices into the layout of torch's packed-int kernels, with a dense copy beside them
-        when `keep_dense`; with `prepack`, dense ones into oneDNN's own blocked layout once, instead of on
-        every call.
+        """Quantized matrices into their kernels' layouts, with a dense copy beside them when `keep_dense`
+        and the copy pays (quant.dense_copy_pays); with `prepack`, dense ones into oneDNN's own blocked
+        layout once, instead of on every call.
 
         F.linear on a bfloat16 CPU tensor reorders the weight into oneDNN's layout at each call; prepacked,
         the decode-sized matmuls of a step run about 1.5x faster with bit-identical results.

@@ -166,7 +166,7 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
 
 
 # Up to this many rows the packed-int kernels run; above, a dense copy kept beside them (auto) or the matrix
-# widened to the compute dtype for one dense matmul (our bf16 int8 kernel runs those too: own_bf16_int8).
+# widened to the compute dtype for one dense matmul (our bf16 kernels run those too: own_bf16_kernel).
 # SmolLM2's four layer matrices, bf16, both cores of the AMX Xeon, at 1 / 16 / 64 / 256 rows: torch's int8
 # kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened 0.59 / 0.62 / 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 /
 # 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 / 0.80 ms. torch's kernels pay only while a step reads
@@ -200,30 +200,28 @@ def _own_kernels(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.float32 and kernels_fast(device, dtype)
 
 
-def own_bf16_int8(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether our AVX512-BF16 kernel runs this int8 matrix (a scale per output, outputs in whole tiles).
-    It serves every step size: SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core
-    Zen 4, `python bench/quant_kernels.py --rows 1,8,16,64,256`) at 1 / 8 / 16 / 64 / 256 rows took 8.9 /
-    12.4 / 18.6 / 43.1 / 143 ms against torch's _weight_int8pack_mm 10.9 / 30.0 / 48.1 / 130 / 408 ms and the
-    dense bf16 matmuls (prepacked) 17.2 / 18.5 / 22.9 / 54.2 / 157 ms."""
-    return (
-        isinstance(w, Int8Weight)
-        and dtype == torch.bfloat16
-        and device.type == "cpu"
-        and w.scales.dim() == 1
-        and w.codes.shape[0] % cpu_kernels.INT8_TILE == 0
-        and w.codes.shape[1] % 2 == 0
-        and cpu_kernels.load() is not None
-        and cpu_kernels.quant_bf16_fast()
-    )
+def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether our AVX512-BF16 kernels run this matrix in bf16 (outputs in whole tiles of 16; int8 with a
+    scale per output, int4 in groups of 32). They serve every step size: SmolLM2's four layer matrices over
+    all 30 layers (weights from memory, 2-core Zen 4, `python bench/quant_kernels.py`) at 1 / 8 / 16 / 64 /
+    256 rows took 8.9 / 12.4 / 18.6 / 43.1 / 143 ms in int8 against torch's _weight_int8pack_mm 10.9 / 30.0 /
+    48.1 / 130 / 408 ms and the dense bf16 matmuls (prepacked) 17.2 / 18.5 / 22.9 / 54.2 / 157 ms."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    n, k = w.codes.shape
+    if isinstance(w, Int8Weight):
+        fits = w.scales.dim() == 1 and n % cpu_kernels.INT8_TILE == 0 and k % 2 == 0
+    else:
+        fits = n % cpu_kernels.INT8_TILE == 0 and k % GROUP == 0
+    return fits and cpu_kernels.load() is not None and cpu_kernels.quant_bf16_fast()
 
 
 def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows: not where our
-    bf16 int8 kernel runs it without AMX (it beats the dense matmul there at 64 rows, see own_bf16_int8); with
+    bf16 kernels run it without AMX (they beat the dense matmul there at 64 rows, see own_bf16_kernel); with
     AMX, oneDNN's tiles run the dense copy 3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's
     four matrices on the AMX Xeon)."""
-    return not own_bf16_int8(w, dtype, device) or torch.cpu._is_amx_tile_supported()
+    return not own_bf16_kernel(w, dtype, device) or torch.cpu._is_amx_tile_supported()
 
 
 def _own_widening(dtype: torch.dtype) -> bool:
@@ -262,7 +260,7 @@ class PackedInt8(_Packed):
     ) -> None:
         self.own = _own_kernels(dtype, device)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
-        self.own_bf16 = own_bf16_int8(w, dtype, device)
+        self.own_bf16 = own_bf16_kernel(w, dtype, device)
         self.own_widening = _own_widening(dtype) and not self.grouped
         torch_kernel = dtype == torch.bfloat16 and not self.grouped
         super().__init__(self.own or self.own_bf16 or torch_kernel, dense_mm)
@@ -298,29 +296,39 @@ class PackedInt8(_Packed):
 class PackedInt4(_Packed):
     """An int4 matrix at half a byte a value. float32 with our kernels: nibbles in their layout
     (cpu_kernels.pack_int4), read by the kernel and by widening alike. bfloat16: torch's packed layout (rows
-    tiled by 16) for few rows and, unless a dense copy serves many rows, the nibbles again to widen."""
+    tiled by 16) for few rows (faster there than ours: bench/quant_kernels.py) and, unless a dense copy
+    serves many rows, our AVX512-BF16 kernel's tiles, or else the nibbles again to widen."""
 
     def __init__(
         self, w: Int4Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
     ) -> None:
         self.own = _own_kernels(dtype, device)
+        self.own_bf16 = own_bf16_kernel(w, dtype, device)
         self.own_widening = _own_widening(dtype)
         super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
+        offsets = w.zeros - 8.0 * w.scales  # w = code * scale + (zero - 8 * scale): one multiply-add a weight
+        if self.own_bf16 and dense_mm is None:  # our kernel for many rows, torch's for few
+            self.tiles, self.tile_scales, self.tile_zeros = cpu_kernels.int4_tiles(
+                w.codes.to(device), w.scales.to(device), w.zeros.to(device)
+            )
+            self.many_rows = self.many_rows_bf16
         if dtype == torch.bfloat16:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
             self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(
                 device=device, dtype=dtype
             )
-        if self.own or dense_mm is None:
+        if self.own or (dense_mm is None and not self.own_bf16):
             self.nibbles = cpu_kernels.pack_int4(w.codes.to(device))  # [out, in // 2]
-            # w = code * scale + (zero - 8 * scale): one multiply-add a weight
             self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
-            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype).contiguous()
+            self.offsets = offsets.to(device=device, dtype=dtype).contiguous()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
             return cpu_kernels.int4_matmul(x, self.nibbles, self.scales, self.offsets)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+
+    def many_rows_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.int4_matmul_bf16(x.contiguous(), self.tiles, self.tile_scales, self.tile_zeros)
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_widening:
