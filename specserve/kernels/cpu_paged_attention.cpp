@@ -1239,8 +1239,9 @@ void q8_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles, c
 // 16-output tiles [n / 16, k / 2, 16] bytes (byte j: output j's codes of an input pair, the first in the low
 // nibble), scales and zeros in tiles [n / 16, k / 32, 16] float32. A panel is widened to the weights
 // themselves, rounded as torch's dequantization rounds them (product, then sum) and then to bf16: the values
-// of the dense bf16 copy `auto` used to keep for such steps. The int8 product's register blocks run it. Few rows are torch's int4 kernel's: at
-// one row it read SmolLM2's 30 layers in 4.0 ms against 5.6 ms for groups rescaled in registers here.
+// of the dense bf16 copy `auto` used to keep for such steps. The int8 product's register blocks run it.
+// Few rows are torch's int4 kernel's: at one row it reads SmolLM2's 30 layers in 4.6 ms, this form 12.1 ms,
+// and a form that rescaled each group's sums in registers 5.6 ms (bench/quant_kernels.py, Zen 4).
 inline __m512i nibble_table() {  // bf16 of 0..15, twice (vpermw indexes 32 lanes)
   alignas(64) float v[16];
   for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(i);
@@ -1255,8 +1256,10 @@ inline void widen_nibbles(const uint8_t* p, __m512i table, __m512* half0, __m512
   const __m512i lo = _mm512_and_si512(b, _mm512_set1_epi32(0x0F));
   const __m512i hi = _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16);
   const __m512i codes = _mm512_permutexvar_epi16(_mm512_or_si512(lo, hi), table);  // 32 bf16
-  *half0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes)), 16));
-  *half1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1)), 16));
+  const __m512i wide0 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(codes));
+  const __m512i wide1 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(codes, 1));
+  *half0 = _mm512_castsi512_ps(_mm512_slli_epi32(wide0, 16));  // bf16 -> float32: the bits, 16 up
+  *half1 = _mm512_castsi512_ps(_mm512_slli_epi32(wide1, 16));
 }
 
 void q4_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,

@@ -40,10 +40,10 @@ ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512
 ISA_ENV = "SPECSERVE_KERNEL_ISA"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # specserve_paths() bits: the fast kernels that take queries of any length (prefill chunks too), the
-# AVX2 + FMA weight-only int8 / int4 products for float32 activations, and the AVX512-BF16 int8 product for
-# bfloat16 activations
+# AVX2 + FMA weight-only int8 / int4 products for float32 activations, and the AVX512-BF16 int8 / int4
+# products for bfloat16 activations
 PATH_F32, PATH_BF16, PATH_QUANT_F32, PATH_QUANT_BF16 = 1, 2, 4, 8
-# The bfloat16 int8 product reads its codes in tiles of this many outputs (int8_tiles)
+# The bfloat16 products read their codes in tiles of this many outputs (int8_tiles, int4_tiles)
 INT8_TILE = 16
 
 _lock = threading.Lock()

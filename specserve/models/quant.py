@@ -1,14 +1,14 @@
-"""Weight-only quantized linears: our AVX2 + FMA kernels for float32 activations
-(kernels/cpu_paged_attention.cpp) and torch's packed-int kernels for bfloat16 (what torchao's CPU layouts and
-gpt-fast call).
+"""Weight-only quantized linears: our kernels (kernels/cpu_paged_attention.cpp: AVX2 + FMA for float32
+activations, AVX512-BF16 for bfloat16) and torch's packed-int kernels for bfloat16 (what torchao's CPU
+layouts and gpt-fast call).
 
 Two stored forms, both plain data until the model packs them for its device:
 - `Int8Weight`: symmetric int8 per output channel; run by ours in float32 (AVX2 + FMA) and in bf16
   (AVX512-BF16, any step size), elsewhere in bf16 by `torch._weight_int8pack_mm`.
 - `Int4Weight`: 4-bit codes with a scale and zero per group of 32 along the input, in tinygemm's convention
-  w = (q - 8) * scale + zero; run by ours in float32, `torch._weight_int4pack_mm_for_cpu` in bf16. GGUF's
-  Q4_0, Q4_1 and Q4_K are this exactly (groups of 32 with a scale and a minimum), so they load without
-  re-quantizing (models/loader.py).
+  w = (q - 8) * scale + zero; run by ours in float32, in bf16 by `torch._weight_int4pack_mm_for_cpu` for
+  few rows and by ours (AVX512-BF16) for many. GGUF's Q4_0, Q4_1 and Q4_K are this exactly (groups of 32
+  with a scale and a minimum), so they load without re-quantizing (models/loader.py).
 
 The decoder layers' matrices are quantized. The embedding is a lookup that needs the dense table; the LM head
 (tied to it in most small models) keeps that dense form for steps of many rows, and where our float32 kernels
