@@ -1202,13 +1202,22 @@ void q8_bf16_rows(const uint16_t* x, int64_t xs, int64_t r0, int64_t rows, const
   }
 }
 
-void q8_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles, const float* scales, int64_t n,
-             int64_t k, uint16_t* out, int64_t os, int num_threads) {
+// Rows a chunk so that its activations (k bf16 each) stay in L2 beside the panel while every panel of the
+// chunk passes over them. 512 KB rather than 256: int4's panels cost more to widen, and SmolLM2's layers at
+// 256 / 2,048 rows took 134.7 / 1,081 ms against 156.5 / 1,168 (Zen 4, 1 MB of L2 a core).
+inline int64_t panel_chunk_rows(int64_t k) {
+  const int64_t rows = (512 * 1024) / (2 * k);
+  return rows < kQ8RowBlock ? kQ8RowBlock : rows / kQ8RowBlock * kQ8RowBlock;
+}
+
+// out = x w^T by panels of two 16-output tiles, each widened by widen(t0, nt, panel) into a thread's buffer
+// ([k / 2][nt][32] bf16) once a chunk of rows; scales (per output, or null) applied to the float32 sums.
+// With `direct` (int8 tiles), a step of one row block widens the codes in registers instead.
+template <typename Widen>
+void panel_product(const uint16_t* x, int64_t xs, int64_t rows, int64_t n, int64_t k, const float* scales,
+                   uint16_t* out, int64_t os, int num_threads, const int8_t* direct, Widen widen) {
   const int64_t pairs = k / 2, num_tiles = n / 16, num_panels = (num_tiles + 1) / 2;
-  // Rows a chunk so that its activations (k bf16 each) stay in L2 beside the panel while every panel of
-  // the chunk passes over them.
-  int64_t chunk = (256 * 1024) / (2 * k);
-  chunk = chunk < kQ8RowBlock ? kQ8RowBlock : chunk / kQ8RowBlock * kQ8RowBlock;
+  const int64_t chunk = panel_chunk_rows(k);
   const bool threaded = rows * n * k >= (int64_t{1} << 18);
 #pragma omp parallel num_threads(num_threads) if (threaded)
   {
@@ -1218,16 +1227,13 @@ void q8_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles, c
 #pragma omp for schedule(static) nowait
       for (int64_t pi = 0; pi < num_panels; ++pi) {
         const int64_t t0 = 2 * pi, nt = num_tiles - t0 < 2 ? 1 : 2;
-        if (rows <= kQ8RowBlock) {  // one row block: each weight is used once, so widened in registers
-          const int8_t* w = tiles + t0 * pairs * 32;
+        if (direct && rows <= kQ8RowBlock) {  // one row block: each weight is used once
+          const int8_t* w = direct + t0 * pairs * 32;
           if (nt == 2) q8_bf16_rows<2, true>(x, xs, 0, rows, w, pairs, scales, out, os, 16 * t0);
           else q8_bf16_rows<1, true>(x, xs, 0, rows, w, pairs, scales, out, os, 16 * t0);
           continue;
         }
-        for (int64_t p = 0; p < pairs; ++p)
-          for (int64_t t = 0; t < nt; ++t)
-            _mm512_storeu_si512(panel.data() + (p * nt + t) * 32,
-                                widen_codes_bf16(tiles + ((t0 + t) * pairs + p) * 32));
+        widen(t0, nt, panel.data());
         if (nt == 2) q8_bf16_rows<2>(x, xs, c0, nr, panel.data(), pairs, scales, out, os, 16 * t0);
         else q8_bf16_rows<1>(x, xs, c0, nr, panel.data(), pairs, scales, out, os, 16 * t0);
       }
@@ -1235,12 +1241,24 @@ void q8_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles, c
   }
 }
 
+void q8_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles, const float* scales, int64_t n,
+             int64_t k, uint16_t* out, int64_t os, int num_threads) {
+  const int64_t pairs = k / 2;
+  panel_product(x, xs, rows, n, k, scales, out, os, num_threads, tiles,
+                [&](int64_t t0, int64_t nt, uint16_t* panel) {
+                  for (int64_t p = 0; p < pairs; ++p)
+                    for (int64_t t = 0; t < nt; ++t)
+                      _mm512_storeu_si512(panel + (p * nt + t) * 32,
+                                          widen_codes_bf16(tiles + ((t0 + t) * pairs + p) * 32));
+                });
+}
+
 // int4 (Int4Weight: groups of 32 inputs, w = (code - 8) * scale + zero) for steps of many rows: codes in
 // 16-output tiles [n / 16, k / 2, 16] bytes (byte j: output j's codes of an input pair, the first in the low
 // nibble), scales and zeros in tiles [n / 16, k / 32, 16] float32. A panel is widened to the weights
 // themselves, rounded as torch's dequantization rounds them (product, then sum) and then to bf16: the values
 // of the dense bf16 copy `auto` used to keep for such steps. The int8 product's register blocks run it.
-// Few rows are torch's int4 kernel's: at one row it reads SmolLM2's 30 layers in 4.6 ms, this form 12.1 ms,
+// Few rows are torch's int4 kernel's: at one row it reads SmolLM2's 30 layers in 3.9 ms, this form 10.4 ms,
 // and a form that rescaled each group's sums in registers 5.6 ms (bench/quant_kernels.py, Zen 4).
 inline __m512i nibble_table() {  // bf16 of 0..15, twice (vpermw indexes 32 lanes)
   alignas(64) float v[16];
@@ -1264,42 +1282,29 @@ inline void widen_nibbles(const uint8_t* p, __m512i table, __m512* half0, __m512
 
 void q4_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
              const float* zeros, int64_t n, int64_t k, uint16_t* out, int64_t os, int num_threads) {
-  const int64_t pairs = k / 2, groups = k / 32, num_tiles = n / 16, num_panels = (num_tiles + 1) / 2;
+  const int64_t pairs = k / 2, groups = k / 32;
   const __m512i table = nibble_table();
   // a tile's 16 scales spread to pair order: lanes 2j and 2j + 1 hold output j's (j = 0..7, then 8..15)
   const __m512i spread0 = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i spread1 = _mm512_add_epi32(spread0, _mm512_set1_epi32(8));
-  int64_t chunk = (256 * 1024) / (2 * k);
-  chunk = chunk < kQ8RowBlock ? kQ8RowBlock : chunk / kQ8RowBlock * kQ8RowBlock;
-  const bool threaded = rows * n * k >= (int64_t{1} << 18);
-#pragma omp parallel num_threads(num_threads) if (threaded)
-  {
-    std::vector<uint16_t> panel(pairs * 2 * 32);
-    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-      const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
-#pragma omp for schedule(static) nowait
-      for (int64_t pi = 0; pi < num_panels; ++pi) {
-        const int64_t t0 = 2 * pi, nt = num_tiles - t0 < 2 ? 1 : 2;
-        for (int64_t t = 0; t < nt; ++t)
-          for (int64_t g = 0; g < groups; ++g) {
-            const __m512 s = _mm512_loadu_ps(scales + ((t0 + t) * groups + g) * 16);
-            const __m512 z = _mm512_loadu_ps(zeros + ((t0 + t) * groups + g) * 16);
-            const __m512 s0 = _mm512_permutexvar_ps(spread0, s), s1 = _mm512_permutexvar_ps(spread1, s);
-            const __m512 z0 = _mm512_permutexvar_ps(spread0, z), z1 = _mm512_permutexvar_ps(spread1, z);
-            const __m512 eight = _mm512_set1_ps(8.f);
-            for (int64_t p = 16 * g; p < 16 * g + 16; ++p) {
-              __m512 c0v, c1v;
-              widen_nibbles(tiles + ((t0 + t) * pairs + p) * 16, table, &c0v, &c1v);
-              const __m512 w0 = _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_sub_ps(c0v, eight), s0)), z0);
-              const __m512 w1 = _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_sub_ps(c1v, eight), s1)), z1);
-              _mm512_storeu_si512(panel.data() + (p * nt + t) * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
-            }
-          }
-        if (nt == 2) q8_bf16_rows<2>(x, xs, c0, nr, panel.data(), pairs, nullptr, out, os, 16 * t0);
-        else q8_bf16_rows<1>(x, xs, c0, nr, panel.data(), pairs, nullptr, out, os, 16 * t0);
+  const __m512 eight = _mm512_set1_ps(8.f);
+  auto widen = [&](int64_t t0, int64_t nt, uint16_t* panel) {
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = ((t0 + t) * groups + g) * 16;
+        const __m512 s = _mm512_loadu_ps(scales + at), z = _mm512_loadu_ps(zeros + at);
+        const __m512 s0 = _mm512_permutexvar_ps(spread0, s), s1 = _mm512_permutexvar_ps(spread1, s);
+        const __m512 z0 = _mm512_permutexvar_ps(spread0, z), z1 = _mm512_permutexvar_ps(spread1, z);
+        for (int64_t p = 16 * g; p < 16 * g + 16; ++p) {
+          __m512 c0, c1;
+          widen_nibbles(tiles + ((t0 + t) * pairs + p) * 16, table, &c0, &c1);
+          const __m512 w0 = _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_sub_ps(c0, eight), s0)), z0);
+          const __m512 w1 = _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_sub_ps(c1, eight), s1)), z1);
+          _mm512_storeu_si512(panel + (p * nt + t) * 32, (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+        }
       }
-    }
-  }
+  };
+  panel_product(x, xs, rows, n, k, nullptr, out, os, num_threads, nullptr, widen);
 }
 }  // namespace
 #endif

@@ -204,8 +204,8 @@ def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
     """Whether our AVX512-BF16 kernels run this matrix in bf16 (outputs in whole tiles of 16; int8 with a
     scale per output, int4 in groups of 32). They serve every step size: SmolLM2's four layer matrices over
     all 30 layers (weights from memory, 2-core Zen 4, `python bench/quant_kernels.py`) at 1 / 8 / 16 / 64 /
-    256 rows took 8.9 / 12.4 / 18.6 / 43.1 / 143 ms in int8 against torch's _weight_int8pack_mm 10.9 / 30.0 /
-    48.1 / 130 / 408 ms and the dense bf16 matmuls (prepacked) 17.2 / 18.5 / 22.9 / 54.2 / 157 ms."""
+    256 rows took 6.6 / 9.4 / 15.4 / 39.4 / 137 ms in int8 against torch's _weight_int8pack_mm 9.3 / 21.0 /
+    33.0 / 109 / 398 ms and the dense bf16 matmuls (prepacked) 14.1 / 14.7 / 17.0 / 45.0 / 146 ms."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return False
     n, k = w.codes.shape
