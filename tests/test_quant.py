@@ -186,47 +186,62 @@ def test_the_demo_model_in_int4_keeps_its_gguf_weights_and_matches_transformers(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy_or_our_bf16_kernel(dtype):
+def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy(dtype):
     """The demo's Q4_1 under auto, where a kernel is vectorised for the dtype (float32: ours on AVX2;
-    bf16: torch's on AVX-512): one sequence alone runs the int4 kernel. A step of more than KERNEL_MAX_ROWS
-    rows reads the dequantized copy, so a batch of 12 decodes exactly as the dense model, except in bf16
-    where our AVX512-BF16 kernel runs without AMX: it widens the codes to the same bf16 values per call."""
-    torch_dtype = getattr(torch, dtype)
-    cpu = torch.device("cpu")
-    if not quant.kernels_fast(cpu, torch_dtype):
+    bf16: torch's on AVX-512): a step of more than KERNEL_MAX_ROWS rows reads the dequantized copy, so a batch
+    of 12 decodes exactly as the dense model; one sequence alone runs the int4 kernel."""
+    if not quant.kernels_fast(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"auto keeps quantization in {dtype} only where a kernel is vectorised for it")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     auto = LLM(None, dtype=dtype, quantization="auto", num_kv_blocks=128)
     dense = LLM(None, dtype=dtype, quantization="none", num_kv_blocks=128)
     layer = auto.engine.model.layers[0]
     assert isinstance(layer.qkv, quant.PackedInt4)
-    weights = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict
-    o_proj = weights["model.layers.0.self_attn.o_proj.weight"]
+    # a dense copy serves many rows; torch's bf16 kernel has its own layout, so the nibbles kept for
+    # widening are not held there, while our float32 kernel reads them
+    assert isinstance(layer.qkv.many_rows, functools.partial)
+    assert hasattr(layer.qkv, "nibbles") == (dtype == "float32")
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
-    if quant.dense_copy_pays(o_proj, torch_dtype, cpu):
-        # a dense copy serves many rows; torch's bf16 kernel has its own layout, so the nibbles kept for
-        # widening are not held there, while our float32 kernel reads them
-        assert isinstance(layer.qkv.many_rows, functools.partial)
-        assert hasattr(layer.qkv, "nibbles") == (dtype == "float32")
-        assert [o.token_ids for o in auto.generate(prompts, params)] == [
-            o.token_ids for o in dense.generate(prompts, params)
-        ]
-    else:
-        assert layer.qkv.many_rows == layer.qkv.many_rows_bf16 and not hasattr(layer.qkv, "nibbles")
-        x = torch.randn(len(prompts), auto.engine.model_config.hidden_size).to(torch.bfloat16)
-        dense_bf16 = quant.dequantize(o_proj).to(torch.bfloat16).double()
-        ref = x.double() @ dense_bf16.t()
-        got = auto.engine.model.linear(x, layer.o).double()
-        assert (got - ref).abs().max() <= 2.0**-7 * ref.abs().max()
-        assert all(len(o.token_ids) == 12 for o in auto.generate(prompts, params))
+    assert [o.token_ids for o in auto.generate(prompts, params)] == [
+        o.token_ids for o in dense.generate(prompts, params)
+    ]
     if dtype == "float32":  # the same weights, summed in another order: one sequence decodes alike too
         assert [o.token_ids for o in auto.generate(prompts[:1], params)] == [
             o.token_ids for o in dense.generate(prompts[:1], params)
         ]
-    x = torch.randn(1, auto.engine.model_config.hidden_size, dtype=torch_dtype)
+    x = torch.randn(1, auto.engine.model_config.hidden_size, dtype=getattr(torch, dtype))
+    o_proj = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
+        "model.layers.0.self_attn.o_proj.weight"
+    ]
     ref = x.float() @ quant.dequantize(o_proj).t()
     got = auto.engine.model.linear(x, layer.o).float()
     assert (got - ref).abs().max() <= (1e-5 if dtype == "float32" else 0.02) * ref.abs().max()
+
+
+def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
+    """int4 asked for outright in bf16, where our AVX512-BF16 kernel is built: steps of many rows run on it
+    (not widened per call), from the same bf16 values a dense copy would hold; few rows on torch's kernel."""
+    cpu = torch.device("cpu")
+    o_proj = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
+        "model.layers.0.self_attn.o_proj.weight"
+    ]
+    if not quant.own_bf16_kernel(o_proj, torch.bfloat16, cpu):
+        pytest.skip("the bf16 int4 product needs AVX512-BF16")
+    llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128)
+    layer = llm.engine.model.layers[0]
+    assert layer.o.many_rows == layer.o.many_rows_bf16 and not hasattr(layer.o, "nibbles")
+    weights = quant.dequantize(o_proj).to(torch.bfloat16).double()
+    torch.manual_seed(0)
+    for rows in (quant.KERNEL_MAX_ROWS + 4, 64):
+        x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
+        ref = x.double() @ weights.t()
+        got = llm.engine.model.linear(x, layer.o).double()
+        terms = x.double().abs() @ weights.abs().t()
+        bound = ref.abs() * 2.0**-8 + terms * weights.shape[1] * torch.finfo(torch.float32).eps
+        assert ((got - ref).abs() <= bound).all(), rows
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
+    assert all(len(o.token_ids) == 8 for o in llm.generate(prompts, params))
 
 
 def test_bf16_int8_runs_on_our_kernel_at_every_step_size(tiny_model_dir, monkeypatch):
@@ -251,9 +266,10 @@ def test_bf16_int8_runs_on_our_kernel_at_every_step_size(tiny_model_dir, monkeyp
         terms = x.double().abs() @ weights.abs().t()
         bound = ref.abs() * 2.0**-8 + terms * w.codes.shape[1] * torch.finfo(torch.float32).eps
         assert ((got - ref).abs() <= bound).all(), rows
-    # auto keeps a dense copy of such a matrix only where AMX runs the copy faster than the kernel
+    # auto keeps a dense copy of such a matrix only where AMX runs the copy faster than the kernel, and of
+    # int4 ones always (their panels cost more to widen)
     int8 = quant.quantize_int8(torch.randn(32, 64))
     assert not quant.dense_copy_pays(int8, torch.bfloat16, cpu) or torch.cpu._is_amx_tile_supported()
+    assert quant.dense_copy_pays(quant.quantize_int4(torch.randn(32, 64)), torch.bfloat16, cpu)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert quant.dense_copy_pays(int8, torch.bfloat16, cpu)
-    assert quant.dense_copy_pays(quant.quantize_int4(torch.randn(32, 64)), torch.bfloat16, cpu)

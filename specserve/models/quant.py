@@ -217,11 +217,13 @@ def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
 
 
 def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows: not where our
-    bf16 kernels run it without AMX (they beat the dense matmul there at 64 rows, see own_bf16_kernel); with
-    AMX, oneDNN's tiles run the dense copy 3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's
-    four matrices on the AMX Xeon)."""
-    return not own_bf16_kernel(w, dtype, device) or torch.cpu._is_amx_tile_supported()
+    """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows. Not for int8 that
+    our bf16 kernel runs without AMX: whole W1 at 64 in flight (2-core Zen 4, ABBA) ran 244 tok/s in int8
+    on it against 222 dense. int4's panels cost more to widen, and without the copy the demo's Q4_1 ran W1
+    at 0.93x with it (203 against 219 tok/s), so int4 keeps it. With AMX oneDNN's tiles run the dense copy
+    3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's four matrices on the AMX Xeon)."""
+    ours = own_bf16_kernel(w, dtype, device) and isinstance(w, Int8Weight)
+    return not ours or torch.cpu._is_amx_tile_supported()
 
 
 def _own_widening(dtype: torch.dtype) -> bool:
