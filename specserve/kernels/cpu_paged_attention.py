@@ -359,6 +359,19 @@ def quant_fast() -> bool:
     return bool(_paths & PATH_QUANT_F32)
 
 
+def _product(name: str, x: torch.Tensor, n: int, dtype: torch.dtype, *weights: object) -> torch.Tensor:
+    """out [rows, n] from the library's weight-only product specserve_<name>, called as (x, its row stride,
+    rows, *weights, out, its row stride, threads); rc != 0 means it refused its arguments."""
+    out = torch.empty(x.shape[0], n, dtype=dtype)
+    if x.shape[0] == 0:
+        return out
+    fn = getattr(_lib, f"specserve_{name}")
+    rc = fn(x.data_ptr(), x.stride(0), x.shape[0], *weights, out.data_ptr(), n, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"{name} refused its arguments (code {rc})")
+    return out
+
+
 def quant_bf16_fast() -> bool:
     """Whether the loaded library has the int8 / int4 products for bfloat16 activations (AVX512-BF16)."""
     return bool(_paths & PATH_QUANT_BF16)
@@ -383,16 +396,7 @@ def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor)
     n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
     if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous() or x.shape[1] != k:
         raise ValueError(f"int8_matmul_bf16: activations [rows, {k}] and float32 scales [{n}]")
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    if x.shape[0] == 0:
-        return out
-    rc = _lib.specserve_int8_matmul_bf16(
-        x.data_ptr(), x.stride(0), x.shape[0], tiles.data_ptr(), scales.data_ptr(), n, k, out.data_ptr(), n,
-        torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"int8_matmul_bf16 refused its arguments (code {rc})")
-    return out
+    return _product("int8_matmul_bf16", x, n, torch.bfloat16, tiles.data_ptr(), scales.data_ptr(), n, k)
 
 
 def int4_tiles(
@@ -430,16 +434,8 @@ def int4_matmul_bf16(
             raise ValueError(f"int4_matmul_bf16: float32 scales and zeros {list(shape)} (int4_tiles)")
     if x.shape[1] != k:
         raise ValueError(f"int4_matmul_bf16: activations [rows, {k}], not {list(x.shape)}")
-    out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
-    if x.shape[0] == 0:
-        return out
-    rc = _lib.specserve_int4_matmul_bf16(
-        x.data_ptr(), x.stride(0), x.shape[0], tiles.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
-        out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"int4_matmul_bf16 refused its arguments (code {rc})")
-    return out
+    pointers = (tiles.data_ptr(), scales.data_ptr(), zeros.data_ptr())
+    return _product("int4_matmul_bf16", x, n, torch.bfloat16, *pointers, n, k)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -478,17 +474,8 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
         or (grouped and k % INT4_GROUP != 0)
     ):
         raise ValueError("int8_matmul takes int8 codes [n, k] and float32 scales [n] or [n, k // 32]")
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 0:
-        return out
-    fn = _lib.specserve_int8_grouped_matmul if grouped else _lib.specserve_int8_matmul
-    rc = fn(
-        x.data_ptr(), x.stride(0), x.shape[0], codes.data_ptr(), scales.data_ptr(), n, k,
-        out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"int8_matmul refused its arguments (code {rc})")
-    return out
+    name = "int8_grouped_matmul" if grouped else "int8_matmul"
+    return _product(name, x, n, torch.float32, codes.data_ptr(), scales.data_ptr(), n, k)
 
 
 def _check_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
@@ -515,16 +502,8 @@ def int4_matmul(
     n, k = _check_int4(packed, scales, offsets)
     if x.shape[1] != k:
         raise ValueError(f"int4_matmul: activations of width {x.shape[1]} against weights of width {k}")
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
-    if x.shape[0] == 0:
-        return out
-    rc = _lib.specserve_int4_matmul(
-        x.data_ptr(), x.stride(0), x.shape[0], packed.data_ptr(), scales.data_ptr(), offsets.data_ptr(),
-        n, k, out.data_ptr(), n, torch.get_num_threads(),
-    )  # fmt: skip
-    if rc != 0:
-        raise ValueError(f"int4_matmul refused its arguments (code {rc})")
-    return out
+    pointers = (packed.data_ptr(), scales.data_ptr(), offsets.data_ptr())
+    return _product("int4_matmul", x, n, torch.float32, *pointers, n, k)
 
 
 def int8_widen(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
