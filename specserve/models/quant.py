@@ -202,10 +202,11 @@ def _own_kernels(dtype: torch.dtype, device: torch.device) -> bool:
 
 def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether our AVX512-BF16 kernels run this matrix in bf16 (outputs in whole tiles of 16; int8 with a
-    scale per output, int4 in groups of 32). They serve every step size: SmolLM2's four layer matrices over
-    all 30 layers (weights from memory, 2-core Zen 4, `python bench/quant_kernels.py`) at 1 / 8 / 16 / 64 /
-    256 rows took 6.6 / 9.4 / 15.4 / 39.4 / 137 ms in int8 against torch's _weight_int8pack_mm 9.3 / 21.0 /
-    33.0 / 109 / 398 ms and the dense bf16 matmuls (prepacked) 14.1 / 14.7 / 17.0 / 45.0 / 146 ms."""
+    scale per output, int4 in groups of 32): int8 at every step size, int4 above KERNEL_MAX_ROWS (torch's is
+    faster below). SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core Zen 4,
+    `python bench/quant_kernels.py`) at 1 / 8 / 16 / 64 / 256 rows took 6.6 / 9.4 / 15.4 / 39.4 / 137 ms in
+    int8 against torch's _weight_int8pack_mm 9.3 / 21.0 / 33.0 / 109 / 398 ms and the dense bf16 matmuls
+    (prepacked) 14.1 / 14.7 / 17.0 / 45.0 / 146 ms."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return False
     n, k = w.codes.shape
@@ -308,7 +309,6 @@ class PackedInt4(_Packed):
         self.own_bf16 = own_bf16_kernel(w, dtype, device)
         self.own_widening = _own_widening(dtype)
         super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
-        offsets = w.zeros - 8.0 * w.scales  # w = code * scale + (zero - 8 * scale): one multiply-add a weight
         if self.own_bf16 and dense_mm is None:  # our kernel for many rows, torch's for few
             self.tiles, self.tile_scales, self.tile_zeros = cpu_kernels.int4_tiles(
                 w.codes.to(device), w.scales.to(device), w.zeros.to(device)
@@ -322,7 +322,8 @@ class PackedInt4(_Packed):
         if self.own or (dense_mm is None and not self.own_bf16):
             self.nibbles = cpu_kernels.pack_int4(w.codes.to(device))  # [out, in // 2]
             self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
-            self.offsets = offsets.to(device=device, dtype=dtype).contiguous()
+            # w = code * scale + (zero - 8 * scale): one multiply-add a weight
+            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype).contiguous()
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
