@@ -77,16 +77,26 @@ MODES = {
 }
 
 
-# `serve`'s default speculation: n-gram proposals of up to 4 tokens, each request `auto` (drafts only
-# while they pay). vLLM's n-gram is given the same k and n-gram lengths.
-NGRAM_K = 4
-OURS_NGRAM = {"method": "ngram", "num_speculative_tokens": NGRAM_K}
-VLLM_NGRAM = {
-    "method": "ngram",
-    "num_speculative_tokens": NGRAM_K,
-    "prompt_lookup_max": 4,
-    "prompt_lookup_min": 1,
-}
+def serve_speculation() -> tuple[dict, dict]:
+    """(ours, vLLM's) speculative configs: `serve`'s own default (n-gram, requests `auto`: drafts only
+    while they pay), read from its config rather than restated, and vLLM's n-gram at the same k and
+    n-gram lengths."""
+    from specserve.service.config import ServiceConfig
+    from specserve.spec.config import SpeculativeConfig
+
+    ours = ServiceConfig().speculative_config()
+    if ours is None or ours["method"] != "ngram":
+        raise SystemExit("--speculation ngram: serve's default speculation is not n-gram in this environment")
+    spec = SpeculativeConfig.from_dict(ours)
+    vllm = {
+        "method": "ngram",
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "prompt_lookup_max": spec.prompt_lookup_max,
+        "prompt_lookup_min": spec.prompt_lookup_min,
+    }
+    return ours, vllm
+
+
 SPECULATION = ("off", "ngram")
 NGRAM_SUFFIX = " + n-gram"
 
@@ -106,7 +116,7 @@ def run_ours(
         static_batching=static,
         static_padding=padding,
         attention_backend=args.attention_backend,
-        speculative_config=OURS_NGRAM if ngram else None,
+        speculative_config=serve_speculation()[0] if ngram else None,
     )
     ids = [r.prompt_token_ids for r in workload.requests]
     params = [
@@ -266,7 +276,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--speculation",
         default="off",
-        help=f"comma-separated subset of {SPECULATION}: off, and/or n-gram k={NGRAM_K} as `serve` runs it "
+        help=f"comma-separated subset of {SPECULATION}: off, and/or n-gram as `serve` runs it by default "
         "(requests `auto`), with vLLM's n-gram at the same k beside it (continuous and vllm systems)",
     )
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences in flight, ours and HF")
@@ -366,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=args.dtype,
                 max_num_seqs=n,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                speculative_config=VLLM_NGRAM if speculation == "ngram" else None,
+                speculative_config=serve_speculation()[1] if speculation == "ngram" else None,
                 bind=args.vllm_bind,
                 repeats=args.repeats,
             )
