@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             }
             if ours:
+                mat["ours bf16"] = cpa.bf16_panels(quant.dequantize(q8).to(torch.bfloat16))
                 mat["ours int8"] = (cpa.int8_tiles(q8.codes), scales.float())
                 mat["ours int4"] = cpa.int4_tiles(q4.codes, q4.scales, q4.zeros)
             mats.append((k, mat))
@@ -76,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
                     torch._weight_int8pack_mm(xs[k], *w)
                 elif kind == "torch int4":
                     torch._weight_int4pack_mm_for_cpu(xs[k], w[0], quant.GROUP, w[1])
+                elif kind == "ours bf16":
+                    cpa.bf16_matmul(xs[k], w)
                 elif kind == "ours int8":
                     cpa.int8_matmul_bf16(xs[k], *w)
                 else:
                     cpa.int4_matmul_bf16(xs[k], *w)
 
-    kinds = ["dense", "torch int8", "torch int4"] + (["ours int8", "ours int4"] if ours else [])
+    kinds = ["dense", "torch int8", "torch int4"] + (["ours bf16", "ours int8", "ours int4"] if ours else [])
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
     print(f"{'rows':>5}" + "".join(f"{k + ' ms':>14}" for k in kinds))
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -123,6 +123,17 @@ def test_no_rows_give_an_empty_product_and_bad_arguments_are_refused(monkeypatch
         cpa.int4_matmul(torch.randn(1, 96), nibbles, w4.scales, w4.zeros)
 
 
+def _assert_bf16_product(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:
+    """got is x @ weights^T (float64 weights, exact in bf16 products) summed in float32 and rounded to bf16
+    once: within half a bf16 step of the exact value, plus the float32 sum's own error."""
+    k = x.shape[1]
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], weights.shape[0])
+    exact = x.double() @ weights.t()
+    terms = x.double().abs() @ weights.abs().t()
+    bound = exact.abs() * 2.0**-8 + terms * k * torch.finfo(torch.float32).eps
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 def test_only_avx512_bf16_builds_report_the_bf16_int8_product(monkeypatch, isa) -> None:
     cpa = _variant(monkeypatch, isa)
@@ -133,6 +144,8 @@ def test_only_avx512_bf16_builds_report_the_bf16_int8_product(monkeypatch, isa) 
         x = torch.zeros(1, 32, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="code 2"):
             cpa.int8_matmul_bf16(x, tiles, torch.ones(16))
+        with pytest.raises(ValueError, match="code 2"):
+            cpa.bf16_matmul(x, cpa.bf16_panels(torch.zeros(16, 32, dtype=torch.bfloat16)))
 
 
 # rows: a single row block (widened in registers), 12 exactly, a block and a tail, several chunks of rows
@@ -149,12 +162,7 @@ def test_bf16_int8_matmul_is_the_exact_product_rounded_once(monkeypatch, rows) -
         wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
         x = wide[:, :k]
         got = cpa.int8_matmul_bf16(x, cpa.int8_tiles(w.codes), scales)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        exact = x.double() @ (w.codes.double() * scales.double()[:, None]).t()
-        # one bf16 rounding of a float32 sum: half a bf16 step, plus the sum's own float32 error
-        terms = x.double().abs() @ (w.codes.double().abs() * scales.double()[:, None]).t()
-        bound = exact.abs() * 2.0**-8 + terms * k * torch.finfo(torch.float32).eps
-        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+        _assert_bf16_product(got, x, w.codes.double() * scales.double()[:, None])
 
 
 def test_bf16_int8_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
@@ -187,14 +195,8 @@ def test_bf16_int4_matmul_is_the_product_with_the_weights_in_bf16(monkeypatch, r
         wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
         x = wide[:, :k]
         got = cpa.int4_matmul_bf16(x, tiles, scales, zeros)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-        # the weights as the dense bf16 form holds them, the rounding of each step too: the product of x and
-        # them is exact in float64, leaving the float32 sum and one bf16 rounding
-        weights = quant.dequantize(w).to(torch.bfloat16).double()
-        exact = x.double() @ weights.t()
-        terms = x.double().abs() @ weights.abs().t()
-        bound = exact.abs() * 2.0**-8 + terms * k * torch.finfo(torch.float32).eps
-        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+        # the weights as the dense bf16 form holds them, the rounding of each step too
+        _assert_bf16_product(got, x, quant.dequantize(w).to(torch.bfloat16).double())
 
 
 def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
@@ -213,3 +215,37 @@ def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpa.int4_matmul_bf16(x, tiles, w.scales, zeros)
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
         cpa.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
+
+
+# rows: one row, a row block and a tail, several chunks of rows (444 rows a chunk at k = 576)
+@pytest.mark.parametrize("rows", [1, 12, 13, 37, 1000])
+def test_bf16_matmul_is_the_dense_product_rounded_once(monkeypatch, rows) -> None:
+    cpa = _variant(monkeypatch, "native")
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the dense bf16 product needs AVX512-BF16")
+    # SmolLM2's shapes, an odd number of 16-output tiles (a last panel of one), the smallest matrix
+    for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 2)]):
+        torch.manual_seed(10 * rows + i)
+        w = torch.randn(n, k).to(torch.bfloat16)
+        panels = cpa.bf16_panels(w)
+        assert panels.shape == (n, k)
+        assert torch.equal(panels.flatten().sort().values, w.flatten().sort().values)  # rearranged only
+        x = torch.randn(rows, k + 8).to(torch.bfloat16)[:, :k]  # a row stride past the width
+        _assert_bf16_product(cpa.bf16_matmul(x, panels), x, w.double())
+
+
+def test_bf16_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
+    cpa = _variant(monkeypatch, "native")
+    with pytest.raises(ValueError, match="multiple of 16"):
+        cpa.bf16_panels(torch.zeros(24, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpa.bf16_panels(torch.zeros(32, 64))
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the dense bf16 product needs AVX512-BF16")
+    panels = cpa.bf16_panels(torch.randn(32, 64).to(torch.bfloat16))
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert cpa.bf16_matmul(x[:0], panels).shape == (0, 32)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        cpa.bf16_matmul(x.float(), panels)
+    with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
+        cpa.bf16_matmul(torch.randn(3, 32).to(torch.bfloat16), panels)

@@ -197,9 +197,11 @@ def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy(dtype):
     dense = LLM(None, dtype=dtype, quantization="none", num_kv_blocks=128)
     layer = auto.engine.model.layers[0]
     assert isinstance(layer.qkv, quant.PackedInt4)
-    # a dense copy serves many rows; torch's bf16 kernel has its own layout, so the nibbles kept for
-    # widening are not held there, while our float32 kernel reads them
-    assert isinstance(layer.qkv.many_rows, functools.partial)
+    # a dense copy serves many rows (oneDNN's prepacked matmul, or our bf16 product's panels where they
+    # pay); torch's bf16 kernel has its own layout, so the nibbles kept for widening are not held there,
+    # while our float32 kernel reads them
+    copy = getattr(layer.qkv.many_rows, "__self__", None)
+    assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
     assert hasattr(layer.qkv, "nibbles") == (dtype == "float32")
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
     assert [o.token_ids for o in auto.generate(prompts, params)] == [
@@ -218,6 +220,14 @@ def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy(dtype):
     assert (got - ref).abs().max() <= (1e-5 if dtype == "float32" else 0.02) * ref.abs().max()
 
 
+def _assert_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:
+    """got is x @ weights^T (float64 weights) summed in float32 and rounded to bf16 once."""
+    ref = x.double() @ weights.t()
+    terms = x.double().abs() @ weights.abs().t()
+    bound = ref.abs() * 2.0**-8 + terms * weights.shape[1] * torch.finfo(torch.float32).eps
+    assert ((got.double() - ref).abs() <= bound).all(), x.shape[0]
+
+
 def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     """int4 asked for outright in bf16, where our AVX512-BF16 kernel is built: steps of many rows run on it
     (not widened per call), from the same bf16 values a dense copy would hold; few rows on torch's kernel."""
@@ -234,11 +244,7 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     torch.manual_seed(0)
     for rows in (quant.KERNEL_MAX_ROWS + 4, 64):
         x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
-        ref = x.double() @ weights.t()
-        got = llm.engine.model.linear(x, layer.o).double()
-        terms = x.double().abs() @ weights.abs().t()
-        bound = ref.abs() * 2.0**-8 + terms * weights.shape[1] * torch.finfo(torch.float32).eps
-        assert ((got - ref).abs() <= bound).all(), rows
+        _assert_one_bf16_rounding(llm.engine.model.linear(x, layer.o), x, weights)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
     assert all(len(o.token_ids) == 8 for o in llm.generate(prompts, params))
@@ -260,12 +266,7 @@ def test_bf16_int8_runs_on_our_kernel_at_every_step_size(tiny_model_dir, monkeyp
     torch.manual_seed(0)
     for rows in (1, quant.KERNEL_MAX_ROWS + 5, 64):
         x = torch.randn(rows, w.codes.shape[1]).to(torch.bfloat16)
-        ref = x.double() @ weights.t()
-        got = llm.engine.model.linear(x, layer.down).double()
-        # one bf16 rounding of a float32 sum
-        terms = x.double().abs() @ weights.abs().t()
-        bound = ref.abs() * 2.0**-8 + terms * w.codes.shape[1] * torch.finfo(torch.float32).eps
-        assert ((got - ref).abs() <= bound).all(), rows
+        _assert_one_bf16_rounding(llm.engine.model.linear(x, layer.down), x, weights)
     # auto keeps a dense copy of such a matrix only where AMX runs the copy faster than the kernel, and of
     # int4 ones always (their panels cost more to widen)
     int8 = quant.quantize_int8(torch.randn(32, 64))
@@ -273,3 +274,30 @@ def test_bf16_int8_runs_on_our_kernel_at_every_step_size(tiny_model_dir, monkeyp
     assert quant.dense_copy_pays(quant.quantize_int4(torch.randn(32, 64)), torch.bfloat16, cpu)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     assert quant.dense_copy_pays(int8, torch.bfloat16, cpu)
+
+
+def test_bf16_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypatch):
+    """A dense bf16 model on AVX512-BF16 without AMX holds its matrices (the tied head's copy too) once, as
+    our product's panels, and every step size runs on them; with AMX they stay oneDNN's prepacked tensors."""
+    cpu = torch.device("cpu")
+    if not quant.dense_panels_pay(torch.zeros(16, 64, dtype=torch.bfloat16), torch.bfloat16, cpu):
+        pytest.skip("our dense bf16 product runs on AVX512-BF16 without AMX")
+    assert not quant.dense_panels_pay(torch.zeros(16, 64), torch.float32, cpu)  # fp32 keeps F.linear
+    assert not quant.dense_panels_pay(torch.zeros(24, 64, dtype=torch.bfloat16), torch.bfloat16, cpu)
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
+    model = llm.engine.model
+    layer = model.layers[0]
+    assert all(isinstance(w, quant.DensePanels) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(model.lm_head, quant.DensePanels) and isinstance(model.embed, torch.Tensor)
+    state = load_checkpoint(tiny_model_dir, torch.bfloat16, "none").state_dict
+    weights = state["model.layers.0.mlp.down_proj.weight"].double()
+    torch.manual_seed(0)
+    for rows in (1, 13, 64, 500):
+        x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
+        _assert_one_bf16_rounding(model.linear(x, layer.down), x, weights)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5 + i] for i in range(12)]
+    assert all(len(o.token_ids) == 8 for o in llm.generate(prompts, params))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    prepacked = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
+    assert isinstance(prepacked.engine.model.layers[0].qkv, torch.Tensor)

@@ -1306,6 +1306,25 @@ void q4_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles, 
   };
   panel_product(x, xs, rows, n, k, nullptr, out, os, num_threads, nullptr, widen);
 }
+
+// Dense bf16 weights held as the panels above already are: [n / 32][k / 2][2][16][2] (a last panel of one
+// tile when n / 16 is odd), so a step reads each panel straight from memory, once a chunk of rows.
+void dense_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* panels, int64_t n, int64_t k,
+                uint16_t* out, int64_t os, int num_threads) {
+  const int64_t pairs = k / 2, num_tiles = n / 16, num_panels = (num_tiles + 1) / 2;
+  const int64_t chunk = panel_chunk_rows(k);
+  const bool threaded = rows * n * k >= (int64_t{1} << 18);
+#pragma omp parallel num_threads(num_threads) if (threaded)
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
+#pragma omp for schedule(static) nowait
+    for (int64_t pi = 0; pi < num_panels; ++pi) {
+      const uint16_t* w = panels + pi * pairs * 64;
+      if (num_tiles - 2 * pi >= 2) q8_bf16_rows<2>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
+      else q8_bf16_rows<1>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
+    }
+  }
+}
 }  // namespace
 #endif
 
@@ -1335,6 +1354,20 @@ extern "C" int specserve_int8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
   return 0;
 #else
   (void)x, (void)xs, (void)tiles, (void)scales, (void)out, (void)os, (void)num_threads;
+  return 2;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs) times a dense bf16 matrix held as panels (see dense_bf16) -> out [rows, n]
+// bf16 (row stride os). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_bf16_matmul(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* panels,
+                                     int64_t n, int64_t k, uint16_t* out, int64_t os, int num_threads) {
+  if (rows < 1 || n < 16 || n % 16 != 0 || k < 2 || k % 2 != 0) return 1;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  dense_bf16(x, xs, rows, panels, n, k, out, os, num_threads);
+  return 0;
+#else
+  (void)x, (void)xs, (void)panels, (void)out, (void)os, (void)num_threads;
   return 2;
 #endif
 }

@@ -127,6 +127,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_int8_matmul_bf16", "p i i p p i i p i c")
     _bind(lib, "specserve_int4_matmul_bf16", "p i i p p p i i p i c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
+    _bind(lib, "specserve_bf16_matmul", "p i i p i i p i c")
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
     _bind(lib, "specserve_add_rms_norm", "p p p p i i i i i f c c")
     _bind(lib, "specserve_silu_mul", "p p i i i i c c")
@@ -397,6 +398,31 @@ def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor)
     if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous() or x.shape[1] != k:
         raise ValueError(f"int8_matmul_bf16: activations [rows, {k}] and float32 scales [{n}]")
     return _product("int8_matmul_bf16", x, n, torch.bfloat16, tiles.data_ptr(), scales.data_ptr(), n, k)
+
+
+def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A dense bfloat16 matrix [n, k] -> the panels bf16_matmul reads: [n // 32][k // 2][2][16][2] (the
+    int8_tiles layout, two tiles side by side per input pair), a last panel of one tile for an odd n // 16."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % INT8_TILE != 0 or k % 2 != 0:
+        raise ValueError(f"bf16_panels takes bfloat16 [n, k] with n a multiple of {INT8_TILE} and k even")
+    tiles = weight.view(n // INT8_TILE, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3)  # [tiles, pairs, 16, 2]
+    full = n // (2 * INT8_TILE) * 2
+    panels = tiles[:full].reshape(full // 2, 2, k // 2, INT8_TILE, 2).transpose(1, 2).reshape(-1)
+    return torch.cat([panels, tiles[full:].reshape(-1)]).view(n, k)
+
+
+def bf16_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w held as bf16_panels gives it; sums in float32,
+    rounded once. Needs quant_bf16_fast()."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("bf16_matmul takes bfloat16 activations [rows, k] with k innermost")
+    if panels.dtype != torch.bfloat16 or panels.dim() != 2 or not panels.is_contiguous():
+        raise ValueError("bf16_matmul takes the weight as bf16_panels gives it")
+    n, k = panels.shape
+    if x.shape[1] != k:
+        raise ValueError(f"bf16_matmul: activations [rows, {k}], not {list(x.shape)}")
+    return _product("bf16_matmul", x, n, torch.bfloat16, panels.data_ptr(), n, k)
 
 
 def int4_tiles(

@@ -227,6 +227,36 @@ def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
     return not ours or torch.cpu._is_amx_tile_supported()
 
 
+def dense_panels_pay(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a dense bf16 matrix should run on our AVX512-BF16 product (DensePanels) rather than oneDNN's
+    prepacked matmul: without AMX, where oneDNN's few-row bf16 matmuls read their weights at ~12 GB/s.
+    SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core Zen 4, `python
+    bench/quant_kernels.py`) at 1 / 8 / 16 / 18 / 32 / 64 / 256 / 2,048 rows: ours 10.9 / 13.2 / 15.7 / 18.0
+    / 27.3 / 41.5 / 137 / 1,122 ms, oneDNN prepacked 17.9 / 19.7 / 22.6 / 23.2 / 33.0 / 46.2 / 146 / 1,070
+    ms. With AMX oneDNN's tiles are 3-4x faster than any AVX-512 loop (see dense_copy_pays)."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or w.dim() != 2:
+        return False
+    n, k = w.shape
+    fits = n % cpu_kernels.INT8_TILE == 0 and k % 2 == 0
+    return (
+        fits
+        and cpu_kernels.load() is not None
+        and cpu_kernels.quant_bf16_fast()
+        and not torch.cpu._is_amx_tile_supported()
+    )
+
+
+class DensePanels:
+    """A dense bf16 matrix as our AVX512-BF16 product reads it (cpu_kernels.bf16_panels), in place of the
+    matrix itself: one copy, every step size (dense_panels_pay)."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.panels = cpu_kernels.bf16_panels(w.contiguous())
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.bf16_matmul(x.contiguous(), self.panels)
+
+
 def _own_widening(dtype: torch.dtype) -> bool:
     """Whether the C++ library widens the matrix (float32, any build variant: its loops use both cores)."""
     return dtype == torch.float32 and cpu_kernels.load() is not None
@@ -391,10 +421,11 @@ def pack_head(w: torch.Tensor, dense_mm: DenseMatmul, dtype: torch.dtype, device
 
 
 def with_packed(dense: Linear) -> Linear:
-    """The model's one linear, taking packed quantized matrices as well as dense (or prepacked) ones."""
+    """The model's one linear, taking packed quantized matrices and DensePanels as well as dense (or
+    prepacked) ones."""
 
     def linear(x: torch.Tensor, w: object, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(w, _Packed):
+        if isinstance(w, _Packed | DensePanels):
             y = w.mm(x)
             return y if bias is None else y + bias
         return dense(x, w, bias)
