@@ -1032,6 +1032,71 @@ void q4_generic(const float* x, int64_t xs, int64_t rows, const uint8_t* packed,
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Dense float32 weights on AVX2 + FMA, any number of rows: out = x w^T with w held in panels of 16 outputs,
+// [n / 16][k][16] floats (a last panel of 8 when n / 8 is odd), read straight from memory once a chunk of
+// rows by register blocks of 6 rows x 16 outputs (12 accumulators, the classic AVX2 sgemm block). Each
+// output's sum runs over k in order, in one float32 accumulator.
+constexpr int kF32RowBlock = 6;
+
+template <int NT, int R>
+inline void f32_block(const float* x, int64_t xs, int64_t r0, const float* panel, int64_t k, float* out,
+                      int64_t os, int64_t j0) {
+  __m256 acc[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    __m256 w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = _mm256_loadu_ps(panel + p * 8 * NT + 8 * t);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + (r0 + r) * xs + p);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_fmadd_ps(w[t], xb, acc[r][t]);
+    }
+  }
+  // unrolled, or GCC 12 keeps acc[][] in memory and stores every accumulator after each FMA (2x slower)
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int t = 0; t < NT; ++t) _mm256_storeu_ps(out + (r0 + r) * os + j0 + 8 * t, acc[r][t]);
+}
+
+template <int NT>
+void f32_rows(const float* x, int64_t xs, int64_t r0, int64_t rows, const float* panel, int64_t k, float* out,
+              int64_t os, int64_t j0) {
+  int64_t r = r0;
+  for (; r + kF32RowBlock <= r0 + rows; r += kF32RowBlock)
+    f32_block<NT, kF32RowBlock>(x, xs, r, panel, k, out, os, j0);
+  switch (r0 + rows - r) {
+    case 1: return f32_block<NT, 1>(x, xs, r, panel, k, out, os, j0);
+    case 2: return f32_block<NT, 2>(x, xs, r, panel, k, out, os, j0);
+    case 3: return f32_block<NT, 3>(x, xs, r, panel, k, out, os, j0);
+    case 4: return f32_block<NT, 4>(x, xs, r, panel, k, out, os, j0);
+    case 5: return f32_block<NT, 5>(x, xs, r, panel, k, out, os, j0);
+    default: return;
+  }
+}
+
+void dense_f32(const float* x, int64_t xs, int64_t rows, const float* panels, int64_t n, int64_t k, float* out,
+               int64_t os, int num_threads) {
+  const int64_t num_tiles = n / 8, num_panels = (num_tiles + 1) / 2;
+  // activations of a chunk (k floats a row) stay in L2 while every panel passes over them
+  const int64_t chunk = (512 * 1024) / (4 * k) < kF32RowBlock ? kF32RowBlock
+                                                                : (512 * 1024) / (4 * k) / kF32RowBlock * kF32RowBlock;
+  const bool threaded = rows * n * k >= (int64_t{1} << 18);
+#pragma omp parallel num_threads(num_threads) if (threaded)
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
+#pragma omp for schedule(static) nowait
+    for (int64_t pi = 0; pi < num_panels; ++pi) {
+      const float* w = panels + pi * k * 16;
+      if (num_tiles - 2 * pi >= 2) f32_rows<2>(x, xs, c0, nr, w, k, out, os, 16 * pi);
+      else f32_rows<1>(x, xs, c0, nr, w, k, out, os, 16 * pi);
+    }
+  }
+}
+#define SPECSERVE_DENSE_F32_PATH 1
+#endif
+
 }  // namespace
 
 // Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
@@ -1177,8 +1242,12 @@ inline void q8_bf16_block(const uint16_t* x, int64_t xs, int64_t r0, const void*
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[t], xb);
     }
   }
+  // Unrolled like the loops above: a rolled loop here kept acc[][] in memory, and GCC 12 then stored every
+  // accumulator to the stack after each of its dot products.
+#pragma GCC unroll 4
   for (int t = 0; t < NT; ++t) {  // no scales: the panel holds the weights themselves (int4's)
     const __m512 s = scales ? _mm512_loadu_ps(scales + j0 + 16 * t) : _mm512_set1_ps(1.f);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (r0 + r) * os + j0 + 16 * t),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][t], s)));
@@ -1365,6 +1434,20 @@ extern "C" int specserve_bf16_matmul(const uint16_t* x, int64_t xs, int64_t rows
   if (rows < 1 || n < 16 || n % 16 != 0 || k < 2 || k % 2 != 0) return 1;
 #ifdef SPECSERVE_QUANT_BF16_PATH
   dense_bf16(x, xs, rows, panels, n, k, out, os, num_threads);
+  return 0;
+#else
+  (void)x, (void)xs, (void)panels, (void)out, (void)os, (void)num_threads;
+  return 2;
+#endif
+}
+
+// x [rows, k] float32 (row stride xs) times a dense float32 matrix held as panels (see dense_f32) -> out
+// [rows, n] (row stride os). Returns 2 where the build has no AVX2 + FMA (specserve_paths() bit 4 clear).
+extern "C" int specserve_f32_matmul(const float* x, int64_t xs, int64_t rows, const float* panels, int64_t n,
+                                    int64_t k, float* out, int64_t os, int num_threads) {
+  if (rows < 1 || n < 8 || n % 8 != 0 || k < 1) return 1;
+#ifdef SPECSERVE_DENSE_F32_PATH
+  dense_f32(x, xs, rows, panels, n, k, out, os, num_threads);
   return 0;
 #else
   (void)x, (void)xs, (void)panels, (void)out, (void)os, (void)num_threads;

@@ -128,6 +128,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_int4_matmul_bf16", "p i i p p p i i p i c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
     _bind(lib, "specserve_bf16_matmul", "p i i p i i p i c")
+    _bind(lib, "specserve_f32_matmul", "p i i p i i p i c")
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
     _bind(lib, "specserve_add_rms_norm", "p p p p i i i i i f c c")
     _bind(lib, "specserve_silu_mul", "p p i i i i c c")
@@ -423,6 +424,30 @@ def bf16_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     if x.shape[1] != k:
         raise ValueError(f"bf16_matmul: activations [rows, {k}], not {list(x.shape)}")
     return _product("bf16_matmul", x, n, torch.bfloat16, panels.data_ptr(), n, k)
+
+
+def f32_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A dense float32 matrix [n, k] -> the panels f32_matmul reads: [n // 16][k][16] (for each input, 16
+    outputs' weights side by side), a last panel of 8 outputs when n // 8 is odd."""
+    n, k = weight.shape
+    if weight.dtype != torch.float32 or n % 8 != 0:
+        raise ValueError("f32_panels takes float32 [n, k] with n a multiple of 8")
+    full = n // 16 * 16
+    panels = weight[:full].reshape(full // 16, 16, k).transpose(1, 2).reshape(-1)
+    return torch.cat([panels, weight[full:].t().reshape(-1)]).view(n, k)
+
+
+def f32_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] float32 times w^T -> [rows, n] float32, w held as f32_panels gives it; each output's sum in
+    input order. Needs quant_fast() (AVX2 + FMA)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("f32_matmul takes float32 activations [rows, k] with k innermost")
+    if panels.dtype != torch.float32 or panels.dim() != 2 or not panels.is_contiguous():
+        raise ValueError("f32_matmul takes the weight as f32_panels gives it")
+    n, k = panels.shape
+    if x.shape[1] != k:
+        raise ValueError(f"f32_matmul: activations [rows, {k}], not {list(x.shape)}")
+    return _product("f32_matmul", x, n, torch.float32, panels.data_ptr(), n, k)
 
 
 def int4_tiles(
