@@ -7,6 +7,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.engine.config import EngineConfig
@@ -276,28 +277,43 @@ def test_bf16_int8_runs_on_our_kernel_at_every_step_size(tiny_model_dir, monkeyp
     assert quant.dense_copy_pays(int8, torch.bfloat16, cpu)
 
 
-def test_bf16_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypatch):
-    """A dense bf16 model on AVX512-BF16 without AMX holds its matrices (the tied head's copy too) once, as
-    our product's panels, and every step size runs on them; with AMX they stay oneDNN's prepacked tensors."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypatch, dtype):
+    """A dense model whose panel product is built (float32: AVX2 + FMA; bf16: AVX512-BF16 without AMX)
+    holds its matrices (the tied head's copy too) once, as the product's panels, and every step size runs on
+    them; with AMX bf16 ones stay oneDNN's prepacked tensors. float32 stays exact against transformers."""
     cpu = torch.device("cpu")
-    if not quant.dense_panels_pay(torch.zeros(16, 64, dtype=torch.bfloat16), torch.bfloat16, cpu):
-        pytest.skip("our dense bf16 product runs on AVX512-BF16 without AMX")
-    assert not quant.dense_panels_pay(torch.zeros(16, 64), torch.float32, cpu)  # fp32 keeps F.linear
-    assert not quant.dense_panels_pay(torch.zeros(24, 64, dtype=torch.bfloat16), torch.bfloat16, cpu)
-    llm = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
+    if not quant.dense_panels_pay(torch.zeros(16, 64, dtype=dtype), dtype, cpu):
+        pytest.skip(f"no panel product for {dtype} on this CPU")
+    assert not quant.dense_panels_pay(torch.zeros(12, 64, dtype=dtype), dtype, cpu)  # whole tiles only
+    name = str(dtype).removeprefix("torch.")
+    llm = LLM(str(tiny_model_dir), dtype=name, quantization="none", num_kv_blocks=128)
     model = llm.engine.model
     layer = model.layers[0]
     assert all(isinstance(w, quant.DensePanels) for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert isinstance(model.lm_head, quant.DensePanels) and isinstance(model.embed, torch.Tensor)
-    state = load_checkpoint(tiny_model_dir, torch.bfloat16, "none").state_dict
-    weights = state["model.layers.0.mlp.down_proj.weight"].double()
+    state = load_checkpoint(tiny_model_dir, dtype, "none").state_dict
+    weights = state["model.layers.0.mlp.down_proj.weight"]
     torch.manual_seed(0)
     for rows in (1, 13, 64, 500):
-        x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
-        _assert_one_bf16_rounding(model.linear(x, layer.down), x, weights)
+        x = torch.randn(rows, weights.shape[1]).to(dtype)
+        got = model.linear(x, layer.down)
+        if dtype == torch.bfloat16:
+            _assert_one_bf16_rounding(got, x, weights.double())
+        else:
+            torch.testing.assert_close(got, F.linear(x, weights), rtol=1e-5, atol=1e-5)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(12)]
-    assert all(len(o.token_ids) == 8 for o in llm.generate(prompts, params))
+    outs = llm.generate(prompts, params)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    if dtype == torch.float32:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+        for prompt, out in zip(prompts[:3], outs):
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
+            assert out.token_ids == ref[0, len(prompt) :].tolist()
+        return
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     prepacked = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
     assert isinstance(prepacked.engine.model.layers[0].qkv, torch.Tensor)

@@ -226,8 +226,8 @@ class LlamaModel:
 
     def _pack_weights(self, prepack: bool, keep_dense: bool) -> None:
         """Quantized matrices into their kernels' layouts, with a dense copy beside them when `keep_dense`
-        and the copy pays (quant.dense_copy_pays); with `prepack`, dense ones into our bf16 product's panels
-        where they pay (quant.dense_panels_pay), else into oneDNN's own blocked layout, once instead of on
+        and the copy pays (quant.dense_copy_pays); dense ones into our panel products' layout where they pay
+        (quant.dense_panels_pay), else with `prepack` into oneDNN's own blocked layout, once instead of on
         every call.
 
         F.linear on a bfloat16 CPU tensor reorders the weight into oneDNN's layout at each call; prepacked,
@@ -239,7 +239,7 @@ class LlamaModel:
 
         def dense_form(w: torch.Tensor) -> Any:
             nonlocal panels
-            if prepack and quant.dense_panels_pay(w, self.dtype, self.device):
+            if quant.dense_panels_pay(w, self.dtype, self.device):
                 panels = True
                 return quant.DensePanels(w)
             return torch.ops.mkldnn._reorder_linear_weight(w) if prepack else w
@@ -269,10 +269,12 @@ class LlamaModel:
                 layer.router = pack(layer.router)
                 layer.experts = [(pack(gu), pack(d)) for gu, d in layer.experts]
         self.quantized = quantized
-        if prepack:
-            self.lm_head = pack(self.lm_head)  # a packed copy: the embedding lookup still needs the dense one
-        if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
-            self.lm_head = quant.pack_head(self.lm_head, dense_mm(self.lm_head), self.dtype, self.device)
+        head = self.lm_head
+        if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form),
+            # more from the dense head itself, which the embedding lookup keeps anyway when tied
+            head = quant.pack_head(head, partial(F.linear, weight=head), self.dtype, self.device)
+        # else a packed copy (prepacked or panels): the embedding lookup still needs the dense one
+        self.lm_head = head if isinstance(head, quant.PackedInt8) else dense_form(head)
         self.linear = quant.with_packed(dense) if quantized or panels else dense
 
     def _rope_cache(self, length: int) -> None:

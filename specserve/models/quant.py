@@ -228,32 +228,40 @@ def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
 
 
 def dense_panels_pay(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a dense bf16 matrix should run on our AVX512-BF16 product (DensePanels) rather than oneDNN's
-    prepacked matmul: without AMX, where oneDNN's few-row bf16 matmuls read their weights at ~12 GB/s.
-    SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core Zen 4, `python
-    bench/quant_kernels.py`) at 1 / 8 / 16 / 18 / 32 / 64 / 256 / 2,048 rows: ours 10.9 / 13.2 / 15.7 / 18.0
-    / 27.3 / 41.5 / 137 / 1,122 ms, oneDNN prepacked 17.9 / 19.7 / 22.6 / 23.2 / 33.0 / 46.2 / 146 / 1,070
-    ms. With AMX oneDNN's tiles are 3-4x faster than any AVX-512 loop (see dense_copy_pays)."""
-    if dtype != torch.bfloat16 or device.type != "cpu" or w.dim() != 2:
+    """Whether a dense matrix should run on our panel products (DensePanels) rather than the library matmul:
+    float32 wherever the AVX2 + FMA build runs (MKL's sgemm reads few-row weights at ~7-11 GB/s), bfloat16 on
+    AVX512-BF16 without AMX (oneDNN's at ~12 GB/s). SmolLM2's four layer matrices over all 30 layers (weights
+    from memory, 2-core Zen 4, `python bench/quant_kernels.py`) at 1 / 18 / 64 / 2,048 rows: bf16 ours 8.6 /
+    14.3 / 33.6 / 1,046 ms against oneDNN's prepacked 12.7 / 17.0 / 40.8 / 1,059; float32 ours 15.4 / 36.3 /
+    86.8 / 2,230 against MKL's 38.3 / 67.7 / 116 / 2,511 (the avx2-only build: 15.8 / 37.8 / 90.6 / 2,509
+    against 36.7 / 64.9 / 139 / 2,996). With AMX oneDNN's bf16 tiles are 3-4x faster than any AVX-512 loop
+    (see dense_copy_pays)."""
+    if device.type != "cpu" or w.dim() != 2 or cpu_kernels.load() is None:
         return False
     n, k = w.shape
+    if dtype == torch.float32:
+        return n % 8 == 0 and cpu_kernels.quant_fast()
     fits = n % cpu_kernels.INT8_TILE == 0 and k % 2 == 0
     return (
-        fits
-        and cpu_kernels.load() is not None
+        dtype == torch.bfloat16
+        and fits
         and cpu_kernels.quant_bf16_fast()
         and not torch.cpu._is_amx_tile_supported()
     )
 
 
 class DensePanels:
-    """A dense bf16 matrix as our AVX512-BF16 product reads it (cpu_kernels.bf16_panels), in place of the
-    matrix itself: one copy, every step size (dense_panels_pay)."""
+    """A dense float32 or bf16 matrix as our panel products read it (cpu_kernels.f32_panels, bf16_panels), in
+    place of the matrix itself: one copy, every step size (dense_panels_pay)."""
 
     def __init__(self, w: torch.Tensor) -> None:
-        self.panels = cpu_kernels.bf16_panels(w.contiguous())
+        w = w.contiguous()
+        self.float32 = w.dtype == torch.float32
+        self.panels = cpu_kernels.f32_panels(w) if self.float32 else cpu_kernels.bf16_panels(w)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.float32:
+            return cpu_kernels.f32_matmul(x.contiguous(), self.panels)
         return cpu_kernels.bf16_matmul(x.contiguous(), self.panels)
 
 
