@@ -269,12 +269,14 @@ class LlamaModel:
                 layer.router = pack(layer.router)
                 layer.experts = [(pack(gu), pack(d)) for gu, d in layer.experts]
         self.quantized = quantized
-        head = self.lm_head
-        if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form),
-            # more from the dense head itself, which the embedding lookup keeps anyway when tied
-            head = quant.pack_head(head, partial(F.linear, weight=head), self.dtype, self.device)
-        # else a packed copy (prepacked or panels): the embedding lookup still needs the dense one
-        self.lm_head = head if isinstance(head, quant.PackedInt8) else dense_form(head)
+        # a packed copy (prepacked or panels): the embedding lookup still needs the dense one. It serves the
+        # many-row steps of an int8 head too: SmolLM2's fp32 head at 18 rows took 22 ms a decode step in
+        # MKL's sgemm, a third of the step (bench/profile_step.py --dtype float32, Zen 4).
+        head = dense_form(self.lm_head)
+        if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
+            int8_head = quant.pack_head(self.lm_head, dense_mm(head), self.dtype, self.device)
+            head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
+        self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
 
     def _rope_cache(self, length: int) -> None:
