@@ -8,8 +8,8 @@ the mean of --passes passes after one warm-up, on torch's threads (one per core 
 - dense: the bf16 matmul the unquantized model runs (torch.ops.mkldnn._linear_pointwise, prepacked);
 - torch int8 / int4: torch._weight_int8pack_mm and _weight_int4pack_mm_for_cpu (groups of 32), the
   packed-int kernels torchao and gpt-fast call;
-- ours int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (int8_matmul_bf16,
-  int4_matmul_bf16), where built.
+- ours bf16 / int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (bf16_matmul on the dense
+  matrix's panels, int8_matmul_bf16, int4_matmul_bf16), where built.
 
     python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N]
 """

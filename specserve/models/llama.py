@@ -39,8 +39,8 @@ class AttentionInputs:
 
 
 def prepacked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """bfloat16 on a CPU whose oneDNN has bf16 kernels (AVX512-BF16 / AMX); float32 keeps F.linear, whose
-    results the HF oracle tests compare bit for bit."""
+    """bfloat16 on a CPU whose oneDNN has bf16 kernels (AVX512-BF16 / AMX), for the matrices our panel
+    products do not take (quant.dense_panels_pay); float32 keeps F.linear for those."""
     return (
         device.type == "cpu"
         and dtype == torch.bfloat16
