@@ -8,10 +8,11 @@ the mean of --passes passes after one warm-up, on torch's threads (one per core 
 - dense: the bf16 matmul the unquantized model runs (torch.ops.mkldnn._linear_pointwise, prepacked);
 - torch int8 / int4: torch._weight_int8pack_mm and _weight_int4pack_mm_for_cpu (groups of 32), the
   packed-int kernels torchao and gpt-fast call;
-- ours bf16 / int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (bf16_matmul on the dense
+- fp32 MKL / ours (--float32): F.linear on the dense float32 matrix, and our AVX2 + FMA panel product;
+- ours bf16 / int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (panel_matmul on the dense
   matrix's panels, int8_matmul_bf16, int4_matmul_bf16), where built.
 
-    python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N]
+    python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N] [--float32]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,8,16,64")
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--threads", type=int)
+    p.add_argument("--float32", action="store_true", help="also time float32 dense: MKL's sgemm against ours")
     args = p.parse_args(argv)
 
     import torch
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
                     torch.stack([q4.scales.t(), q4.zeros.t()], dim=-1).to(torch.bfloat16),
                 ),
             }
+            if args.float32:
+                mat["fp32 MKL"] = quant.dequantize(q8)
+                if cpa.load() is not None and cpa.quant_fast():
+                    mat["fp32 ours"] = cpa.f32_panels(mat["fp32 MKL"])
             if ours:
                 mat["ours bf16"] = cpa.bf16_panels(quant.dequantize(q8).to(torch.bfloat16))
                 mat["ours int8"] = (cpa.int8_tiles(q8.codes), scales.float())
@@ -67,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             mats.append((k, mat))
         layers.append(mats)
 
-    def products(kind: str, xs: dict[int, torch.Tensor]) -> None:
+    def products(kind: str, inputs: dict[torch.dtype, dict[int, torch.Tensor]]) -> None:
+        xs = inputs[torch.float32 if kind.startswith("fp32") else torch.bfloat16]
         for mats in layers:
             for k, mat in mats:
                 w = mat[kind]
@@ -77,24 +84,28 @@ def main(argv: list[str] | None = None) -> int:
                     torch._weight_int8pack_mm(xs[k], *w)
                 elif kind == "torch int4":
                     torch._weight_int4pack_mm_for_cpu(xs[k], w[0], quant.GROUP, w[1])
-                elif kind == "ours bf16":
-                    cpa.bf16_matmul(xs[k], w)
+                elif kind == "fp32 MKL":
+                    torch.nn.functional.linear(xs[k], w)
+                elif kind in ("ours bf16", "fp32 ours"):
+                    cpa.panel_matmul(xs[k], w)
                 elif kind == "ours int8":
                     cpa.int8_matmul_bf16(xs[k], *w)
                 else:
                     cpa.int4_matmul_bf16(xs[k], *w)
 
     kinds = ["dense", "torch int8", "torch int4"] + (["ours bf16", "ours int8", "ours int4"] if ours else [])
+    kinds += [kind for kind in ("fp32 MKL", "fp32 ours") if kind in layers[0][0][1]]
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
     print(f"{'rows':>5}" + "".join(f"{k + ' ms':>14}" for k in kinds))
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
+        inputs = {torch.bfloat16: xs, torch.float32: {k: x.float() for k, x in xs.items()}}
         ms = {}
         for kind in kinds:
-            products(kind, xs)
+            products(kind, inputs)
             t0 = time.perf_counter()
             for _ in range(args.passes):
-                products(kind, xs)
+                products(kind, inputs)
             ms[kind] = (time.perf_counter() - t0) / args.passes * 1e3
         print(f"{rows:>5}" + "".join(f"{ms[k]:>14.2f}" for k in kinds), flush=True)
     return 0

@@ -145,7 +145,7 @@ def test_only_avx512_bf16_builds_report_the_bf16_int8_product(monkeypatch, isa) 
         with pytest.raises(ValueError, match="code 2"):
             cpa.int8_matmul_bf16(x, tiles, torch.ones(16))
         with pytest.raises(ValueError, match="code 2"):
-            cpa.bf16_matmul(x, cpa.bf16_panels(torch.zeros(16, 32, dtype=torch.bfloat16)))
+            cpa.panel_matmul(x, cpa.bf16_panels(torch.zeros(16, 32, dtype=torch.bfloat16)))
 
 
 # rows: a single row block (widened in registers), 12 exactly, a block and a tail, several chunks of rows
@@ -217,35 +217,60 @@ def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpa.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
 
 
-# rows: one row, a row block and a tail, several chunks of rows (444 rows a chunk at k = 576)
-@pytest.mark.parametrize("rows", [1, 12, 13, 37, 1000])
-def test_bf16_matmul_is_the_dense_product_rounded_once(monkeypatch, rows) -> None:
-    cpa = _variant(monkeypatch, "native")
-    if not cpa.quant_bf16_fast():
-        pytest.skip("the dense bf16 product needs AVX512-BF16")
-    # SmolLM2's shapes, an odd number of 16-output tiles (a last panel of one), the smallest matrix
+def _panels_variant(monkeypatch, isa: str, dtype: torch.dtype):
+    cpa = _variant(monkeypatch, isa)
+    built = cpa.quant_fast() if dtype == torch.float32 else cpa.quant_bf16_fast()
+    if not built:
+        pytest.skip(f"the {isa} build has no dense {dtype} product")
+    return cpa
+
+
+# rows: one row, a register block and a tail, several chunks of rows (227 / 444 rows a chunk at k = 576)
+@pytest.mark.parametrize("rows", [1, 6, 13, 37, 1000])
+@pytest.mark.parametrize(
+    ("isa", "dtype"), [("native", "float32"), ("avx2", "float32"), ("native", "bfloat16")]
+)
+def test_panel_matmul_is_the_dense_product(monkeypatch, isa, dtype, rows) -> None:
+    dtype = getattr(torch, dtype)
+    cpa = _panels_variant(monkeypatch, isa, dtype)
+    make = cpa.f32_panels if dtype == torch.float32 else cpa.bf16_panels
+    # SmolLM2's shapes, an odd number of tiles (a last panel of one), the smallest matrix
     for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 2)]):
         torch.manual_seed(10 * rows + i)
-        w = torch.randn(n, k).to(torch.bfloat16)
-        panels = cpa.bf16_panels(w)
+        w = torch.randn(n, k).to(dtype)
+        panels = make(w)
         assert panels.shape == (n, k)
         assert torch.equal(panels.flatten().sort().values, w.flatten().sort().values)  # rearranged only
-        x = torch.randn(rows, k + 8).to(torch.bfloat16)[:, :k]  # a row stride past the width
-        _assert_bf16_product(cpa.bf16_matmul(x, panels), x, w.double())
+        x = torch.randn(rows, k + 8).to(dtype)[:, :k]  # a row stride past the width
+        got = cpa.panel_matmul(x, panels)
+        if dtype == torch.float32:
+            _assert_fp32_rounding(got, x.double() @ w.double().t(), k)
+        else:
+            _assert_bf16_product(got, x, w.double())
 
 
-def test_bf16_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
+def test_panel_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
     cpa = _variant(monkeypatch, "native")
     with pytest.raises(ValueError, match="multiple of 16"):
         cpa.bf16_panels(torch.zeros(24, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cpa.f32_panels(torch.zeros(12, 64))
     with pytest.raises(ValueError, match="bfloat16"):
         cpa.bf16_panels(torch.zeros(32, 64))
-    if not cpa.quant_bf16_fast():
-        pytest.skip("the dense bf16 product needs AVX512-BF16")
-    panels = cpa.bf16_panels(torch.randn(32, 64).to(torch.bfloat16))
-    x = torch.randn(3, 64).to(torch.bfloat16)
-    assert cpa.bf16_matmul(x[:0], panels).shape == (0, 32)
-    with pytest.raises(ValueError, match="bfloat16 activations"):
-        cpa.bf16_matmul(x.float(), panels)
+    with pytest.raises(ValueError, match="f32_panels or bf16_panels"):
+        cpa.panel_matmul(torch.zeros(3, 64), torch.zeros(32, 64, dtype=torch.float64))
+    if not cpa.quant_fast():
+        pytest.skip("the dense float32 product needs AVX2 + FMA")
+    panels = cpa.f32_panels(torch.randn(32, 64))
+    x = torch.randn(3, 64)
+    assert cpa.panel_matmul(x[:0], panels).shape == (0, 32)
+    with pytest.raises(ValueError, match="float32 activations"):
+        cpa.panel_matmul(x.to(torch.bfloat16), panels)
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
-        cpa.bf16_matmul(torch.randn(3, 32).to(torch.bfloat16), panels)
+        cpa.panel_matmul(torch.randn(3, 32), panels)
+
+
+def test_a_portable_build_refuses_the_dense_float32_product(monkeypatch) -> None:
+    cpa = _variant(monkeypatch, "portable")
+    with pytest.raises(ValueError, match="code 2"):
+        cpa.panel_matmul(torch.zeros(1, 32), cpa.f32_panels(torch.zeros(16, 32)))

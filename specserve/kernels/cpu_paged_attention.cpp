@@ -63,6 +63,19 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
+// The dense panel products' driver (float32 and bf16): rows in chunks whose activations stay in L2 while
+// every panel of outputs passes over them, the panels of a chunk shared out over the threads.
+// block(c0, nr, pi) computes rows [c0, c0 + nr) against panel pi.
+template <typename Block>
+void over_panels(int64_t rows, int64_t chunk, int64_t num_panels, bool threaded, int num_threads, Block block) {
+#pragma omp parallel num_threads(num_threads) if (threaded)
+  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+    const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
+#pragma omp for schedule(static) nowait
+    for (int64_t pi = 0; pi < num_panels; ++pi) block(c0, nr, pi);
+  }
+}
+
 // Scores of one block's tokens for every row: scores[r * len + pos] = q_r . k_pos (q already scaled).
 template <typename T, int HD>
 inline void qk_block(const float* qf, const T*, int64_t R, const int64_t* limit, const T* kblock, int64_t row,
@@ -1082,17 +1095,12 @@ void dense_f32(const float* x, int64_t xs, int64_t rows, const float* panels, in
   // activations of a chunk (k floats a row) stay in L2 while every panel passes over them
   const int64_t chunk = (512 * 1024) / (4 * k) < kF32RowBlock ? kF32RowBlock
                                                                 : (512 * 1024) / (4 * k) / kF32RowBlock * kF32RowBlock;
-  const bool threaded = rows * n * k >= (int64_t{1} << 18);
-#pragma omp parallel num_threads(num_threads) if (threaded)
-  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-    const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
-#pragma omp for schedule(static) nowait
-    for (int64_t pi = 0; pi < num_panels; ++pi) {
-      const float* w = panels + pi * k * 16;
-      if (num_tiles - 2 * pi >= 2) f32_rows<2>(x, xs, c0, nr, w, k, out, os, 16 * pi);
-      else f32_rows<1>(x, xs, c0, nr, w, k, out, os, 16 * pi);
-    }
-  }
+  over_panels(rows, chunk, num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
+              [&](int64_t c0, int64_t nr, int64_t pi) {
+                const float* w = panels + pi * k * 16;
+                if (num_tiles - 2 * pi >= 2) f32_rows<2>(x, xs, c0, nr, w, k, out, os, 16 * pi);
+                else f32_rows<1>(x, xs, c0, nr, w, k, out, os, 16 * pi);
+              });
 }
 #define SPECSERVE_DENSE_F32_PATH 1
 #endif
@@ -1382,17 +1390,12 @@ void dense_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* pan
                 uint16_t* out, int64_t os, int num_threads) {
   const int64_t pairs = k / 2, num_tiles = n / 16, num_panels = (num_tiles + 1) / 2;
   const int64_t chunk = panel_chunk_rows(k);
-  const bool threaded = rows * n * k >= (int64_t{1} << 18);
-#pragma omp parallel num_threads(num_threads) if (threaded)
-  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-    const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
-#pragma omp for schedule(static) nowait
-    for (int64_t pi = 0; pi < num_panels; ++pi) {
-      const uint16_t* w = panels + pi * pairs * 64;
-      if (num_tiles - 2 * pi >= 2) q8_bf16_rows<2>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
-      else q8_bf16_rows<1>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
-    }
-  }
+  over_panels(rows, chunk, num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
+              [&](int64_t c0, int64_t nr, int64_t pi) {
+                const uint16_t* w = panels + pi * pairs * 64;
+                if (num_tiles - 2 * pi >= 2) q8_bf16_rows<2>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
+                else q8_bf16_rows<1>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
+              });
 }
 }  // namespace
 #endif

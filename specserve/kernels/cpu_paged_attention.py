@@ -402,7 +402,7 @@ def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor)
 
 
 def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A dense bfloat16 matrix [n, k] -> the panels bf16_matmul reads: [n // 32][k // 2][2][16][2] (the
+    """A dense bfloat16 matrix [n, k] -> the panels panel_matmul reads: [n // 32][k // 2][2][16][2] (the
     int8_tiles layout, two tiles side by side per input pair), a last panel of one tile for an odd n // 16."""
     n, k = weight.shape
     if weight.dtype != torch.bfloat16 or n % INT8_TILE != 0 or k % 2 != 0:
@@ -413,21 +413,8 @@ def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([panels, tiles[full:].reshape(-1)]).view(n, k)
 
 
-def bf16_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w held as bf16_panels gives it; sums in float32,
-    rounded once. Needs quant_bf16_fast()."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("bf16_matmul takes bfloat16 activations [rows, k] with k innermost")
-    if panels.dtype != torch.bfloat16 or panels.dim() != 2 or not panels.is_contiguous():
-        raise ValueError("bf16_matmul takes the weight as bf16_panels gives it")
-    n, k = panels.shape
-    if x.shape[1] != k:
-        raise ValueError(f"bf16_matmul: activations [rows, {k}], not {list(x.shape)}")
-    return _product("bf16_matmul", x, n, torch.bfloat16, panels.data_ptr(), n, k)
-
-
 def f32_panels(weight: torch.Tensor) -> torch.Tensor:
-    """A dense float32 matrix [n, k] -> the panels f32_matmul reads: [n // 16][k][16] (for each input, 16
+    """A dense float32 matrix [n, k] -> the panels panel_matmul reads: [n // 16][k][16] (for each input, 16
     outputs' weights side by side), a last panel of 8 outputs when n // 8 is odd."""
     n, k = weight.shape
     if weight.dtype != torch.float32 or n % 8 != 0:
@@ -437,17 +424,23 @@ def f32_panels(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([panels, weight[full:].t().reshape(-1)]).view(n, k)
 
 
-def f32_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] float32 times w^T -> [rows, n] float32, w held as f32_panels gives it; each output's sum in
-    input order. Needs quant_fast() (AVX2 + FMA)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("f32_matmul takes float32 activations [rows, k] with k innermost")
-    if panels.dtype != torch.float32 or panels.dim() != 2 or not panels.is_contiguous():
-        raise ValueError("f32_matmul takes the weight as f32_panels gives it")
+# the dense panel products by the panels' dtype (f32_panels: AVX2 + FMA builds; bf16_panels: AVX512-BF16)
+_PANEL_PRODUCTS = {torch.float32: "f32_matmul", torch.bfloat16: "bf16_matmul"}
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] times w^T -> [rows, n] in the panels' dtype, w held as f32_panels or bf16_panels gives it:
+    float32 sums in input order, bf16 ones in float32 rounded once. float32 needs quant_fast(), bf16
+    quant_bf16_fast(); other builds refuse the call (code 2)."""
+    if panels.dtype not in _PANEL_PRODUCTS or panels.dim() != 2 or not panels.is_contiguous():
+        raise ValueError("panel_matmul takes the weight as f32_panels or bf16_panels gives it")
+    name = _PANEL_PRODUCTS[panels.dtype]
+    if x.dtype != panels.dtype or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"panel_matmul takes {panels.dtype} activations [rows, k] with k innermost")
     n, k = panels.shape
     if x.shape[1] != k:
-        raise ValueError(f"f32_matmul: activations [rows, {k}], not {list(x.shape)}")
-    return _product("f32_matmul", x, n, torch.float32, panels.data_ptr(), n, k)
+        raise ValueError(f"panel_matmul: activations [rows, {k}], not {list(x.shape)}")
+    return _product(name, x, n, panels.dtype, panels.data_ptr(), n, k)
 
 
 def int4_tiles(

@@ -256,13 +256,10 @@ class DensePanels:
 
     def __init__(self, w: torch.Tensor) -> None:
         w = w.contiguous()
-        self.float32 = w.dtype == torch.float32
-        self.panels = cpu_kernels.f32_panels(w) if self.float32 else cpu_kernels.bf16_panels(w)
+        self.panels = cpu_kernels.f32_panels(w) if w.dtype == torch.float32 else cpu_kernels.bf16_panels(w)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.float32:
-            return cpu_kernels.f32_matmul(x.contiguous(), self.panels)
-        return cpu_kernels.bf16_matmul(x.contiguous(), self.panels)
+        return cpu_kernels.panel_matmul(x.contiguous(), self.panels)
 
 
 def _own_widening(dtype: torch.dtype) -> bool:
