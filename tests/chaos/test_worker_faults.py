@@ -47,7 +47,11 @@ pytestmark = pytest.mark.chaos
 
 # Still running when the worker goes (it is frozen right after their first tokens), and, for the drain, well
 # past its 0.5 s grace period.
-LONG = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+# Long enough to outlast the drain's grace and the kill: the tiny model decodes a token in ~1-2.5 ms since
+# its 49,152-row head moved onto the float32 panel product, and at 300 tokens (CI, session 14), then at 900
+# (locally), the four once finished before the drain handed them back. 4 x 1,800 tokens fit the workers'
+# 4 MiB cache (8,192 tokens) beside the batches.
+LONG = {"max_tokens": 1800, "temperature": 0.0, "ignore_eos": True}
 SHORT = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
 LONG_PROMPTS = [f"Long story {i}:" for i in range(4)]
 BATCH_PROMPTS = ["The capital of France is", "def fib(n):", "Once upon a time"]
