@@ -4,7 +4,8 @@ Admits --batch requests of the workload, steps the engine until every one of the
 done), then profiles --steps decode steps twice: with torch.profiler (top ops by self CPU time) and with
 cProfile (top Python functions by own time). Not a test; a look for whoever optimises the step.
 
-    python bench/profile_step.py [--batch 64] [--steps 10] [--dtype bfloat16] [--workload W.jsonl]
+    python bench/profile_step.py [--batch 64] [--steps 10] [--dtype bfloat16] [--quantization int8]
+        [--workload W.jsonl]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", type=Path)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu (the C++ kernel)")
+    p.add_argument("--quantization", default="auto", help="none, auto, int8 or int4 (the service's flag)")
     args = p.parse_args(argv)
 
     import torch
@@ -37,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     from specserve import LLM, SamplingParams
 
     workload = load_workload(args.workload, args.batch)
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.batch, attention_backend=args.attention_backend)
+    llm = LLM(
+        dtype=args.dtype,
+        max_num_seqs=args.batch,
+        attention_backend=args.attention_backend,
+        quantization=args.quantization,
+    )
     tokenize(workload, llm.tokenizer)
     engine = llm.engine
     # Long outputs, so nobody finishes while we look.
@@ -57,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
     wall = (time.perf_counter() - t0) / args.steps
     print(
-        f"batch {len(engine.scheduler.running)}, {args.dtype}, attention {engine.model.backend.name}, "
+        f"batch {len(engine.scheduler.running)}, {args.dtype}, {args.quantization}, "
+        f"attention {engine.model.backend.name}, "
         f"torch threads {torch.get_num_threads()}"
     )
     print(f"decode step: {wall * 1e3:.1f} ms wall")

@@ -9,6 +9,8 @@ the mean of --passes passes after one warm-up, on torch's threads (one per core 
 - torch int8 / int4: torch._weight_int8pack_mm and _weight_int4pack_mm_for_cpu (groups of 32), the
   packed-int kernels torchao and gpt-fast call;
 - fp32 MKL / ours (--float32): F.linear on the dense float32 matrix, and our AVX2 + FMA panel product;
+  fp32 int8 / int4: our float32 products on the quantized matrices (int8_matmul, int4_matmul), and int8
+  widened 256 outputs at a time for MKL (what steps of more than 8 rows ran before the widening panels);
 - ours bf16 / int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (panel_matmul on the dense
   matrix's panels, int8_matmul_bf16, int4_matmul_bf16), where built.
 
@@ -66,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
                 mat["fp32 MKL"] = quant.dequantize(q8)
                 if cpa.load() is not None and cpa.quant_fast():
                     mat["fp32 ours"] = cpa.f32_panels(mat["fp32 MKL"])
+                    mat["fp32 int8"] = (q8.codes, q8.scales)
+                    mat["fp32 int4"] = (
+                        cpa.pack_int4(q4.codes),
+                        q4.scales.contiguous(),
+                        (q4.zeros - 8.0 * q4.scales).contiguous(),
+                    )
+                    mat["fp32 int8 wide"] = (q8.codes, q8.scales)
             if ours:
                 mat["ours bf16"] = cpa.bf16_panels(quant.dequantize(q8).to(torch.bfloat16))
                 mat["ours int8"] = (cpa.int8_tiles(q8.codes), scales.float())
@@ -88,13 +97,25 @@ def main(argv: list[str] | None = None) -> int:
                     torch.nn.functional.linear(xs[k], w)
                 elif kind in ("ours bf16", "fp32 ours"):
                     cpa.panel_matmul(xs[k], w)
+                elif kind == "fp32 int8":
+                    cpa.int8_matmul(xs[k], *w)
+                elif kind == "fp32 int4":
+                    cpa.int4_matmul(xs[k], *w)
+                elif kind == "fp32 int8 wide":  # what int8 ran for many rows before: widened for MKL
+                    codes, scales = w
+                    quant._widened_blocks(
+                        xs[k],
+                        len(codes),
+                        lambda j, m, c=codes, s=scales: cpa.int8_widen(c[j : j + m], s[j : j + m]),
+                    )
                 elif kind == "ours int8":
                     cpa.int8_matmul_bf16(xs[k], *w)
                 else:
                     cpa.int4_matmul_bf16(xs[k], *w)
 
     kinds = ["dense", "torch int8", "torch int4"] + (["ours bf16", "ours int8", "ours int4"] if ours else [])
-    kinds += [kind for kind in ("fp32 MKL", "fp32 ours") if kind in layers[0][0][1]]
+    fp32 = ("fp32 MKL", "fp32 ours", "fp32 int8", "fp32 int4", "fp32 int8 wide")
+    kinds += [kind for kind in fp32 if kind in layers[0][0][1]]
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
     print(f"{'rows':>5}" + "".join(f"{k + ' ms':>14}" for k in kinds))
     for rows in [int(r) for r in args.rows.split(",")]:

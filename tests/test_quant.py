@@ -31,6 +31,20 @@ def test_packed_kernels_equal_a_dense_matmul_on_the_dequantized_weights(dtype, r
         tol = 1e-4 if dtype == torch.float32 else 0.05 * ref.abs().max()
         assert got.dtype == torch.float32 or dtype == torch.bfloat16
         assert (got - ref).abs().max() <= tol, type(q).__name__
+        if dtype == torch.float32:  # ours widens a panel at a time for many rows too, not the matrix per call
+            assert (packed.many_rows == packed.kernel) == packed.own
+
+
+def test_float32_steps_of_many_rows_widen_per_call_where_outputs_are_not_in_whole_tiles():
+    cpu = torch.device("cpu")
+    if not quant.kernels_fast(cpu, torch.float32):
+        pytest.skip("our float32 kernels need AVX2 + FMA")
+    torch.manual_seed(0)
+    w = quant.quantize_int8(torch.randn(20, 64))  # 20 outputs: no whole panels
+    packed = quant.pack(w, torch.float32, cpu)
+    assert packed.own and packed.many_rows == packed.widened_mm
+    x = torch.randn(quant.KERNEL_MAX_ROWS + 5, 64)
+    assert torch.allclose(packed.mm(x), x @ quant.dequantize(w).t(), atol=1e-5)
 
 
 def test_quantization_error_is_what_the_bits_allow():

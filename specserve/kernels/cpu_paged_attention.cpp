@@ -63,16 +63,23 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
-// The dense panel products' driver (float32 and bf16): rows in chunks whose activations stay in L2 while
-// every panel of outputs passes over them, the panels of a chunk shared out over the threads.
-// block(c0, nr, pi) computes rows [c0, c0 + nr) against panel pi.
-template <typename Block>
-void over_panels(int64_t rows, int64_t chunk, int64_t num_panels, bool threaded, int num_threads, Block block) {
+// The panel products' driver (dense and widened, float32 and bf16): rows in chunks whose activations stay in
+// L2 while every panel of outputs passes over them, the panels of a chunk shared out over the threads.
+// block(c0, nr, pi, buffer) computes rows [c0, c0 + nr) against panel pi; buffer is the thread's own
+// `scratch` elements of T (where a quantized panel is widened).
+template <typename T = float, typename Block>
+void over_panels(int64_t rows, int64_t chunk, int64_t num_panels, bool threaded, int num_threads, Block block,
+                 int64_t scratch = 0) {
 #pragma omp parallel num_threads(num_threads) if (threaded)
-  for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-    const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
+  {
+    // on a cache line: malloc's 16-byte alignment split every other 32-byte load (every 64-byte one) in two
+    std::vector<T> buffer(scratch + 64 / sizeof(T));
+    T* aligned = reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+      const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
 #pragma omp for schedule(static) nowait
-    for (int64_t pi = 0; pi < num_panels; ++pi) block(c0, nr, pi);
+      for (int64_t pi = 0; pi < num_panels; ++pi) block(c0, nr, pi, aligned);
+    }
   }
 }
 
@@ -1089,26 +1096,112 @@ void f32_rows(const float* x, int64_t xs, int64_t r0, int64_t rows, const float*
   }
 }
 
+// Rows a chunk so that its activations (k floats a row) stay in L2 while every panel passes over them.
+inline int64_t f32_chunk_rows(int64_t k) {
+  const int64_t rows = (512 * 1024) / (4 * k);
+  return rows < kF32RowBlock ? kF32RowBlock : rows / kF32RowBlock * kF32RowBlock;
+}
+
 void dense_f32(const float* x, int64_t xs, int64_t rows, const float* panels, int64_t n, int64_t k, float* out,
                int64_t os, int num_threads) {
   const int64_t num_tiles = n / 8, num_panels = (num_tiles + 1) / 2;
-  // activations of a chunk (k floats a row) stay in L2 while every panel passes over them
-  const int64_t chunk = (512 * 1024) / (4 * k) < kF32RowBlock ? kF32RowBlock
-                                                                : (512 * 1024) / (4 * k) / kF32RowBlock * kF32RowBlock;
-  over_panels(rows, chunk, num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
-              [&](int64_t c0, int64_t nr, int64_t pi) {
+  over_panels(rows, f32_chunk_rows(k), num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
+              [&](int64_t c0, int64_t nr, int64_t pi, float*) {
                 const float* w = panels + pi * k * 16;
                 if (num_tiles - 2 * pi >= 2) f32_rows<2>(x, xs, c0, nr, w, k, out, os, 16 * pi);
                 else f32_rows<1>(x, xs, c0, nr, w, k, out, os, 16 * pi);
               });
 }
 #define SPECSERVE_DENSE_F32_PATH 1
+
+// Quantized float32 matrices for steps of many rows (more than the few-row kernels' 8): each panel of 16
+// outputs is widened into a thread's buffer in the f32_panels layout once a chunk of rows, and the dense
+// product's register blocks run it. Widening whole matrices for MKL's sgemm instead (256 outputs at a
+// time) made int8 the slower form wherever a step had many rows, now that dense float32 runs on panels.
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20), r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20), r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31), r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31), r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// widen(j0, nt, panel) writes outputs [j0, j0 + 8 nt) as f32_panels holds them: panel[i * 8 nt + j - j0].
+template <typename Widen>
+void widened_f32(const float* x, int64_t xs, int64_t rows, int64_t n, int64_t k, float* out, int64_t os,
+                 int num_threads, Widen widen) {
+  const int64_t num_tiles = n / 8, num_panels = (num_tiles + 1) / 2;
+  over_panels(
+      rows, f32_chunk_rows(k), num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
+      [&](int64_t c0, int64_t nr, int64_t pi, float* panel) {
+        const int64_t nt = num_tiles - 2 * pi >= 2 ? 2 : 1;
+        widen(16 * pi, nt, panel);
+        if (nt == 2) f32_rows<2>(x, xs, c0, nr, panel, k, out, os, 16 * pi);
+        else f32_rows<1>(x, xs, c0, nr, panel, k, out, os, 16 * pi);
+      },
+      16 * k);
+}
+
+// int8 codes [n, k] with a scale per output: each weight code * scale, as specserve_int8_widen gives it.
+void q8_widened(const float* x, int64_t xs, int64_t rows, const int8_t* codes, const float* scales, int64_t n,
+                int64_t k, float* out, int64_t os, int num_threads) {
+  widened_f32(x, xs, rows, n, k, out, os, num_threads, [&](int64_t j0, int64_t nt, float* panel) {
+    for (int64_t t = 0; t < nt; ++t) {
+      const int8_t* w = codes + (j0 + 8 * t) * k;
+      const float* s = scales + j0 + 8 * t;
+      int64_t i = 0;
+      for (; i + 8 <= k; i += 8) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j)
+          r[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + j * k + i)))),
+                               _mm256_set1_ps(s[j]));
+        transpose8(r);
+        for (int c = 0; c < 8; ++c) _mm256_storeu_ps(panel + (i + c) * 8 * nt + 8 * t, r[c]);
+      }
+      for (; i < k; ++i)
+        for (int j = 0; j < 8; ++j) panel[i * 8 * nt + 8 * t + j] = static_cast<float>(w[j * k + i]) * s[j];
+    }
+  });
+}
+
+// int4 in pack_int4's nibbles [n, k / 2] with a scale and offset per output and group of 32: each weight
+// code * scale + offset (one rounding).
+void q4_widened(const float* x, int64_t xs, int64_t rows, const uint8_t* packed, const float* scales,
+                const float* offsets, int64_t n, int64_t k, float* out, int64_t os, int num_threads) {
+  const int64_t groups = k / 32;
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  widened_f32(x, xs, rows, n, k, out, os, num_threads, [&](int64_t j0, int64_t nt, float* panel) {
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int q = 0; q < 4; ++q) {  // inputs 8q .. 8q + 7 of the group: low nibbles, then high
+          __m256 r[8];
+          for (int j = 0; j < 8; ++j) {
+            const int64_t row = j0 + 8 * t + j;
+            const __m256i b = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + (row * groups + g) * 16 + 8 * (q & 1))));
+            const __m256i c = q < 2 ? _mm256_and_si256(b, low) : _mm256_srli_epi32(b, 4);
+            r[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(scales[row * groups + g]),
+                                   _mm256_set1_ps(offsets[row * groups + g]));
+          }
+          transpose8(r);
+          for (int c = 0; c < 8; ++c) _mm256_storeu_ps(panel + (32 * g + 8 * q + c) * 8 * nt + 8 * t, r[c]);
+        }
+  });
+}
 #endif
 
 }  // namespace
 
 // Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
-// out[r, j] for r < rows (1..8 vectorised; any number in the generic loops), j < n.
+// out[r, j] for r < rows (vectorised: 1..8 rows, and more where n % 8 == 0 on widened panels), j < n.
 extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
                                      const float* scales, int64_t n, int64_t k, float* out,
                                      int64_t out_stride, int num_threads) {
@@ -1123,7 +1216,8 @@ extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t r
     case 6: return q8_rows<6>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
     case 7: return q8_rows<7>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
     case 8: return q8_rows<8>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
-    default: break;
+    default:
+      if (n % 8 == 0) return q8_widened(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads), 0;
   }
 #endif
   q8_generic(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads);
@@ -1157,6 +1251,10 @@ extern "C" int specserve_int4_matmul(const float* x, int64_t x_stride, int64_t r
                                      float* out, int64_t out_stride, int num_threads) {
   if (rows < 1 || n < 1 || k < 32 || k % 32 != 0) return 1;
   const int64_t groups = k / 32;
+#ifdef SPECSERVE_QUANT_PATH
+  if (rows > 8 && n % 8 == 0)
+    return q4_widened(x, x_stride, rows, packed, scales, offsets, n, k, out, out_stride, num_threads), 0;
+#endif
   std::vector<float> gsum(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t g = 0; g < groups; ++g) {
@@ -1294,28 +1392,21 @@ template <typename Widen>
 void panel_product(const uint16_t* x, int64_t xs, int64_t rows, int64_t n, int64_t k, const float* scales,
                    uint16_t* out, int64_t os, int num_threads, const int8_t* direct, Widen widen) {
   const int64_t pairs = k / 2, num_tiles = n / 16, num_panels = (num_tiles + 1) / 2;
-  const int64_t chunk = panel_chunk_rows(k);
-  const bool threaded = rows * n * k >= (int64_t{1} << 18);
-#pragma omp parallel num_threads(num_threads) if (threaded)
-  {
-    std::vector<uint16_t> panel(pairs * 2 * 32);
-    for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
-      const int64_t nr = rows - c0 < chunk ? rows - c0 : chunk;
-#pragma omp for schedule(static) nowait
-      for (int64_t pi = 0; pi < num_panels; ++pi) {
+  over_panels<uint16_t>(
+      rows, panel_chunk_rows(k), num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
+      [&](int64_t c0, int64_t nr, int64_t pi, uint16_t* panel) {
         const int64_t t0 = 2 * pi, nt = num_tiles - t0 < 2 ? 1 : 2;
         if (direct && rows <= kQ8RowBlock) {  // one row block: each weight is used once
           const int8_t* w = direct + t0 * pairs * 32;
           if (nt == 2) q8_bf16_rows<2, true>(x, xs, 0, rows, w, pairs, scales, out, os, 16 * t0);
           else q8_bf16_rows<1, true>(x, xs, 0, rows, w, pairs, scales, out, os, 16 * t0);
-          continue;
+          return;
         }
-        widen(t0, nt, panel.data());
-        if (nt == 2) q8_bf16_rows<2>(x, xs, c0, nr, panel.data(), pairs, scales, out, os, 16 * t0);
-        else q8_bf16_rows<1>(x, xs, c0, nr, panel.data(), pairs, scales, out, os, 16 * t0);
-      }
-    }
-  }
+        widen(t0, nt, panel);
+        if (nt == 2) q8_bf16_rows<2>(x, xs, c0, nr, panel, pairs, scales, out, os, 16 * t0);
+        else q8_bf16_rows<1>(x, xs, c0, nr, panel, pairs, scales, out, os, 16 * t0);
+      },
+      pairs * 2 * 32);
 }
 
 void q8_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles, const float* scales, int64_t n,
@@ -1391,7 +1482,7 @@ void dense_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* pan
   const int64_t pairs = k / 2, num_tiles = n / 16, num_panels = (num_tiles + 1) / 2;
   const int64_t chunk = panel_chunk_rows(k);
   over_panels(rows, chunk, num_panels, rows * n * k >= (int64_t{1} << 18), num_threads,
-              [&](int64_t c0, int64_t nr, int64_t pi) {
+              [&](int64_t c0, int64_t nr, int64_t pi, float*) {
                 const uint16_t* w = panels + pi * pairs * 64;
                 if (num_tiles - 2 * pi >= 2) q8_bf16_rows<2>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);
                 else q8_bf16_rows<1>(x, xs, c0, nr, w, pairs, nullptr, out, os, 32 * pi);

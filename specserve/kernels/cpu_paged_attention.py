@@ -506,7 +506,8 @@ def _check_quant(x: torch.Tensor, *tensors: torch.Tensor) -> None:
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, k] float32 times w^T -> [rows, n] float32, w = codes [n, k] int8 times scales, float32 [n]
     (one per output row) or [n, k // 32] (one per group of 32 inputs). load() must have succeeded;
-    vectorised for 1..8 rows where quant_fast()."""
+    vectorised where quant_fast(): for 1..8 rows, and for more with a scale per output and n a multiple of 8
+    (a panel of 16 outputs widened at a time for the dense float32 panel product's register blocks)."""
     _check_quant(x, codes, scales)
     n, k = codes.shape
     grouped = scales.dim() == 2
@@ -540,8 +541,8 @@ def int4_matmul(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
 ) -> torch.Tensor:
     """x [rows, k] float32 times w^T, w[j, i] = code * scales[j, g] + offsets[j, g] for i in group g (codes
-    from pack_int4) -> [rows, n] float32. load() must have succeeded; vectorised for 1..8 rows where
-    quant_fast()."""
+    from pack_int4) -> [rows, n] float32. load() must have succeeded; vectorised where quant_fast(): for
+    1..8 rows, and for more where n is a multiple of 8 (widened panels, as int8_matmul)."""
     _check_quant(x, packed, scales, offsets)
     n, k = _check_int4(packed, scales, offsets)
     if x.shape[1] != k:

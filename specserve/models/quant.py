@@ -170,7 +170,8 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
 # SmolLM2's four layer matrices, bf16, both cores of the AMX Xeon, at 1 / 16 / 64 / 256 rows: torch's int8
 # kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened 0.59 / 0.62 / 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 /
 # 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 / 0.80 ms. torch's kernels pay only while a step reads
-# few rows: batch-1 decode. Our float32 AVX2 kernels are written for 1..8.
+# few rows: batch-1 decode. Our float32 AVX2 kernels have few-row forms for 1..8 (more rows widen panels:
+# _own_panels).
 KERNEL_MAX_ROWS = 8
 
 
@@ -262,6 +263,16 @@ class DensePanels:
         return cpu_kernels.panel_matmul(x.contiguous(), self.panels)
 
 
+def _own_panels(w: QuantizedWeight) -> bool:
+    """Whether our float32 kernel runs this matrix's steps of many rows as well, widening it a panel of 16
+    outputs at a time into cache for the dense product's register blocks (outputs in whole tiles of 8, a
+    scale per output), rather than widening the matrix per call for MKL's sgemm. SmolLM2's four layer
+    matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py --float32`) at 18 / 64 / 256
+    rows: int8 33.6 / 78.2 / 285 ms against 105 / 133 / 327 widened for MKL and 33.1 / 82.0 / 282 on dense
+    float32 panels."""
+    return w.codes.shape[0] % 8 == 0 and (isinstance(w, Int4Weight) or w.scales.dim() == 1)
+
+
 def _own_widening(dtype: torch.dtype) -> bool:
     """Whether the C++ library widens the matrix (float32, any build variant: its loops use both cores)."""
     return dtype == torch.float32 and cpu_kernels.load() is not None
@@ -306,10 +317,10 @@ class PackedInt8(_Packed):
         if self.own_bf16:
             self.tiles = cpu_kernels.int8_tiles(w.codes.to(device))
             self.scales = self.scales.float()
-            if dense_mm is None:
-                self.many_rows = self.kernel
         else:
             self.codes = w.codes.to(device).contiguous()
+        if dense_mm is None and (self.own_bf16 or (self.own and _own_panels(w))):
+            self.many_rows = self.kernel
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_bf16:
@@ -359,6 +370,8 @@ class PackedInt4(_Packed):
             self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
             # w = code * scale + (zero - 8 * scale): one multiply-add a weight
             self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype).contiguous()
+        if self.own and dense_mm is None and _own_panels(w):
+            self.many_rows = self.kernel
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
