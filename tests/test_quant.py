@@ -201,10 +201,11 @@ def test_the_demo_model_in_int4_keeps_its_gguf_weights_and_matches_transformers(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy(dtype):
+def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_faster(dtype):
     """The demo's Q4_1 under auto, where a kernel is vectorised for the dtype (float32: ours on AVX2;
-    bf16: torch's on AVX-512): a step of more than KERNEL_MAX_ROWS rows reads the dequantized copy, so a batch
-    of 12 decodes exactly as the dense model; one sequence alone runs the int4 kernel."""
+    bf16: torch's on AVX-512). bf16: a step of more than KERNEL_MAX_ROWS rows reads a dequantized copy, so a
+    batch of 12 decodes exactly as the dense model. float32: our kernel widens panels for such steps and no
+    copy is held; the same weights summed in another order, a batch of 12 and one sequence decode alike."""
     if not quant.kernels_fast(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"auto keeps quantization in {dtype} only where a kernel is vectorised for it")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -212,17 +213,19 @@ def test_auto_serves_few_rows_from_int4_and_many_from_the_dense_copy(dtype):
     dense = LLM(None, dtype=dtype, quantization="none", num_kv_blocks=128)
     layer = auto.engine.model.layers[0]
     assert isinstance(layer.qkv, quant.PackedInt4)
-    # a dense copy serves many rows (oneDNN's prepacked matmul, or our bf16 product's panels where they
-    # pay); torch's bf16 kernel has its own layout, so the nibbles kept for widening are not held there,
-    # while our float32 kernel reads them
-    copy = getattr(layer.qkv.many_rows, "__self__", None)
-    assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
-    assert hasattr(layer.qkv, "nibbles") == (dtype == "float32")
+    if dtype == "float32":
+        assert layer.qkv.many_rows == layer.qkv.kernel and hasattr(layer.qkv, "nibbles")
+    else:
+        # a dense copy serves many rows (oneDNN's prepacked matmul, or our bf16 product's panels where they
+        # pay); torch's bf16 kernel has its own layout, so no nibbles are held for widening
+        copy = getattr(layer.qkv.many_rows, "__self__", None)
+        assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
+        assert not hasattr(layer.qkv, "nibbles")
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
     assert [o.token_ids for o in auto.generate(prompts, params)] == [
         o.token_ids for o in dense.generate(prompts, params)
     ]
-    if dtype == "float32":  # the same weights, summed in another order: one sequence decodes alike too
+    if dtype == "float32":
         assert [o.token_ids for o in auto.generate(prompts[:1], params)] == [
             o.token_ids for o in dense.generate(prompts[:1], params)
         ]

@@ -208,8 +208,8 @@ class LlamaModel:
             self.backend.silu_mul if fused_elementwise and cfg.hidden_act == "silu" else None
         )
         # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy where that
-        # is faster (quant.dense_copy_pays: all but int8 in bf16 without AMX, which our kernel runs faster
-        # than dense at every step size); int8/int4 asked for outright hold the weights quantized only.
+        # is faster (quant.dense_copy_pays: not int8 in bf16 without AMX, nor float32 on our widened panels,
+        # which run as fast as dense at every step size); int8/int4 asked for outright hold them quantized.
         self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto")
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim

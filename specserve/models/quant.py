@@ -223,7 +223,12 @@ def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
     our bf16 kernel runs without AMX: whole W1 at 64 in flight (2-core Zen 4, ABBA) ran 244 tok/s in int8
     on it against 222 dense. int4's panels cost more to widen, and without the copy the demo's Q4_1 ran W1
     at 0.93x with it (203 against 219 tok/s), so int4 keeps it. With AMX oneDNN's tiles run the dense copy
-    3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's four matrices on the AMX Xeon)."""
+    3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's four matrices on the AMX Xeon).
+    Not in float32 where our widened panels run the matrix (_own_panels): W1 at 64 in flight in float32
+    (2-core Zen 4, ABBA) ran int8 118.8 and int4 115.9 tok/s against dense 115.5, and a dense float32 copy
+    of SmolLM2's layers is 424 MB beside 60 MB of int4."""
+    if _own_kernels(dtype, device) and _own_panels(w):
+        return False
     ours = own_bf16_kernel(w, dtype, device) and isinstance(w, Int8Weight)
     return not ours or torch.cpu._is_amx_tile_supported()
 

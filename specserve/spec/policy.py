@@ -8,11 +8,12 @@ a linear function of the tokens in the forward (fitted online), the proposer's t
 At large batches the target forward is compute-bound, each draft token costs as much as a real one, and
 k = 0 wins by itself.
 
-A forward's cost need not be linear in its tokens: a quantized model's int kernels serve steps of up to 8 rows
-(quant.KERNEL_MAX_ROWS) and larger ones read a dense copy, so on the 2-core AVX2 EPYC (demo GGUF as int4,
-loaded machine) a verify step of 8 requests x (1 + 4 drafts) took 2.1-2.9 s against 0.7-0.8 s for a plain
-8-row step, which a straight line through both underestimates for every depth in between. Steps are
-therefore priced from what each token count has cost (StepCost); the line only ranks drafts and fills gaps.
+A forward's cost need not be linear in its tokens: a quantized model's int kernels have one form for steps of
+up to 8 rows (quant.KERNEL_MAX_ROWS) and another for larger ones (then a dense copy), so on the 2-core AVX2
+EPYC (demo GGUF as int4, loaded machine) a verify step of 8 requests x (1 + 4 drafts) took 2.1-2.9 s against
+0.7-0.8 s for a plain 8-row step, which a straight line through both underestimates for every depth in
+between. Steps are therefore priced from what each token count has cost (StepCost); the line only ranks drafts
+and fills gaps.
 """
 
 from __future__ import annotations
