@@ -3,7 +3,8 @@
 Each layer has its own random weights, held as the model holds them: int8 codes with their bf16 scales,
 int4 codes with a scale and zero per group of 32, the dense bf16 matrix in oneDNN's prepacked layout. A pass
 runs every layer's four products, so weights come from memory as in a step rather than from cache. Times are
-the mean of --passes passes after one warm-up, on torch's threads (one per core by default).
+the median of --passes passes (each running every kind once, in turn) after one warm-up, on torch's threads
+(one per core by default).
 
 - dense: the bf16 matmul the unquantized model runs (torch.ops.mkldnn._linear_pointwise, prepacked);
 - torch int8 / int4: torch._weight_int8pack_mm and _weight_int4pack_mm_for_cpu (groups of 32), the
@@ -20,6 +21,7 @@ the mean of --passes passes after one warm-up, on torch's threads (one per core 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +32,10 @@ from common import cpu_line  # noqa: E402
 # (out, in) of SmolLM2-135M's fused qkv, o, fused gate_up and down
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
+
+
+def _width(kind: str) -> int:
+    return max(14, len(kind) + 5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,18 +123,23 @@ def main(argv: list[str] | None = None) -> int:
     fp32 = ("fp32 MKL", "fp32 ours", "fp32 int8", "fp32 int4", "fp32 int8 wide")
     kinds += [kind for kind in fp32 if kind in layers[0][0][1]]
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
-    print(f"{'rows':>5}" + "".join(f"{k + ' ms':>14}" for k in kinds))
+    print(f"{'rows':>5}" + "".join(f"{k + ' ms':>{_width(k)}}" for k in kinds))
     for rows in [int(r) for r in args.rows.split(",")]:
         xs = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {k for _, k in SHAPES}}
         inputs = {torch.bfloat16: xs, torch.float32: {k: x.float() for k, x in xs.items()}}
-        ms = {}
+        # passes interleave the kinds, and each kind's figure is its median pass: on a shared 2-core machine
+        # a kind timed in one stretch took whatever load that stretch had (the same kind varied 20 % between
+        # runs of the script, while the interleaved medians' ratios held)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for kind in kinds:
             products(kind, inputs)
-            t0 = time.perf_counter()
-            for _ in range(args.passes):
+        for _ in range(args.passes):
+            for kind in kinds:
+                t0 = time.perf_counter()
                 products(kind, inputs)
-            ms[kind] = (time.perf_counter() - t0) / args.passes * 1e3
-        print(f"{rows:>5}" + "".join(f"{ms[k]:>14.2f}" for k in kinds), flush=True)
+                times[kind].append((time.perf_counter() - t0) * 1e3)
+        ms = {kind: statistics.median(t) for kind, t in times.items()}
+        print(f"{rows:>5}" + "".join(f"{ms[k]:>{_width(k)}.2f}" for k in kinds), flush=True)
     return 0
 
 
