@@ -206,6 +206,10 @@ def run_vllm(
     env = dict(os.environ)
     if bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    if emulating_avx2():  # every process vLLM starts sees an AVX2-only CPU (sitecustomize runs in each)
+        site = Path(tempfile.mkdtemp(prefix="avx2-site-"))
+        (site / "sitecustomize.py").write_text(_AVX2_SITECUSTOMIZE)
+        env["PYTHONPATH"] = os.pathsep.join([str(site), *filter(None, [env.get("PYTHONPATH")])])
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(spec, fh)
         spec_path = fh.name
@@ -241,6 +245,36 @@ def log_tail(path: Path, lines: int = 12) -> str:
         return ""
 
 
+# An AVX2-only CPU's paths on a CPU with more (--emulate-avx2): torch's kernels, oneDNN's, MKL's and our C++
+# kernels' avx2-only build each limited to AVX2 + FMA, and vLLM's import of its AVX2 build (_C_AVX2, which it
+# picks by torch.cpu._is_avx512_supported). The instructions are an AVX2 machine's; the caches, memory and
+# core are still this machine's, so such figures stand in for an AVX2 machine, they do not replace it.
+AVX2_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "SPECSERVE_KERNEL_ISA": "avx2",
+}
+_AVX2_SITECUSTOMIZE = """\
+import torch.cpu
+
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+              "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+
+
+def emulating_avx2() -> bool:
+    return all(os.environ.get(k) == v for k, v in AVX2_ENV.items())
+
+
+def emulate_avx2() -> None:
+    """Run this script again with AVX2_ENV set, which torch and the libraries read when they start."""
+    if not emulating_avx2():
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **AVX2_ENV})
+
+
 def cpu_line() -> str:
     """The CPU's model name and the SIMD flags that pick our kernels' paths: printed with every figure."""
     try:
@@ -252,7 +286,8 @@ def cpu_line() -> str:
     model = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), "?")
     flags = next((ln.split(":", 1)[1].split() for ln in out.splitlines() if ln.startswith("Flags")), [])
     isa = [f for f in flags if f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")]
-    return f"{model} ({' '.join(isa)})"
+    emulated = "; emulating AVX2 only (bench/common.py: AVX2_ENV)" if emulating_avx2() else ""
+    return f"{model} ({' '.join(isa)}){emulated}"
 
 
 def on_off_ratios(results: dict[str, list[dict[str, float]]]) -> tuple[float, float]:

@@ -34,6 +34,8 @@ from common import (  # noqa: E402
     DEFAULT_OUT,
     Workload,
     breakdown,
+    cpu_line,
+    emulate_avx2,
     ensure_target_dir,
     format_breakdown,
     load_workload,
@@ -295,6 +297,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="smoke run: 8 requests, <= 32 tokens, no vLLM")
+    p.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="both engines on an AVX2-only CPU's paths (bench/common.py: AVX2_ENV), on a CPU with more",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = args.num_requests or 8
@@ -309,6 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.emulate_avx2:
+        emulate_avx2()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:
@@ -327,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.model or demo_model_path())
     tokenize(workload, tokenizer)
     load_start = os.getloadavg()
+    print(f"CPU: {cpu_line()}", flush=True)
     print(
         f"workload: {workload.name}: {len(workload.requests)} requests, "
         f"{workload.prompt_tokens} prompt tokens, "

@@ -1214,6 +1214,12 @@ void q4_widened(const float* x, int64_t xs, int64_t rows, const uint8_t* packed,
 
 }  // namespace
 
+// 9-15 rows run the few-row kernels twice (8, then the rest): reading the weights twice still beats widening
+// them once there. SmolLM2's 30 layers (2-core Zen 4, bench/quant_kernels.py --float32 --passes 5), int8 at
+// 9 / 12 / 15 rows: 18.8 / 23.7 / 26.2 ms twice against 28.2 / 32.7 / ~35 widened (dense float32 23.0 /
+// 25.5 / 29.2); at 16 rows widening is even or ahead (int8 32.6 twice against ~31, int4 36.0 against 29.5).
+constexpr int64_t kWidenFromRows = 16;
+
 // Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
 // out[r, j] for r < rows (vectorised: 1..8 rows, and more where n % 8 == 0 on widened panels), j < n.
 extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
@@ -1231,6 +1237,11 @@ extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t r
     case 7: return q8_rows<7>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
     case 8: return q8_rows<8>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
     default:
+      if (rows < kWidenFromRows) {
+        specserve_int8_matmul(x, x_stride, 8, codes, scales, n, k, out, out_stride, num_threads);
+        return specserve_int8_matmul(x + 8 * x_stride, x_stride, rows - 8, codes, scales, n, k,
+                                     out + 8 * out_stride, out_stride, num_threads);
+      }
       if (n % 8 == 0) return q8_widened(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads), 0;
   }
 #endif
@@ -1266,6 +1277,11 @@ extern "C" int specserve_int4_matmul(const float* x, int64_t x_stride, int64_t r
   if (rows < 1 || n < 1 || k < 32 || k % 32 != 0) return 1;
   const int64_t groups = k / 32;
 #ifdef SPECSERVE_QUANT_PATH
+  if (rows > 8 && rows < kWidenFromRows) {
+    specserve_int4_matmul(x, x_stride, 8, packed, scales, offsets, n, k, out, out_stride, num_threads);
+    return specserve_int4_matmul(x + 8 * x_stride, x_stride, rows - 8, packed, scales, offsets, n, k,
+                                 out + 8 * out_stride, out_stride, num_threads);
+  }
   if (rows > 8 && n % 8 == 0)
     return q4_widened(x, x_stride, rows, packed, scales, offsets, n, k, out, out_stride, num_threads), 0;
 #endif
