@@ -1114,10 +1114,6 @@ void dense_f32(const float* x, int64_t xs, int64_t rows, const float* panels, in
 }
 #define SPECSERVE_DENSE_F32_PATH 1
 
-// Quantized float32 matrices for steps of many rows (more than the few-row kernels' 8): each panel of 16
-// outputs is widened into a thread's buffer in the f32_panels layout once a chunk of rows, and the dense
-// product's register blocks run it. Widening whole matrices for MKL's sgemm instead (256 outputs at a
-// time) made int8 the slower form wherever a step had many rows, now that dense float32 runs on panels.
 // 8 rows of 16 bytes -> 16 columns of 8 bytes (one byte of each row, in row order): v[m] holds columns 2m
 // (low half) and 2m + 1 (high half). Transposing the codes before they widen costs 24 shuffles a 128 bytes,
 // against 24 a 64 floats after (int4's panels took 40.3 ms for SmolLM2's 30 layers at 9 rows that way).
@@ -1139,6 +1135,10 @@ inline void transpose_bytes(const __m128i a[8], __m128i v[8]) {
   }
 }
 
+// Quantized float32 matrices for steps of many rows (more than the few-row kernels'): each panel of 16
+// outputs is widened into a thread's buffer in the f32_panels layout once a chunk of rows, and the dense
+// product's register blocks run it. Widening whole matrices for MKL's sgemm instead (256 outputs at a
+// time) made int8 the slower form wherever a step had many rows, now that dense float32 runs on panels.
 // widen(j0, nt, panel) writes outputs [j0, j0 + 8 nt) as f32_panels holds them: panel[i * 8 nt + j - j0].
 template <typename Widen>
 void widened_f32(const float* x, int64_t xs, int64_t rows, int64_t n, int64_t k, float* out, int64_t os,

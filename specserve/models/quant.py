@@ -270,8 +270,8 @@ class DensePanels:
 
 def _own_panels(w: QuantizedWeight) -> bool:
     """Whether our float32 kernel runs this matrix's steps of many rows as well, widening it a panel of 16
-    outputs at a time into cache for the dense product's register blocks (outputs in whole tiles of 8, a
-    scale per output), rather than widening the matrix per call for MKL's sgemm. SmolLM2's four layer
+    outputs at a time into cache for the dense product's register blocks (outputs in whole tiles of 8; int8
+    with a scale per output), rather than widening the matrix per call for MKL's sgemm. SmolLM2's four layer
     matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py --float32`) at 18 / 64 / 256
     rows: int8 33.6 / 78.2 / 285 ms against 105 / 133 / 327 widened for MKL and 33.1 / 82.0 / 282 on dense
     float32 panels."""
