@@ -217,6 +217,9 @@ VARIANT_LAYOUTS = [
     ([5, 3, 5], [700, 3, 40]),
     ([256], [512]),
     ([33, 1, 48], [0, 511, 7]),
+    # one sequence: too few (sequence, head) tasks for two threads, so float32 splits its keys into parts
+    ([1], [1000]),
+    ([4], [300]),
 ]
 # (group, head_dim, block_size): SmolLM2's 3, Llama's 4 and 8, MHA; 80 and block 12 take the generic loops
 VARIANT_SHAPES = [(1, 64, 8), (3, 64, 16), (4, 128, 32), (8, 64, 64), (3, 128, 16), (2, 80, 16), (3, 64, 12)]
