@@ -541,6 +541,7 @@ void run_f32(const Args& a, int num_threads) {
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTileF32) {
       const int64_t blocks = (a.seq_lens[s] + BS - 1) / BS;
+      // parts enough for twice the threshold's tasks a thread, of kMinPartBlocks blocks at least
       int64_t parts = split ? (2 * kSplitBelowTasksPerThread * num_threads + a.num_seqs * KVH - 1) /
                                   (a.num_seqs * KVH)
                             : 1;
@@ -648,33 +649,36 @@ void run_f32(const Args& a, int num_threads) {
       }
     }
 
-    // a split sequence's head: its parts (consecutive tasks, the first at p0 = 0) merged by their statistics
+    // a split sequence's head: its parts (consecutive tasks, the first at p0 = 0) merged by their statistics;
+    // part_rows is the same on every thread, and steps with nothing split skip the second barrier
+    if (part_rows > 0) {
 #pragma omp for schedule(static)
-    for (int64_t ti = 0; ti < num_tasks; ++ti) {
-      const TaskF32& first = tasks[ti];
-      if (first.part < 0 || first.p0 != 0) continue;
-      int64_t last = ti;
-      while (tasks[last].p1 != INT64_MAX) ++last;
-      const int64_t s = a.seq_ids[first.seq], h = first.h0;
-      const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
-      for (int64_t r = 0; r < R; ++r) {
-        float mx = -3.0e38f;
-        for (int64_t t = ti; t <= last; ++t) {
-          const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
-          if (st[1] > 0.f) mx = std::max(mx, st[0]);
-        }
-        float weight[kMaxParts], total = 0.f;
-        for (int64_t t = ti; t <= last; ++t) {
-          const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
-          weight[t - ti] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
-          total += weight[t - ti];
-        }
-        float* o = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
-        for (int d = 0; d < HD; ++d) o[d] = 0.f;
-        for (int64_t t = ti; t <= last; ++t) {
-          const float w = weight[t - ti] / total;
-          const float* part = parts.data() + (tasks[t].part + r) * (HD + 2);
-          for (int d = 0; d < HD; ++d) o[d] += w * part[d];
+      for (int64_t ti = 0; ti < num_tasks; ++ti) {
+        const TaskF32& first = tasks[ti];
+        if (first.part < 0 || first.p0 != 0) continue;
+        int64_t last = ti;
+        while (tasks[last].p1 != INT64_MAX) ++last;
+        const int64_t s = a.seq_ids[first.seq], h = first.h0;
+        const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
+        for (int64_t r = 0; r < R; ++r) {
+          float mx = -3.0e38f;
+          for (int64_t t = ti; t <= last; ++t) {
+            const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
+            if (st[1] > 0.f) mx = std::max(mx, st[0]);
+          }
+          float weight[kMaxParts], total = 0.f;
+          for (int64_t t = ti; t <= last; ++t) {
+            const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
+            weight[t - ti] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
+            total += weight[t - ti];
+          }
+          float* o = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
+          for (int d = 0; d < HD; ++d) o[d] = 0.f;
+          for (int64_t t = ti; t <= last; ++t) {
+            const float w = weight[t - ti] / total;
+            const float* part = parts.data() + (tasks[t].part + r) * (HD + 2);
+            for (int d = 0; d < HD; ++d) o[d] += w * part[d];
+          }
         }
       }
     }
