@@ -1,0 +1,158 @@
+"""The C++ CPU kernels of this checkout against another revision's, over a whole model's layers.
+
+bench/kernels.py times one layer's call, best of many: its K and V stay in cache between calls. In a step
+every layer reads its own cache and weights from memory, so this times SmolLM2's 30 layers in turn, each
+with caches or weights of its own (float32, the AVX2 class's dtype), the two builds alternated in one
+process (ABBA), and prints each one's median and whether their outputs agree bit for bit. Not a test.
+
+- attention: paged attention, --batch sequences of --context tokens, --query new tokens each;
+- f32: the dense float32 panel product (the four layer matrices) at --rows rows;
+- int4: the float32 int4 product (few-row kernels, or widened panels from 16 rows) at --rows rows.
+
+    python bench/kernel_ab.py --base HEAD~1 [--case attention] [--batch 64] [--context 400] [--query 1]
+    python bench/kernel_ab.py --base HEAD~1 --case f32 --rows 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from common import REPO, cpu_line
+
+LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
+SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: [out, in]
+
+
+def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tensor], str]:
+    blocks_per_seq = -(-args.context // args.block_size)
+    num_blocks = args.batch * blocks_per_seq
+    shape = (num_blocks, args.block_size, KV_HEADS, HEAD_DIM)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
+    ids = torch.arange(num_blocks) if args.order == "sequential" else torch.randperm(num_blocks)
+    tables = ids.to(torch.int32).view(args.batch, blocks_per_seq).contiguous()
+    seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32)
+    starts = torch.arange(0, (args.batch + 1) * args.query, args.query, dtype=torch.int32)
+    q = torch.randn(args.batch * args.query, Q_HEADS, HEAD_DIM)
+    seq_ids = torch.arange(args.batch, dtype=torch.int64)
+
+    def run() -> torch.Tensor:
+        out = torch.empty_like(q)
+        for k_cache, v_cache in caches:
+            kernel.paged_attention_short(
+                q, k_cache, v_cache, tables, seq_lens, starts, seq_ids, HEAD_DIM**-0.5, out
+            )
+        return out
+
+    what = (
+        f"attention: batch {args.batch}, context {args.context}, query {args.query}, "
+        f"block {args.block_size}, {args.order} blocks"
+    )
+    return run, what
+
+
+def products(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tensor], str]:
+    from specserve.models import quant
+
+    layers = []
+    for _ in range(LAYERS):
+        for n, k in SHAPES:
+            w = torch.randn(n, k)
+            if args.case == "f32":
+                layers.append((k, kernel.f32_panels(w)))
+            else:
+                q4 = quant.quantize_int4(w)
+                packed = kernel.pack_int4(q4.codes)
+                layers.append(
+                    (k, (packed, q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous()))
+                )
+    xs = {k: torch.randn(args.rows, k) for _, k in SHAPES}
+
+    def run() -> torch.Tensor:
+        # each product's bits summed by column: any changed output changes them, and they are small to keep
+        sums = []
+        for k, w in layers:
+            y = kernel.panel_matmul(xs[k], w) if args.case == "f32" else kernel.int4_matmul(xs[k], *w)
+            sums.append(y.view(torch.int32).sum(dim=0, dtype=torch.int64))
+        return torch.cat(sums)
+
+    return run, f"{args.case} products of the four layer matrices, {args.rows} rows"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base", required=True, help="git revision whose kernel source to compare against")
+    p.add_argument("--case", choices=("attention", "f32", "int4"), default="attention")
+    p.add_argument("--rows", type=int, default=2048, help="activation rows of the products")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=400)
+    p.add_argument("--query", type=int, default=1, help="new tokens a sequence (1: decode, k + 1: verify)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--order",
+        choices=("sequential", "shuffled"),
+        default="sequential",
+        help="block ids of a sequence: consecutive (a prompt's blocks, as the pool hands them out) or random",
+    )
+    p.add_argument("--repeats", type=int, default=12)
+    args = p.parse_args(argv)
+
+    from specserve.kernels import cpu_paged_attention as kernel
+
+    rel = kernel.SOURCE.resolve().relative_to(REPO)
+    base_source = subprocess.run(
+        ["git", "-C", str(REPO), "show", f"{args.base}:{rel}"], capture_output=True, text=True, check=True
+    ).stdout
+    if kernel.load() is None:
+        print("the C++ kernel cannot be built here")
+        return 1
+    isa = os.environ.get(kernel.ISA_ENV) or "native"  # the variant the engine loads
+    with tempfile.TemporaryDirectory() as tmp:
+        base_path = Path(tmp) / kernel.SOURCE.name
+        base_path.write_text(base_source)
+        own = kernel.SOURCE
+        try:
+            kernel.SOURCE = base_path
+            builds = {args.base: kernel.build_variant(isa)}
+        finally:
+            kernel.SOURCE = own
+    builds["this checkout"] = kernel.build_variant(isa)
+
+    torch.manual_seed(0)
+    if args.case == "attention":
+        run, what = attention(args, kernel)
+    else:
+        run, what = products(args, kernel)
+
+    times: dict[str, list[float]] = {name: [] for name in builds}
+    outs: dict[str, torch.Tensor] = {}
+    names = list(builds)
+    for rep in range(args.repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            kernel._lib = builds[name]  # the module's loaded library, swapped for this pass
+            t0 = time.perf_counter()
+            out = run()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+            outs[name] = out
+    kernel._lib = builds["this checkout"]
+
+    print(cpu_line())
+    print(f"{LAYERS} layers, {what}, float32, {isa} build, {torch.get_num_threads()} threads")
+    for name in names:
+        median, best = statistics.median(times[name]), min(times[name])
+        print(f"  {name:>14}: median {median:7.2f} ms, best {best:7.2f} ms")
+    same = torch.equal(outs[names[0]], outs[names[1]])
+    print(f"  outputs {'identical' if same else 'DIFFER'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
