@@ -67,7 +67,7 @@ def test_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, r
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16])
 def test_grouped_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
     """The LM head's form: a scale per group of 32 inputs (GGUF's Q8_0)."""
     cpa = _variant(monkeypatch, isa)

