@@ -601,7 +601,7 @@ void run_f32(const Args& a, int num_threads) {
       // One pass over the keys serves every head of the task (a block's heads from one stream of whole
       // blocks), while V is fetched for the PV passes after. Head by head, the first head's pass waited on
       // memory and the others' computed from L2 with memory idle. SmolLM2's 30 layers, each its own cache
-      // (bench/attention_ab.py, 2-core Zen 4): 64 x 400 tokens 73.3 ms against 81.5, 18 x 600 31.0 against
+      // (bench/kernel_ab.py, 2-core Zen 4): 64 x 400 tokens 73.3 ms against 81.5, 18 x 600 31.0 against
       // 34.2, verify of 5 at 18 x 600 56.3 against 59.8.
       const int64_t fetch = H > 1 ? block_bytes : HD * 4;
       auto prefetch_block = [&](const float* cache, int64_t b) {
