@@ -174,7 +174,8 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
 # _own_panels).
 KERNEL_MAX_ROWS = 8
 # An int8 matrix with a scale per group (a Q8_0 head) runs our float32 kernel twice (8 rows, then the rest)
-# up to this many rows before its dense copy: SmolLM2's 49,152 x 576 head at 9 / 12 / 15 rows took 4.7 /
+# up to this many rows (the C++ kernel's kWidenFromRows - 1; it takes more rows only in generic loops) before
+# its dense copy: SmolLM2's 49,152 x 576 head at 9 / 12 / 15 rows took 4.7 /
 # 5.2 / 6.9 ms against 5.9 / 6.3 / 7.5 on dense float32 panels; in 8-row passes at 18 rows, 8.9 against
 # 8.1 (avx2-only build, 2-core Zen 4).
 GROUPED_KERNEL_MAX_ROWS = 15
