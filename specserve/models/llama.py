@@ -200,9 +200,11 @@ class LlamaModel:
         )
         # The fused residual add + RMSNorm and silu * up (2-core Zen 4, bf16: 21.5 -> 9.4 us and 25 -> 18 us
         # at 16 rows, 91 -> 27 us and 97 -> 68 us at 144; a 64-row decode step under cProfile 1.28 -> 1.15 s
-        # over 10 steps), bfloat16 only: float32 keeps torch's ops, whose results the HF oracle tests compare
-        # bit for bit (the fused norm sums its squares in another order).
-        fused_elementwise = dtype == torch.bfloat16
+        # over 10 steps). In float32 too: torch's F.rms_norm there is eight ops, ~1 ms a batch-1 step over
+        # 61 norms (bench/profile_step.py --batch 1 --dtype float32, avx2 paths: int4 10.9 / 11.1 -> 9.9 /
+        # 10.5 ms, 64 rows 181 / 185 -> 177 / 177 ms). Its sums of squares and silu's exp differ from torch's
+        # in the last bits; the HF oracle tests compare greedy tokens, which hold.
+        fused_elementwise = dtype in (torch.bfloat16, torch.float32)
         self._fused_add_norm = self.backend.add_rms_norm if fused_elementwise else None
         self._fused_silu_mul = (
             self.backend.silu_mul if fused_elementwise and cfg.hidden_act == "silu" else None
