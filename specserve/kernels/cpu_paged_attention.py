@@ -361,17 +361,38 @@ def quant_fast() -> bool:
     return bool(_paths & PATH_QUANT_F32)
 
 
-def _product(name: str, x: torch.Tensor, n: int, dtype: torch.dtype, *weights: object) -> torch.Tensor:
-    """out [rows, n] from the library's weight-only product specserve_<name>, called as (x, its row stride,
-    rows, *weights, out, its row stride, threads); rc != 0 means it refused its arguments."""
-    out = torch.empty(x.shape[0], n, dtype=dtype)
-    if x.shape[0] == 0:
+class Product:
+    """A weight-only product of the library (specserve_<name>) bound to its weights: their checks and
+    pointers are taken once, when bound, so a call checks only its activations. A batch-1 decode step of
+    SmolLM2 makes 121 of these calls; bound, one costs ~3 us of Python where checking the weights each time
+    cost ~7. Called as (x, its row stride, rows, *weights, out, its row stride, threads); rc != 0 means the
+    library refused its arguments."""
+
+    __slots__ = ("name", "n", "k", "x_dtype", "out_dtype", "_fn", "_args", "_weights")
+
+    def __init__(
+        self, name: str, x_dtype: torch.dtype, out_dtype: torch.dtype, n: int, k: int, *weights: torch.Tensor
+    ) -> None:
+        self.name, self.n, self.k, self.x_dtype, self.out_dtype = name, n, k, x_dtype, out_dtype
+        self._fn = getattr(_lib, f"specserve_{name}")
+        self._weights = weights  # the pointers below stay valid while these live
+        self._args = (*(w.data_ptr() for w in weights), n, k)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.x_dtype or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] != self.k:
+            raise ValueError(
+                f"{self.name} takes {self.x_dtype} activations [rows, {self.k}] with k innermost, "
+                f"not {x.dtype} {list(x.shape)}"
+            )
+        rows = x.shape[0]
+        out = torch.empty(rows, self.n, dtype=self.out_dtype)
+        if rows == 0:
+            return out
+        threads = torch.get_num_threads()
+        rc = self._fn(x.data_ptr(), x.stride(0), rows, *self._args, out.data_ptr(), self.n, threads)
+        if rc != 0:
+            raise ValueError(f"{self.name} refused its arguments (code {rc})")
         return out
-    fn = getattr(_lib, f"specserve_{name}")
-    rc = fn(x.data_ptr(), x.stride(0), x.shape[0], *weights, out.data_ptr(), n, torch.get_num_threads())
-    if rc != 0:
-        raise ValueError(f"{name} refused its arguments (code {rc})")
-    return out
 
 
 def quant_bf16_fast() -> bool:
@@ -388,17 +409,19 @@ def int8_tiles(codes: torch.Tensor) -> torch.Tensor:
     return codes.view(n // INT8_TILE, INT8_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def bind_int8_bf16(tiles: torch.Tensor, scales: torch.Tensor) -> Product:
     """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w[j] = codes[j] * scales[j] (float32 [n]), the
     codes in int8_tiles' layout; products exact, sums in float32, rounded once. Needs quant_bf16_fast()."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("int8_matmul_bf16 takes bfloat16 activations [rows, k] with k innermost")
     if tiles.dtype != torch.int8 or tiles.dim() != 4 or not tiles.is_contiguous():
         raise ValueError("int8_matmul_bf16 takes the codes as int8_tiles gives them")
     n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
-    if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous() or x.shape[1] != k:
-        raise ValueError(f"int8_matmul_bf16: activations [rows, {k}] and float32 scales [{n}]")
-    return _product("int8_matmul_bf16", x, n, torch.bfloat16, tiles.data_ptr(), scales.data_ptr(), n, k)
+    if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous():
+        raise ValueError(f"int8_matmul_bf16: float32 scales [{n}]")
+    return Product("int8_matmul_bf16", torch.bfloat16, torch.bfloat16, n, k, tiles, scales)
+
+
+def int8_matmul_bf16(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return bind_int8_bf16(tiles, scales)(x)
 
 
 def bf16_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -428,19 +451,18 @@ def f32_panels(weight: torch.Tensor) -> torch.Tensor:
 _PANEL_PRODUCTS = {torch.float32: "f32_matmul", torch.bfloat16: "bf16_matmul"}
 
 
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+def bind_panels(panels: torch.Tensor) -> Product:
     """x [rows, k] times w^T -> [rows, n] in the panels' dtype, w held as f32_panels or bf16_panels gives it:
     float32 sums in input order, bf16 ones in float32 rounded once. float32 needs quant_fast(), bf16
     quant_bf16_fast(); other builds refuse the call (code 2)."""
     if panels.dtype not in _PANEL_PRODUCTS or panels.dim() != 2 or not panels.is_contiguous():
         raise ValueError("panel_matmul takes the weight as f32_panels or bf16_panels gives it")
-    name = _PANEL_PRODUCTS[panels.dtype]
-    if x.dtype != panels.dtype or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"panel_matmul takes {panels.dtype} activations [rows, k] with k innermost")
     n, k = panels.shape
-    if x.shape[1] != k:
-        raise ValueError(f"panel_matmul: activations [rows, {k}], not {list(x.shape)}")
-    return _product(name, x, n, panels.dtype, panels.data_ptr(), n, k)
+    return Product(_PANEL_PRODUCTS[panels.dtype], panels.dtype, panels.dtype, n, k, panels)
+
+
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    return bind_panels(panels)(x)
 
 
 def int4_tiles(
@@ -461,14 +483,10 @@ def int4_tiles(
     return tiles, by_tile(scales), by_tile(zeros)
 
 
-def int4_matmul_bf16(
-    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-) -> torch.Tensor:
+def bind_int4_bf16(tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Product:
     """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w = (code - 8) * scale + zero per group of 32
     inputs, rounded to bf16 as the dense bf16 form (quant.dequantize) holds it, in int4_tiles' layout; sums in
     float32. Written for steps of many rows (few are torch's int4 kernel's). Needs quant_bf16_fast()."""
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("int4_matmul_bf16 takes bfloat16 activations [rows, k] with k innermost")
     if tiles.dtype != torch.uint8 or tiles.dim() != 3 or not tiles.is_contiguous():
         raise ValueError("int4_matmul_bf16 takes the codes as int4_tiles gives them")
     n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
@@ -476,10 +494,13 @@ def int4_matmul_bf16(
     for t in (scales, zeros):
         if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous():
             raise ValueError(f"int4_matmul_bf16: float32 scales and zeros {list(shape)} (int4_tiles)")
-    if x.shape[1] != k:
-        raise ValueError(f"int4_matmul_bf16: activations [rows, {k}], not {list(x.shape)}")
-    pointers = (tiles.data_ptr(), scales.data_ptr(), zeros.data_ptr())
-    return _product("int4_matmul_bf16", x, n, torch.bfloat16, *pointers, n, k)
+    return Product("int4_matmul_bf16", torch.bfloat16, torch.bfloat16, n, k, tiles, scales, zeros)
+
+
+def int4_matmul_bf16(
+    x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    return bind_int4_bf16(tiles, scales, zeros)(x)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -496,34 +517,36 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([groups & 0x0F, groups >> 4], dim=-1).reshape(n, -1)
 
 
-def _check_quant(x: torch.Tensor, *tensors: torch.Tensor) -> None:
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError("the quantized products take float32 activations [rows, k] with k innermost")
+def _check_contiguous(*tensors: torch.Tensor) -> None:
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("quantized weights, scales and offsets must be contiguous")
 
 
-def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def bind_int8(codes: torch.Tensor, scales: torch.Tensor) -> Product:
     """x [rows, k] float32 times w^T -> [rows, n] float32, w = codes [n, k] int8 times scales, float32 [n]
     (one per output row) or [n, k // 32] (one per group of 32 inputs). load() must have succeeded;
     vectorised where quant_fast(): for 1..8 rows, and for more with a scale per output and n a multiple of 8
     (a panel of 16 outputs widened at a time for the dense float32 panel product's register blocks)."""
-    _check_quant(x, codes, scales)
+    _check_contiguous(codes, scales)
     n, k = codes.shape
     grouped = scales.dim() == 2
     if (
         codes.dtype != torch.int8
         or scales.dtype != torch.float32
-        or x.shape[1] != k
         or scales.numel() != (n * (k // INT4_GROUP) if grouped else n)
         or (grouped and k % INT4_GROUP != 0)
     ):
         raise ValueError("int8_matmul takes int8 codes [n, k] and float32 scales [n] or [n, k // 32]")
     name = "int8_grouped_matmul" if grouped else "int8_matmul"
-    return _product(name, x, n, torch.float32, codes.data_ptr(), scales.data_ptr(), n, k)
+    return Product(name, torch.float32, torch.float32, n, k, codes, scales)
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return bind_int8(codes, scales)(x)
 
 
 def _check_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> tuple[int, int]:
+    _check_contiguous(packed, scales, offsets)
     n, k = packed.shape[0], packed.shape[1] * 2
     if (
         packed.dtype != torch.uint8
@@ -537,18 +560,18 @@ def _check_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tenso
     return n, k
 
 
-def int4_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
-) -> torch.Tensor:
+def bind_int4(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
     """x [rows, k] float32 times w^T, w[j, i] = code * scales[j, g] + offsets[j, g] for i in group g (codes
     from pack_int4) -> [rows, n] float32. load() must have succeeded; vectorised where quant_fast(): for
     1..8 rows, and for more where n is a multiple of 8 (widened panels, as int8_matmul)."""
-    _check_quant(x, packed, scales, offsets)
     n, k = _check_int4(packed, scales, offsets)
-    if x.shape[1] != k:
-        raise ValueError(f"int4_matmul: activations of width {x.shape[1]} against weights of width {k}")
-    pointers = (packed.data_ptr(), scales.data_ptr(), offsets.data_ptr())
-    return _product("int4_matmul", x, n, torch.float32, *pointers, n, k)
+    return Product("int4_matmul", torch.float32, torch.float32, n, k, packed, scales, offsets)
+
+
+def int4_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    return bind_int4(packed, scales, offsets)(x)
 
 
 def int8_widen(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

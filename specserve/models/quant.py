@@ -269,9 +269,10 @@ class DensePanels:
     def __init__(self, w: torch.Tensor) -> None:
         w = w.contiguous()
         self.panels = cpu_kernels.f32_panels(w) if w.dtype == torch.float32 else cpu_kernels.bf16_panels(w)
+        self._product = cpu_kernels.bind_panels(self.panels)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.panel_matmul(x.contiguous(), self.panels)
+        return self._product(x.contiguous())
 
 
 def _own_panels(w: QuantizedWeight) -> bool:
@@ -329,18 +330,19 @@ class PackedInt8(_Packed):
         if self.own_bf16:
             self.tiles = cpu_kernels.int8_tiles(w.codes.to(device))
             self.scales = self.scales.float()
+            self._product = cpu_kernels.bind_int8_bf16(self.tiles, self.scales)
         else:
             self.codes = w.codes.to(device).contiguous()
+            if self.own:
+                self._product = cpu_kernels.bind_int8(self.codes, self.scales)
         if dense_mm is None and (self.own_bf16 or (self.own and _own_panels(w))):
             self.many_rows = self.kernel
         if self.own and self.grouped:
             self.kernel_max_rows = GROUPED_KERNEL_MAX_ROWS
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own_bf16:
-            return cpu_kernels.int8_matmul_bf16(x, self.tiles, self.scales)
-        if self.own:
-            return cpu_kernels.int8_matmul(x, self.codes, self.scales)
+        if self.own_bf16 or self.own:
+            return self._product(x)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -373,6 +375,7 @@ class PackedInt4(_Packed):
             self.tiles, self.tile_scales, self.tile_zeros = cpu_kernels.int4_tiles(
                 w.codes.to(device), w.scales.to(device), w.zeros.to(device)
             )
+            self._many_rows_bf16 = cpu_kernels.bind_int4_bf16(self.tiles, self.tile_scales, self.tile_zeros)
             self.many_rows = self.many_rows_bf16
         if dtype == torch.bfloat16:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
@@ -384,16 +387,18 @@ class PackedInt4(_Packed):
             self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
             # w = code * scale + (zero - 8 * scale): one multiply-add a weight
             self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype).contiguous()
+            if self.own:
+                self._product = cpu_kernels.bind_int4(self.nibbles, self.scales, self.offsets)
         if self.own and dense_mm is None and _own_panels(w):
             self.many_rows = self.kernel
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own:
-            return cpu_kernels.int4_matmul(x, self.nibbles, self.scales, self.offsets)
+            return self._product(x)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
     def many_rows_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.int4_matmul_bf16(x.contiguous(), self.tiles, self.tile_scales, self.tile_zeros)
+        return self._many_rows_bf16(x.contiguous())
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_widening:
