@@ -7,7 +7,10 @@ process (ABBA), and prints each one's median and whether their outputs agree bit
 
 - attention: paged attention, --batch sequences of --context tokens, --query new tokens each;
 - f32: the dense float32 panel product (the four layer matrices) at --rows rows;
-- int4: the float32 int4 product (few-row kernels, or widened panels from 16 rows) at --rows rows.
+- int4: the float32 int4 product (few-row kernels, or widened panels from 16 rows) at --rows rows;
+- int8: the float32 int8 product, a scale per output (as int4);
+- head: the int8 LM head a Q8_0 GGUF keeps (SmolLM2's 49,152 x 576, a scale per 32 inputs), four copies
+  in turn so that each comes from memory, at --rows rows.
 
     python bench/kernel_ab.py --base HEAD~1 [--case attention] [--batch 64] [--context 400] [--query 1]
     python bench/kernel_ab.py --base HEAD~1 --case f32 --rows 2048
@@ -53,7 +56,7 @@ def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tens
         return out
 
     what = (
-        f"attention: batch {args.batch}, context {args.context}, query {args.query}, "
+        f"attention, {LAYERS} layers: batch {args.batch}, context {args.context}, query {args.query}, "
         f"block {args.block_size}, {args.order} blocks"
     )
     return run, what
@@ -63,34 +66,46 @@ def products(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tenso
     from specserve.models import quant
 
     layers = []
-    for _ in range(LAYERS):
-        for n, k in SHAPES:
-            w = torch.randn(n, k)
-            if args.case == "f32":
-                layers.append((k, kernel.f32_panels(w)))
-            else:
-                q4 = quant.quantize_int4(w)
-                packed = kernel.pack_int4(q4.codes)
-                layers.append(
-                    (k, (packed, q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous()))
-                )
-    xs = {k: torch.randn(args.rows, k) for _, k in SHAPES}
+    shapes = ((49152, 576),) * 4 if args.case == "head" else SHAPES * LAYERS
+    for n, k in shapes:
+        w = torch.randn(n, k)
+        if args.case == "f32":
+            layers.append((k, kernel.f32_panels(w)))
+        elif args.case == "int4":
+            q4 = quant.quantize_int4(w)
+            packed = kernel.pack_int4(q4.codes)
+            layers.append((k, (packed, q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous())))
+        else:
+            q8 = quant.quantize_int8(w)
+            codes, scales = (q8.codes, q8.scales) if args.case == "int8" else _q8_0(w)
+            layers.append((k, (codes.contiguous(), scales.contiguous())))
+    xs = {k: torch.randn(args.rows, k) for _, k in shapes}
+    product = {"f32": kernel.panel_matmul, "int4": kernel.int4_matmul}.get(args.case, kernel.int8_matmul)
 
     def run() -> torch.Tensor:
         # each product's bits summed by column: any changed output changes them, and they are small to keep
         sums = []
         for k, w in layers:
-            y = kernel.panel_matmul(xs[k], w) if args.case == "f32" else kernel.int4_matmul(xs[k], *w)
+            y = product(xs[k], w) if args.case == "f32" else product(xs[k], *w)
             sums.append(y.view(torch.int32).sum(dim=0, dtype=torch.int64))
         return torch.cat(sums)
 
-    return run, f"{args.case} products of the four layer matrices, {args.rows} rows"
+    what = "the int8 head, 4 copies" if args.case == "head" else f"the four layer matrices, {LAYERS} layers"
+    return run, f"{args.case} products of {what}, {args.rows} rows"
+
+
+def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes and a float32 scale per 32 inputs (GGUF's Q8_0: scale = max |w| / 127)."""
+    groups = w.view(w.shape[0], -1, 32)
+    scales = groups.abs().amax(-1).clamp_min(1e-12) / 127.0
+    codes = torch.round(groups / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.view_as(w), scales
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose kernel source to compare against")
-    p.add_argument("--case", choices=("attention", "f32", "int4"), default="attention")
+    p.add_argument("--case", choices=("attention", "f32", "int4", "int8", "head"), default="attention")
     p.add_argument("--rows", type=int, default=2048, help="activation rows of the products")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=400)
@@ -145,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel._lib = builds["this checkout"]
 
     print(cpu_line())
-    print(f"{LAYERS} layers, {what}, float32, {isa} build, {torch.get_num_threads()} threads")
+    print(f"{what}, float32, {isa} build, {torch.get_num_threads()} threads")
     for name in names:
         median, best = statistics.median(times[name]), min(times[name])
         print(f"  {name:>14}: median {median:7.2f} ms, best {best:7.2f} ms")
