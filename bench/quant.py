@@ -18,6 +18,11 @@ groups of 32).
     python bench/quant.py                  # both, on the demo model
     python bench/quant.py --skip-speed     # perplexity only
     python bench/quant.py --batch1 --skip-ppl --llama-cpp /path/to/venv/bin/python   # and llama.cpp
+    python bench/quant.py --batch1 --skip-ppl --emulate-avx2   # an AVX2-only CPU's paths, float32
+
+At batch 1 each mode also times its requests to their first token (max_tokens=1) after each full run, and
+prints decode alone: the tokens after the first over the time after it. The full runs include each request's
+prefill, which runs at about the same speed in every mode (products of many rows).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, cpu_line, load_workload, tokenize  # noqa: E402
+from common import DEFAULT_OUT, cpu_line, emulate_avx2, load_workload, tokenize  # noqa: E402
 
 DOC_MODULES = (
     "argparse collections contextlib dataclasses functools heapq inspect itertools json logging pathlib "
@@ -196,15 +201,25 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             llm.generate(ids[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         labels = list(engines) + (["llama.cpp"] if args.llama_cpp and n_seqs == 1 else [])
         runs: dict[str, list[float]] = {label: [] for label in labels}
+        # Batch 1 also times each request to its first token (max_tokens=1: its prefill and one token) right
+        # after the full run, so that decode alone has a rate: the tokens after the first over the time after.
+        decode: dict[str, list[float]] = {label: [] for label in labels}
+        firsts = [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True) for _ in requests]
         order = labels + list(reversed(labels))
         print(f"\n{phase}: {len(requests)} requests, {tokens} output tokens; runs in order {order}")
         for label in order:
             if label == "llama.cpp":
                 seconds = llama_cpp_seconds(args.llama_cpp, _threads(), ids, params)
+                first = llama_cpp_seconds(args.llama_cpp, _threads(), ids, firsts) if n_seqs == 1 else 0.0
             else:
                 seconds = timed(engines[label], ids, params, one_at_a_time=n_seqs == 1)
+                first = timed(engines[label], ids, firsts, one_at_a_time=True) if n_seqs == 1 else 0.0
             runs[label].append(tokens / seconds)
-            print(f"  {label:16s} {tokens / seconds:8.1f} tok/s ({seconds:.1f} s)", flush=True)
+            line = f"  {label:16s} {tokens / seconds:8.1f} tok/s ({seconds:.1f} s)"
+            if n_seqs == 1:
+                decode[label].append((tokens - len(requests)) / (seconds - first))
+                line += f"; to first tokens {first:.1f} s, decode alone {decode[label][-1]:.1f} tok/s"
+            print(line, flush=True)
         base = statistics.fmean(runs[f"{native} none"])
         fp32 = statistics.fmean(runs["float32 dense"]) if "float32 dense" in runs else math.nan
         fp32 = base if native == "float32" else fp32
@@ -214,6 +229,15 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
             print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
         out[phase] = {label: statistics.fmean(r) for label, r in runs.items()}
+        if n_seqs == 1:
+            base = statistics.fmean(decode[f"{native} none"])
+            fp32 = statistics.fmean(decode["float32 dense"]) if "float32 dense" in decode else base
+            print(f"  {phase}, decode alone (time to first tokens taken off), mean of two runs:")
+            for label, r in decode.items():
+                mean = statistics.fmean(r)
+                ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
+                print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
+            out[f"{phase}, decode alone"] = {label: statistics.fmean(r) for label, r in decode.items()}
         del engines
     return out
 
@@ -244,10 +268,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PYTHON",
         help="a Python with llama-cpp-python: time llama.cpp on the demo GGUF at batch 1 beside our modes",
     )
+    p.add_argument(
+        "--emulate-avx2",
+        action="store_true",
+        help="run on an AVX2-only CPU's code paths (bench/common.py: AVX2_ENV); float32 is native there",
+    )
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--skip-ppl", action="store_true")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    if args.emulate_avx2:
+        emulate_avx2()
+        args.dtype = args.dtype or "float32"
     args.dtype = args.dtype or native_dtype()
     if args.threads:
         import torch
