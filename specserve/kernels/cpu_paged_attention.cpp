@@ -476,6 +476,28 @@ inline void qk_rows_f32(const float* q, const __m256* kt, float* dst, int64_t st
   for (int i = 0; i < NR; ++i) _mm256_storeu_ps(dst + i * stride, _mm256_add_ps(acc0[i], acc1[i]));
 }
 
+// NR rows' scores against two transposed 8-token tiles at once: each broadcast query element serves two
+// FMAs and each tile's vector is loaded once for the NR rows, where qk_rows_f32 loads both for every FMA
+// (loads, not FMAs, bounded prefill's QK).
+template <int NR, int HD>
+inline void qk_rows2_f32(const float* q, const __m256* ka, const __m256* kb, float* dst, int64_t stride) {
+  __m256 a[NR], b[NR];
+  for (int i = 0; i < NR; ++i) a[i] = b[i] = _mm256_setzero_ps();
+  for (int d = 0; d < HD; ++d) {
+    __m256 x = ka[d], y = kb[d];
+    asm("" : "+x"(x), "+x"(y));  // keep them in registers: GCC otherwise folds a load into every FMA
+    for (int i = 0; i < NR; ++i) {
+      const __m256 qb = _mm256_broadcast_ss(q + i * HD + d);
+      a[i] = _mm256_fmadd_ps(qb, x, a[i]);
+      b[i] = _mm256_fmadd_ps(qb, y, b[i]);
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    _mm256_storeu_ps(dst + i * stride, a[i]);
+    _mm256_storeu_ps(dst + i * stride + 8, b[i]);
+  }
+}
+
 // NR <= 4 rows' scores against 8 tokens' head slices at k0, k0 + row, ... read as they lie: per token and
 // row, HD / 8 FMAs across the head's dimensions, then a horizontal sum. For a decode task's few rows (a GQA
 // group) this skips the transposes, which cost more than the FMAs they save there. SmolLM2's 30 layers
@@ -595,7 +617,7 @@ void run_f32(const Args& a, int num_threads) {
     std::vector<float> scores, qs;
     std::vector<int64_t> limit;
     std::vector<float*> dst;
-    alignas(32) __m256 kt[HD];
+    alignas(32) __m256 kt[HD], kt2[HD];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t ti = 0; ti < num_tasks; ++ti) {
       const TaskF32& task = tasks[ti];
@@ -647,6 +669,34 @@ void run_f32(const Args& a, int num_threads) {
         }
         int64_t r = 0;
         while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
+        if (R > 4 && u + 1 < num_tiles) {  // many rows (prefill tiles): two key tiles at a time
+          const int64_t p1 = p0 + 8, b1 = p1 / BS;
+          if (p1 % BS == 0) {
+            if (b1 + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b1 + kPrefetchAheadF32);
+            prefetch_block(vp, b1);
+          }
+          for (int64_t hh = 0; hh < H; ++hh) {
+            const int64_t hoff = (task.h0 + hh) * HD;
+            const float* ka = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + hoff;
+            const float* kb = kp + (static_cast<int64_t>(table[b1]) * BS + p1 % BS) * row + hoff;
+            for (int c = 0; c < HD / 8; ++c) {
+              transpose8_load(ka + 8 * c, row, kt + 8 * c);
+              transpose8_load(kb + 8 * c, row, kt2 + 8 * c);
+            }
+            const float* q = qs.data() + hh * R * HD;
+            float* out = scores.data() + hh * R * stride + p0;
+            int64_t rr = r;
+            for (; rr + 4 <= R; rr += 4) qk_rows2_f32<4, HD>(q + rr * HD, kt, kt2, out + rr * stride, stride);
+            switch (R - rr) {
+              case 3: qk_rows2_f32<3, HD>(q + rr * HD, kt, kt2, out + rr * stride, stride); break;
+              case 2: qk_rows2_f32<2, HD>(q + rr * HD, kt, kt2, out + rr * stride, stride); break;
+              case 1: qk_rows2_f32<1, HD>(q + rr * HD, kt, kt2, out + rr * stride, stride); break;
+              default: break;
+            }
+          }
+          ++u;
+          continue;
+        }
         for (int64_t hh = 0; hh < H; ++hh) {
           // 8 tokens' head slices; the tile's tail past `end` is read (inside the block) but never used
           const float* k0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + (task.h0 + hh) * HD;
