@@ -524,61 +524,34 @@ inline void qk_direct_f32(const float* q, const float* k0, int64_t row, float* d
   }
 }
 
-// acc[rows][32-float slice dc] += p * v over the tokens [0, n_pad) of the rows' softmaxed scores.
-template <int NR, int HD>
+// acc[rows][8 * W-float slice dc] += p * v over the tokens [0, n_pad) of the rows' softmaxed scores. W = 4:
+// 3 rows' 12 accumulators leave no register for V, so GCC loads V again for every row's FMA. W = 2, for
+// up to 6 rows: a token's two V vectors stay in registers for the rows (2 loads and NR broadcasts for
+// 2 NR FMAs), over twice the passes.
+template <int NR, int HD, int W = 4>
 inline void pv_rows_f32(const float* scores, int64_t stride, const float* vp, const int32_t* table, int64_t BS,
                         int64_t row, int64_t hoff, int64_t b0, int64_t n_pad, float* const* dst) {
-  for (int dc = 0; dc < HD; dc += 32) {
-    __m256 acc[NR][4];
+  for (int dc = 0; dc < HD; dc += 8 * W) {
+    __m256 acc[NR][W];
     for (int i = 0; i < NR; ++i)
-      for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_setzero_ps();
+      for (int c = 0; c < W; ++c) acc[i][c] = _mm256_setzero_ps();
     const int64_t nb = (n_pad + BS - 1) / BS;
     for (int64_t b = b0; b < nb; ++b) {
       const float* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
       const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
       const float* pt = scores + base;
       for (int64_t t = 0; t < nt; ++t) {
-        __m256 v[4];
-        for (int c = 0; c < 4; ++c) v[c] = _mm256_loadu_ps(vb + t * row + 8 * c);
+        __m256 v[W];
+        for (int c = 0; c < W; ++c) v[c] = _mm256_loadu_ps(vb + t * row + 8 * c);
+        if constexpr (W == 2) asm("" : "+x"(v[0]), "+x"(v[1]));
         for (int i = 0; i < NR; ++i) {
           const __m256 w = _mm256_broadcast_ss(pt + i * stride + t);
-          for (int c = 0; c < 4; ++c) acc[i][c] = _mm256_fmadd_ps(w, v[c], acc[i][c]);
+          for (int c = 0; c < W; ++c) acc[i][c] = _mm256_fmadd_ps(w, v[c], acc[i][c]);
         }
       }
     }
     for (int i = 0; i < NR; ++i)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(dst[i] + dc + 8 * c, acc[i][c]);
-  }
-}
-
-// pv_rows_f32 for up to 6 rows and 16-float slices of the head: a token's two V vectors stay in registers
-// for the rows (2 loads and NR broadcasts for 2 NR FMAs) where pv_rows_f32's 12 accumulators leave no
-// register for them and GCC loads V again for every row's FMA.
-template <int NR, int HD>
-inline void pv_rows16_f32(const float* scores, int64_t stride, const float* vp, const int32_t* table, int64_t BS,
-                          int64_t row, int64_t hoff, int64_t b0, int64_t n_pad, float* const* dst) {
-  for (int dc = 0; dc < HD; dc += 16) {
-    __m256 acc[NR][2];
-    for (int i = 0; i < NR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    const int64_t nb = (n_pad + BS - 1) / BS;
-    for (int64_t b = b0; b < nb; ++b) {
-      const float* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
-      const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
-      const float* pt = scores + base;
-      for (int64_t t = 0; t < nt; ++t) {
-        __m256 v0 = _mm256_loadu_ps(vb + t * row), v1 = _mm256_loadu_ps(vb + t * row + 8);
-        asm("" : "+x"(v0), "+x"(v1));
-        for (int i = 0; i < NR; ++i) {
-          const __m256 w = _mm256_broadcast_ss(pt + i * stride + t);
-          acc[i][0] = _mm256_fmadd_ps(w, v0, acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(w, v1, acc[i][1]);
-        }
-      }
-    }
-    for (int i = 0; i < NR; ++i) {
-      _mm256_storeu_ps(dst[i] + dc, acc[i][0]);
-      _mm256_storeu_ps(dst[i] + dc + 8, acc[i][1]);
-    }
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(dst[i] + dc + 8 * c, acc[i][c]);
   }
 }
 
@@ -754,11 +727,11 @@ void run_f32(const Args& a, int num_threads) {
         }
       }
 
-      // softmax and PV head by head, three rows at a time (a shorter row's tail up to the tile's longest is
-      // zero)
-      // Prefill tiles' many rows take pv_rows16_f32 (4 x 512 tokens, 30 layers, avx2-only build: 247 ms
-      // against 288; native 251 against 286). Its slices double the passes over V, which a verify of 5
-      // tokens (15 rows) read from memory: 55.1 ms against 52.9 at 18 x 600, so fewer rows keep the wide one.
+      // softmax and PV head by head, a few rows at a time (a shorter row's tail up to the tile's longest is
+      // zero): prefill tiles' many rows 6 at a time over 16-float slices (4 x 512 tokens, 30 layers,
+      // avx2-only build: 247 ms against 288; native 251 against 286), fewer rows 3 over 32-float ones, as
+      // the narrow slices' extra passes over V cost a verify of 5 tokens (15 rows), which reads V from
+      // memory, 55.1 ms against 52.9 at 18 x 600.
       const int64_t rows_at_once = R >= 24 ? 6 : 3;
       for (int64_t hh = 0; hh < H; ++hh)
         for (int64_t r0 = 0; r0 < R; r0 += rows_at_once) {
@@ -774,12 +747,12 @@ void run_f32(const Args& a, int num_threads) {
           const int64_t hoff = (task.h0 + hh) * HD;
           if (rows_at_once == 6) {
             switch (nr) {
-              case 6: pv_rows16_f32<6, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 5: pv_rows16_f32<5, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 4: pv_rows16_f32<4, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 3: pv_rows16_f32<3, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 2: pv_rows16_f32<2, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              default: pv_rows16_f32<1, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 6: pv_rows_f32<6, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 5: pv_rows_f32<5, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 4: pv_rows_f32<4, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 3: pv_rows_f32<3, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 2: pv_rows_f32<2, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              default: pv_rows_f32<1, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
             }
           } else if (nr == 3) pv_rows_f32<3, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);
           else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);

@@ -364,9 +364,9 @@ def quant_fast() -> bool:
 class Product:
     """A weight-only product of the library (specserve_<name>) bound to its weights: their checks and
     pointers are taken once, when bound, so a call checks only its activations. A batch-1 decode step of
-    SmolLM2 makes 121 of these calls; bound, one costs ~3 us of Python where checking the weights each time
-    cost ~7. Called as (x, its row stride, rows, *weights, out, its row stride, threads); rc != 0 means the
-    library refused its arguments."""
+    SmolLM2 makes 121 of these calls; bound, a tiny one takes ~4.5 us against ~6.7 when the weights were
+    checked at every call (avx2 build, Zen 4). Called as (x, its row stride, rows, *weights, out, its row
+    stride, threads); rc != 0 means the library refused its arguments."""
 
     __slots__ = ("name", "n", "k", "x_dtype", "out_dtype", "_fn", "_args", "_weights")
 
