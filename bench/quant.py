@@ -220,26 +220,24 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 decode[label].append((tokens - len(requests)) / (seconds - first))
                 line += f"; to first tokens {first:.1f} s, decode alone {decode[label][-1]:.1f} tok/s"
             print(line, flush=True)
-        base = statistics.fmean(runs[f"{native} none"])
-        fp32 = statistics.fmean(runs["float32 dense"]) if "float32 dense" in runs else math.nan
-        fp32 = base if native == "float32" else fp32
-        print(f"  {phase}, mean of two runs:")
-        for label, r in runs.items():
-            mean = statistics.fmean(r)
-            ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
-            print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
-        out[phase] = {label: statistics.fmean(r) for label, r in runs.items()}
+        out[phase] = _means(f"{phase}, mean of two runs", runs, native)
         if n_seqs == 1:
-            base = statistics.fmean(decode[f"{native} none"])
-            fp32 = statistics.fmean(decode["float32 dense"]) if "float32 dense" in decode else base
-            print(f"  {phase}, decode alone (time to first tokens taken off), mean of two runs:")
-            for label, r in decode.items():
-                mean = statistics.fmean(r)
-                ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
-                print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
-            out[f"{phase}, decode alone"] = {label: statistics.fmean(r) for label, r in decode.items()}
+            title = f"{phase}, decode alone (time to first tokens taken off), mean of two runs"
+            out[f"{phase}, decode alone"] = _means(title, decode, native)
         del engines
     return out
+
+
+def _means(title: str, runs: dict[str, list[float]], native: str) -> dict[str, float]:
+    """Each mode's mean tok/s, printed beside its ratios to dense in the native dtype and in float32."""
+    means = {label: statistics.fmean(r) for label, r in runs.items()}
+    base = means[f"{native} none"]
+    fp32 = base if native == "float32" else means.get("float32 dense", math.nan)
+    print(f"  {title}:")
+    for label, mean in means.items():
+        ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
+        print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
+    return means
 
 
 def _threads() -> int:
