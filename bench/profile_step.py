@@ -5,7 +5,7 @@ done), then profiles --steps decode steps twice: with torch.profiler (top ops by
 cProfile (top Python functions by own time). Not a test; a look for whoever optimises the step.
 
     python bench/profile_step.py [--batch 64] [--steps 10] [--dtype bfloat16] [--quantization int8]
-        [--workload W.jsonl]
+        [--workload W.jsonl] [--chain-ab]
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--attention-backend", default="auto", help="auto, torch or cpu (the C++ kernel)")
     p.add_argument("--quantization", default="auto", help="none, auto, int8 or int4 (the service's flag)")
+    p.add_argument(
+        "--chain-ab",
+        action="store_true",
+        help="also time --steps steps with the layers chained in one library call and as the Python loop, "
+        "alternating (ABBA twice), and print both",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -49,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = llm.engine
     # Long outputs, so nobody finishes while we look.
     params = SamplingParams(
-        max_tokens=4 * args.steps + 64, temperature=0.0, ignore_eos=True, speculation="off"
+        max_tokens=(12 if args.chain_ab else 4) * args.steps + 64,
+        temperature=0.0,
+        ignore_eos=True,
+        speculation="off",
     )
     for i, r in enumerate(workload.requests[: args.batch]):
         engine.add_request(f"p{i}", r.prompt_token_ids, params)
@@ -71,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"decode step: {wall * 1e3:.1f} ms wall")
     print(format_breakdown("plain", breakdown(step_delta(before, engine.step_times.as_dict()))))
 
+    if args.chain_ab:
+        chain_ab(engine, args.steps)
+
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             engine.step()
@@ -89,6 +101,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cProfile, {args.steps} decode steps, top functions by own time:")
     print(buf.getvalue())
     return 0
+
+
+def chain_ab(engine, steps: int) -> None:
+    """Decode steps with the model's layer chain (models/llama.py: LlamaModel.layer_chain) and without it,
+    in ABBA order twice; contexts grow as it runs, so each side gets early and late steps alike."""
+    model = engine.model
+    chain = model.layer_chain
+    if chain is None:
+        print("\nchain A/B: this model runs no layer chain (see LlamaModel._layer_chain)")
+        return
+    times: dict[str, list[float]] = {"chained": [], "Python loop": []}
+    try:
+        for order in (["chained", "Python loop"], ["Python loop", "chained"]) * 2:
+            for name in order:
+                model.layer_chain = chain if name == "chained" else None
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                times[name].append((time.perf_counter() - t0) / steps * 1e3)
+    finally:
+        model.layer_chain = chain
+    print("\nchain A/B, ms a decode step (ABBA twice):")
+    for name, ts in times.items():
+        print(f"  {name:12s} {sum(ts) / len(ts):7.2f}   ({', '.join(f'{t:.2f}' for t in ts)})")
 
 
 if __name__ == "__main__":

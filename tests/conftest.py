@@ -71,6 +71,16 @@ TINY_SHAPES = {
         attention_bias=True,
         mlp_bias=True,
     ),
+    # SmolLM2's head size (64), where the C++ kernels' fast float32 attention runs prefill chunks too
+    "llama_hd64": dict(
+        arch="llama",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
     "mistral": dict(
         arch="mistral",
         hidden_size=64,

@@ -16,7 +16,7 @@ from specserve.engine.llm_engine import LLMEngine
 from specserve.engine.sampling_params import InvalidParameter
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-SHAPES = ["llama_gqa_tied", "llama3_untied", "qwen2_bias", "mistral"]
+SHAPES = ["llama_gqa_tied", "llama3_untied", "qwen2_bias", "llama_hd64", "mistral"]
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -10,6 +10,7 @@ plugs in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import AttentionBackend, select_backend
+from specserve.kernels import cpu_paged_attention as cpu_kernels
 from specserve.kernels.huge_pages import advise_huge_pages
 from specserve.models import quant
 from specserve.models.config import ModelConfig
@@ -221,6 +223,9 @@ class LlamaModel:
                 layer.down_bias_after, layer.down_bias = layer.down_bias, None
         self.scale = cfg.scale
         self.windows = cfg.windows  # distinct sliding windows: the runner builds a plan for each
+        # Steps the chain can take run all their layers in one library call; None (or a step it cannot
+        # take) runs the Python loop below, which tests and benchmarks compare it with.
+        self.layer_chain, self._chain_rows = self._layer_chain()
         self._cos: list[torch.Tensor] = []
         self._sin: list[torch.Tensor] = []
         self._rope_len = 0
@@ -280,6 +285,73 @@ class LlamaModel:
             head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
+
+    def _layer_chain(self) -> tuple[cpu_kernels.LayerChain | None, float]:
+        """The layers as one library call a step (cpu_kernels.LayerChain), and the most rows a step may have
+        for it, where every layer is a plain pre-norm one whose work all runs in the library: fused rope,
+        norms and silu * up, library products, no sliding window, soft-cap, q/k norm, sandwich norm,
+        experts or tensor parallelism. Else (None, 0): the Python loop."""
+        cfg = self.cfg
+        plain = (
+            self.backend.name == "cpu"
+            and self._fused_rope
+            and self._fused_add_norm is not None
+            and self._fused_silu_mul is not None
+            and self.tp is None
+            and not cfg.attn_softcap
+        )
+        if not plain:
+            return None, 0
+        chained: list[cpu_kernels.ChainLayer] = []
+        max_rows = math.inf
+        for layer in self.layers:
+            if layer.router is not None or layer.q_norm is not None or layer.attn_out_norm is not None:
+                return None, 0
+            if layer.window is not None:  # its attention reads a plan of its own (window_plans)
+                return None, 0
+            products = {}
+            for name in ("qkv", "o", "gate_up", "down"):
+                w = getattr(layer, name)
+                found = w.library_product() if isinstance(w, quant.Packed | quant.DensePanels) else None
+                if found is None:
+                    return None, 0
+                products[name], rows = found
+                max_rows = min(max_rows, rows)
+            biases = {f"{name}_bias": getattr(layer, f"{name}_bias") for name in products}
+            if self.dtype != torch.float32 and any(b is not None for b in biases.values()):
+                return None, 0
+            chained.append(
+                cpu_kernels.ChainLayer(
+                    layer.input_norm, layer.mlp_norm, rope=layer.rope, **products, **biases
+                )
+            )
+        chain = cpu_kernels.LayerChain(
+            chained,
+            self.dtype,
+            cfg.hidden_size,
+            chained[0].down.k,  # the intermediate size
+            self.num_heads,
+            self.num_kv_heads,
+            cfg.head_dim,
+        )
+        return chain, max_rows
+
+    def _chain_seq_ids(self, rows: int, attn: AttentionInputs, kv_caches: list) -> torch.Tensor | None:
+        """The sequences the chained layers' attention takes this step, or None where the step needs the
+        Python loop: more rows than a product's kernel serves, or attention the library does not run (the
+        same choice the backend's paged_attention makes)."""
+        plan = attn.plan
+        native = getattr(plan, "native", None)
+        if self.layer_chain is None or rows > self._chain_rows or native is None:
+            return None
+        k_cache = kv_caches[0][0]
+        if not cpu_kernels.supports(self.dtype, k_cache.shape[1]):
+            return None
+        if native.all_ids.numel() == native.seq_ids.numel():
+            return native.seq_ids
+        if cpu_kernels.supports_long(self.dtype, self.cfg.head_dim, k_cache.shape[1]):
+            return native.all_ids
+        return None
 
     def _rope_cache(self, length: int) -> None:
         # float32 angles as HF computes them, then cast: bit-identical rotations in fp32.
@@ -382,6 +454,24 @@ class LlamaModel:
         h = self.embed[input_ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        seq_ids = self._chain_seq_ids(n, attn, kv_caches)
+        if seq_ids is not None:
+            nat = attn.plan.native
+            h = h.contiguous()  # the chain adds into it in place
+            m = self.layer_chain(
+                h,
+                positions.contiguous(),
+                attn.slot_mapping.contiguous(),
+                list(zip(self._cos, self._sin)),
+                kv_caches,
+                nat.block_tables,
+                nat.seq_lens,
+                nat.query_start_loc,
+                seq_ids,
+                self.scale,
+                cfg.rms_norm_eps,
+            )
+            return h + m
         backend = self.backend
         softcap = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
         pending = None  # the last layer's MLP output: added to h by the next layer's norm, in one pass

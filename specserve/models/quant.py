@@ -18,6 +18,7 @@ dense head would otherwise cost as much as all the quantized layers together).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -274,6 +275,10 @@ class DensePanels:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x.contiguous())
 
+    def library_product(self) -> tuple[cpu_kernels.Product, float]:
+        """The library product mm calls, and the most rows it serves (all)."""
+        return self._product, math.inf
+
 
 def _own_panels(w: QuantizedWeight) -> bool:
     """Whether our float32 kernel runs this matrix's steps of many rows as well, widening it a panel of 16
@@ -307,6 +312,15 @@ class _Packed:
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def library_product(self) -> tuple[cpu_kernels.Product, float] | None:
+        """The library product mm calls for steps of up to the returned rows, for a caller that chains the
+        products in C++ (cpu_kernels.LayerChain); None where even a step of one row runs elsewhere (torch's
+        int4 kernel in bfloat16)."""
+        product = getattr(self, "_product", None)
+        if not self.has_kernel or product is None:
+            return None
+        return product, math.inf if self.many_rows == self.kernel else self.kernel_max_rows
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
