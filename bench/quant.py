@@ -1,6 +1,8 @@
 """Weight-only int8/int4 (issue 15, item 2): speed at batch 1 and at 64 in flight, and perplexity.
 
-Speed, every mode in one process, runs in ABBA order (each mode's figure is the mean of its two runs):
+Speed, every mode in one process, runs in ABBA order, --rounds times (each mode's figure is the mean of its
+runs; on the 2-core cloud machines a dense batch-1 token took 15 ms one minute and 20 the next, so more
+rounds steady the ratios):
 - batch 1: the first --batch1-requests W1 requests one at a time (the decode-bound case quantization is for);
 - W1 at --max-num-seqs in flight (quantization must not cost throughput at large batch).
 Modes: dense in float32, and dense / int8 / int4 / auto in the machine's native dtype (bf16 where AVX512-BF16
@@ -205,7 +207,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         # after the full run, so that decode alone has a rate: the tokens after the first over the time after.
         decode: dict[str, list[float]] = {label: [] for label in labels}
         firsts = [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True) for _ in requests]
-        order = labels + list(reversed(labels))
+        order = (labels + list(reversed(labels))) * args.rounds
         print(f"\n{phase}: {len(requests)} requests, {tokens} output tokens; runs in order {order}")
         for label in order:
             if label == "llama.cpp":
@@ -220,9 +222,10 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 decode[label].append((tokens - len(requests)) / (seconds - first))
                 line += f"; to first tokens {first:.1f} s, decode alone {decode[label][-1]:.1f} tok/s"
             print(line, flush=True)
-        out[phase] = _means(f"{phase}, mean of two runs", runs, native)
+        runs_of = f"mean of {2 * args.rounds} runs"
+        out[phase] = _means(f"{phase}, {runs_of}", runs, native)
         if n_seqs == 1:
-            title = f"{phase}, decode alone (time to first tokens taken off), mean of two runs"
+            title = f"{phase}, decode alone (time to first tokens taken off), {runs_of}"
             out[f"{phase}, decode alone"] = _means(title, decode, native)
         del engines
     return out
@@ -261,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch1", action="store_true", help="time batch 1 only (with --in-flight: both)")
     p.add_argument("--in-flight", action="store_true", help="time --max-num-seqs in flight only")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds of the speed runs")
     p.add_argument(
         "--llama-cpp",
         metavar="PYTHON",
