@@ -22,9 +22,11 @@ groups of 32).
     python bench/quant.py --batch1 --skip-ppl --llama-cpp /path/to/venv/bin/python   # and llama.cpp
     python bench/quant.py --batch1 --skip-ppl --emulate-avx2   # an AVX2-only CPU's paths, float32
 
-At batch 1 each mode also times its requests to their first token (max_tokens=1) after each full run, and
-prints decode alone: the tokens after the first over the time after it. The full runs include each request's
-prefill, which runs at about the same speed in every mode (products of many rows).
+At batch 1 each mode also prints decode alone: the tokens after each request's first over the time after it,
+from the run's own request metrics (e2e - ttft); llama.cpp's from a max_tokens=1 run after each full run,
+taken off. The full runs include each request's prefill, which runs at about the same speed in every mode
+(products of many rows). An earlier version took every mode's first tokens from such separate runs, whose
+own noise (4.5-5.7 s for the same 8 prefills) swung decode alone by up to 30 %.
 """
 
 from __future__ import annotations
@@ -120,14 +122,17 @@ def run_perplexity(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
-def timed(llm, ids: list[list[int]], params: list, one_at_a_time: bool) -> float:
+def timed(llm, ids: list[list[int]], params: list, one_at_a_time: bool) -> tuple[float, float]:
+    """Seconds for the generations, and their seconds after each request's first token (decode alone)."""
     t0 = time.perf_counter()
+    outputs = []
     if one_at_a_time:
         for i, p in zip(ids, params):
-            llm.generate([i], p)
+            outputs += llm.generate([i], p)
     else:
-        llm.generate(ids, params)
-    return time.perf_counter() - t0
+        outputs = llm.generate(ids, params)
+    seconds = time.perf_counter() - t0
+    return seconds, sum(o.metrics["e2e"] - o.metrics["ttft"] for o in outputs)
 
 
 LLAMA_CPP_CHILD = r"""
@@ -203,8 +208,8 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             llm.generate(ids[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
         labels = list(engines) + (["llama.cpp"] if args.llama_cpp and n_seqs == 1 else [])
         runs: dict[str, list[float]] = {label: [] for label in labels}
-        # Batch 1 also times each request to its first token (max_tokens=1: its prefill and one token) right
-        # after the full run, so that decode alone has a rate: the tokens after the first over the time after.
+        # Decode alone at batch 1: the tokens after each request's first over the time after it (ours from the
+        # run's request metrics; llama.cpp's first tokens from a max_tokens=1 run after the full one).
         decode: dict[str, list[float]] = {label: [] for label in labels}
         firsts = [SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True) for _ in requests]
         order = (labels + list(reversed(labels))) * args.rounds
@@ -214,8 +219,8 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 seconds = llama_cpp_seconds(args.llama_cpp, _threads(), ids, params)
                 first = llama_cpp_seconds(args.llama_cpp, _threads(), ids, firsts) if n_seqs == 1 else 0.0
             else:
-                seconds = timed(engines[label], ids, params, one_at_a_time=n_seqs == 1)
-                first = timed(engines[label], ids, firsts, one_at_a_time=True) if n_seqs == 1 else 0.0
+                seconds, after_first = timed(engines[label], ids, params, one_at_a_time=n_seqs == 1)
+                first = seconds - after_first
             runs[label].append(tokens / seconds)
             line = f"  {label:16s} {tokens / seconds:8.1f} tok/s ({seconds:.1f} s)"
             if n_seqs == 1:
@@ -225,7 +230,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         runs_of = f"mean of {2 * args.rounds} runs"
         out[phase] = _means(f"{phase}, {runs_of}", runs, native)
         if n_seqs == 1:
-            title = f"{phase}, decode alone (time to first tokens taken off), {runs_of}"
+            title = f"{phase}, decode alone (after each request's first token), {runs_of}"
             out[f"{phase}, decode alone"] = _means(title, decode, native)
         del engines
     return out
