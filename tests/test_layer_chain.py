@@ -75,3 +75,21 @@ def test_chained_layers_equal_the_python_loop_bit_for_bit(tiny_model_factory, dt
     # every step but the prefill chunks, which the chain takes only where the library's attention runs
     # long queries (head size 64); float32 products of int8 / int4 widen panels past 8 rows, so no row limit
     assert counting.calls == (len(STEPS) if shape == "llama_hd64" else len(STEPS) - 2)
+
+
+def test_a_step_of_more_rows_than_a_products_kernel_serves_takes_the_loop(tiny_model_factory):
+    """With a dense copy for steps of many rows (auto where that pays), the chain's products serve few rows
+    only; a larger step runs the Python loop, whose linear picks the copy."""
+    llm = LLM(
+        str(tiny_model_factory("llama_gqa_tied")), dtype="float32", quantization="int8", num_kv_blocks=32
+    )
+    model = llm.engine.model
+    if model.layer_chain is None:
+        pytest.skip("the chain runs the AVX2 + FMA build's products")
+    counting = Counting(model.layer_chain)
+    model.layer_chain, model._chain_rows = counting, 8
+    runner = ModelRunner(model, 32, BLOCK)
+    runner.forward([ForwardEntry(list(range(5, 17)), 0, [0], num_logits=1)])  # 12 rows: the loop
+    assert counting.calls == 0
+    runner.forward([ForwardEntry([17], 12, [0], num_logits=1), ForwardEntry([3], 0, [1], num_logits=1)])
+    assert counting.calls == 1
