@@ -82,6 +82,15 @@ class NativeShort:
     seq_lens: torch.Tensor  # int32 [num_seqs]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
 
+    def kernel_takes_all(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether the C++ kernel runs every sequence (all_ids): no prefill chunks, or a fast path that takes
+        them; else it runs seq_ids and the chunks go to gather + SDPA."""
+        from specserve.kernels import cpu_paged_attention
+
+        return self.all_ids.numel() == self.seq_ids.numel() or cpu_paged_attention.supports_long(
+            dtype, head_dim, block_size
+        )
+
 
 @dataclass
 class AttentionPlan:
@@ -323,13 +332,10 @@ def paged_attention(
                 softcap,
             )
         nat = plan.native
-        ids = nat.seq_ids
+        ids = nat.all_ids
         long_seqs: list[LongSeq] = []
-        if nat.all_ids.numel() > ids.numel():  # prefill chunks in the batch
-            if cpu_paged_attention.supports_long(q.dtype, head_dim, k_cache.shape[1]):
-                ids = nat.all_ids
-            else:
-                long_seqs = plan.long_seqs()
+        if not nat.kernel_takes_all(q.dtype, head_dim, k_cache.shape[1]):
+            ids, long_seqs = nat.seq_ids, plan.long_seqs()
         if ids.numel():
             cpu_paged_attention.paged_attention_short(
                 q,

@@ -338,20 +338,16 @@ class LlamaModel:
 
     def _chain_seq_ids(self, rows: int, attn: AttentionInputs, kv_caches: list) -> torch.Tensor | None:
         """The sequences the chained layers' attention takes this step, or None where the step needs the
-        Python loop: more rows than a product's kernel serves, or attention the library does not run (the
-        same choice the backend's paged_attention makes)."""
+        Python loop: more rows than a product's kernel serves, or attention the library does not run
+        (NativeShort.kernel_takes_all, which the backend's paged_attention asks too)."""
         plan = attn.plan
         native = getattr(plan, "native", None)
         if self.layer_chain is None or rows > self._chain_rows or native is None:
             return None
-        k_cache = kv_caches[0][0]
-        if not cpu_kernels.supports(self.dtype, k_cache.shape[1]):
+        block_size = kv_caches[0][0].shape[1]
+        if not cpu_kernels.supports(self.dtype, block_size):
             return None
-        if native.all_ids.numel() == native.seq_ids.numel():
-            return native.seq_ids
-        if cpu_kernels.supports_long(self.dtype, self.cfg.head_dim, k_cache.shape[1]):
-            return native.all_ids
-        return None
+        return native.all_ids if native.kernel_takes_all(self.dtype, self.cfg.head_dim, block_size) else None
 
     def _rope_cache(self, length: int) -> None:
         # float32 angles as HF computes them, then cast: bit-identical rotations in fp32.
