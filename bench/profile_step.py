@@ -104,24 +104,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def chain_ab(engine, steps: int) -> None:
-    """Decode steps with the model's layer chain (models/llama.py: LlamaModel.layer_chain) and without it,
+    """Decode steps with the model's layer chains (models/llama.py: LlamaModel.chain_runs) and without them,
     in ABBA order twice; contexts grow as it runs, so each side gets early and late steps alike."""
     model = engine.model
-    chain = model.layer_chain
-    if chain is None:
-        print("\nchain A/B: this model runs no layer chain (see LlamaModel._layer_chain)")
+    runs = model.chain_runs
+    if not runs:
+        print("\nchain A/B: this model runs no layer chain (see LlamaModel._layer_chains)")
         return
     times: dict[str, list[float]] = {"chained": [], "Python loop": []}
     try:
         for order in (["chained", "Python loop"], ["Python loop", "chained"]) * 2:
             for name in order:
-                model.layer_chain = chain if name == "chained" else None
+                model.chain_runs = runs if name == "chained" else []
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
                 times[name].append((time.perf_counter() - t0) / steps * 1e3)
     finally:
-        model.layer_chain = chain
+        model.chain_runs = runs
     print("\nchain A/B, ms a decode step (ABBA twice):")
     for name, ts in times.items():
         print(f"  {name:12s} {sum(ts) / len(ts):7.2f}   ({', '.join(f'{t:.2f}' for t in ts)})")

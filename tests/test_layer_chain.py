@@ -3,12 +3,15 @@ loop over the same kernels: bit for bit, step by step, in every step shape the c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from specserve import LLM
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.kernels import cpu_paged_attention as cpu_kernels
+from specserve.models import quant
 
 BLOCK = 16
 
@@ -37,11 +40,31 @@ STEPS = [
 
 
 def _chains(dtype: str, shape: str, mode: str) -> bool:
-    """Whether every product of the model runs in the library: float32 on AVX2 + FMA builds; bfloat16 on
-    AVX512-BF16 ones, but not int4 (few rows are torch's kernel) nor biases (added in float32 only)."""
+    """Whether the model's products run in the library, for some steps at least: float32 on AVX2 + FMA
+    builds; bfloat16 on AVX512-BF16 ones, but not with biases (added in float32 only)."""
     if dtype == "float32":
         return cpu_kernels.quant_fast()
-    return cpu_kernels.quant_bf16_fast() and mode != "int4" and "bias" not in shape
+    return cpu_kernels.quant_bf16_fast() and "bias" not in shape
+
+
+def _chained_steps(dtype: str, shape: str, mode: str) -> int:
+    """STEPS' steps the chain takes: not prefill chunks, which it takes only where the library's attention
+    runs long queries (head size 64); in bf16 int4 only steps of more rows than torch's few-row kernel serves
+    (our many-row kernel's), else every size (float32 products of int8 / int4 widen panels past 8 rows)."""
+    long_queries = shape == "llama_hd64"
+    few_rows = not (dtype == "bfloat16" and mode == "int4")
+    return sum(
+        (long_queries or all(n <= 16 for _, _, n in step))
+        and (few_rows or sum(n for _, _, n in step) > quant.KERNEL_MAX_ROWS)
+        for step in STEPS
+    )
+
+
+def _counting(model) -> list[Counting]:
+    counters = [Counting(chain) for _, chain in model.chain_runs if chain is not None]
+    chains = iter(counters)
+    model.chain_runs = [(most, chain and next(chains)) for most, chain in model.chain_runs]
+    return counters
 
 
 @pytest.mark.parametrize("shape", ["llama_gqa_tied", "qwen2_bias", "llama_bias", "llama_hd64"])
@@ -51,10 +74,10 @@ def test_chained_layers_equal_the_python_loop_bit_for_bit(tiny_model_factory, dt
     llm = LLM(str(tiny_model_factory(shape)), dtype=dtype, quantization=mode, num_kv_blocks=32)
     model = llm.engine.model
     if not _chains(dtype, shape, mode):
-        assert model.layer_chain is None
+        assert model.chain_runs == []
         return
-    assert model.layer_chain is not None
-    counting = Counting(model.layer_chain)
+    counters = _counting(model)
+    runs = model.chain_runs
     chained, looped = ModelRunner(model, 32, BLOCK), ModelRunner(model, 32, BLOCK)
     generator = torch.Generator().manual_seed(0)
     tables = {0: [0, 1, 2], 1: [3, 4], 2: [5, 6, 7]}
@@ -65,31 +88,57 @@ def test_chained_layers_equal_the_python_loop_bit_for_bit(tiny_model_factory, dt
             )
             for seq, start, n in step
         ]
-        model.layer_chain = counting
+        model.chain_runs = runs
         got, _ = chained.forward(entries)
-        model.layer_chain = None
+        model.chain_runs = []
         want, _ = looped.forward(entries)
         assert torch.equal(got, want), step
     for (k1, v1), (k2, v2) in zip(chained.kv_caches, looped.kv_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
-    # every step but the prefill chunks, which the chain takes only where the library's attention runs
-    # long queries (head size 64); float32 products of int8 / int4 widen panels past 8 rows, so no row limit
-    assert counting.calls == (len(STEPS) if shape == "llama_hd64" else len(STEPS) - 2)
+    assert sum(c.calls for c in counters) == _chained_steps(dtype, shape, mode)
 
 
-def test_a_step_of_more_rows_than_a_products_kernel_serves_takes_the_loop(tiny_model_factory):
-    """With a dense copy for steps of many rows (auto where that pays), the chain's products serve few rows
-    only; a larger step runs the Python loop, whose linear picks the copy."""
+def test_a_step_in_a_run_of_sizes_without_a_chain_takes_the_loop(tiny_model_factory):
+    """Where a product serves few rows outside the library (torch's bf16 int4 kernel) the model holds no chain
+    for those sizes, and a step of that size runs the Python loop even though larger steps chain."""
     llm = LLM(
         str(tiny_model_factory("llama_gqa_tied")), dtype="float32", quantization="int8", num_kv_blocks=32
     )
     model = llm.engine.model
-    if model.layer_chain is None:
+    if not model.chain_runs:
         pytest.skip("the chain runs the AVX2 + FMA build's products")
-    counting = Counting(model.layer_chain)
-    model.layer_chain, model._chain_rows = counting, 8
+    counting = Counting(model.chain_runs[-1][1])
+    model.chain_runs = [(8, None), (math.inf, counting)]
     runner = ModelRunner(model, 32, BLOCK)
-    runner.forward([ForwardEntry(list(range(5, 17)), 0, [0], num_logits=1)])  # 12 rows: the loop
-    assert counting.calls == 0
+    runner.forward([ForwardEntry(list(range(5, 17)), 0, [0], num_logits=1)])  # 12 rows: chained
+    assert counting.calls == 1
     runner.forward([ForwardEntry([17], 12, [0], num_logits=1), ForwardEntry([3], 0, [1], num_logits=1)])
     assert counting.calls == 1
+
+
+def test_bf16_auto_chains_the_dense_copys_steps_and_leaves_few_rows_to_torchs_int4_kernel():
+    """The demo's Q4_1 under auto in bf16: steps of up to BF16_INT4_KERNEL_MAX_ROWS rows run torch's int4
+    kernel (the Python loop), larger ones the dense copy's panels, chained, bit for bit the loop's."""
+    if not (cpu_kernels.load() is not None and cpu_kernels.quant_bf16_fast()):
+        pytest.skip("bf16 panels need AVX512-BF16")
+    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32)
+    model = llm.engine.model
+    if not isinstance(model.layers[0].qkv.many_rows.__self__, quant.DensePanels):
+        pytest.skip("auto's dense copy runs on oneDNN here (AMX)")
+    most, few = model.chain_runs[0]
+    assert (most, few) == (quant.BF16_INT4_KERNEL_MAX_ROWS, None) and model.chain_runs[1][0] == math.inf
+    counters = _counting(model)
+    runs = model.chain_runs
+    chained, looped = ModelRunner(model, 32, BLOCK), ModelRunner(model, 32, BLOCK)
+    steps = [[(0, 0, 12)], [(0, 12, 1), (1, 0, 3)], [(0, 13, 1), (1, 3, 9)]]
+    tables = {0: [0, 1], 1: [2, 3]}
+    for step in steps:
+        entries = [
+            ForwardEntry(list(range(7, 7 + n)), start, tables[seq], num_logits=1) for seq, start, n in step
+        ]
+        model.chain_runs = runs
+        got, _ = chained.forward(entries)
+        model.chain_runs = []
+        want, _ = looped.forward(entries)
+        assert torch.equal(got, want), step
+    assert [c.calls for c in counters] == [2]  # 12 and 10 rows; 4 rows ran torch's kernel

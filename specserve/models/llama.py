@@ -10,7 +10,6 @@ plugs in.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -223,9 +222,9 @@ class LlamaModel:
                 layer.down_bias_after, layer.down_bias = layer.down_bias, None
         self.scale = cfg.scale
         self.windows = cfg.windows  # distinct sliding windows: the runner builds a plan for each
-        # Steps the chain can take run all their layers in one library call; None (or a step it cannot
-        # take) runs the Python loop below, which tests and benchmarks compare it with.
-        self.layer_chain, self._chain_rows = self._layer_chain()
+        # Steps a chain takes run all their layers in one library call; the rest run the Python loop below,
+        # which tests and benchmarks compare the chains with (chain_runs emptied).
+        self.chain_runs = self._layer_chains()
         self._cos: list[torch.Tensor] = []
         self._sin: list[torch.Tensor] = []
         self._rope_len = 0
@@ -260,7 +259,8 @@ class LlamaModel:
             copy_mm = None
             # steps of many rows read a dense copy (quant.KERNEL_MAX_ROWS) where it beats the kernels
             if keep_dense and quant.dense_copy_pays(w, self.dtype, self.device):
-                copy_mm = dense_mm(dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype)))
+                copy = dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype))
+                copy_mm = copy if isinstance(copy, quant.DensePanels) else dense_mm(copy)
             return quant.pack(w, self.dtype, self.device, copy_mm)
 
         quantized = False
@@ -286,11 +286,13 @@ class LlamaModel:
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
 
-    def _layer_chain(self) -> tuple[cpu_kernels.LayerChain | None, float]:
-        """The layers as one library call a step (cpu_kernels.LayerChain), and the most rows a step may have
-        for it, where every layer is a plain pre-norm one whose work all runs in the library: fused rope,
-        norms and silu * up, library products, no sliding window, soft-cap, q/k norm, sandwich norm,
-        experts or tensor parallelism. Else (None, 0): the Python loop."""
+    def _layer_chains(self) -> list[tuple[float, cpu_kernels.LayerChain | None]]:
+        """The layers as one library call a step (cpu_kernels.LayerChain), where every layer is a plain
+        pre-norm one whose work all runs in the library: fused rope, norms and silu * up, no sliding window,
+        soft-cap, q/k norm, sandwich norm, experts or tensor parallelism. A chain for each run of step sizes
+        whose products are all the library's (quant: library_products), as (the most rows of the run, its
+        chain or None), runs in increasing order; a step in a run without a chain takes the Python loop.
+        With a dense copy for many rows (auto), bf16 int4 has two runs and chains only the copy's."""
         cfg = self.cfg
         plain = (
             self.backend.name == "cpu"
@@ -301,53 +303,69 @@ class LlamaModel:
             and not cfg.attn_softcap
         )
         if not plain:
-            return None, 0
-        chained: list[cpu_kernels.ChainLayer] = []
-        max_rows = math.inf
+            return []
+        runs: list[dict[str, list[tuple[float, cpu_kernels.Product | None]]]] = []
         for layer in self.layers:
             if layer.router is not None or layer.q_norm is not None or layer.attn_out_norm is not None:
-                return None, 0
+                return []
             if layer.window is not None:  # its attention reads a plan of its own (window_plans)
-                return None, 0
-            products = {}
-            for name in ("qkv", "o", "gate_up", "down"):
-                w = getattr(layer, name)
-                found = w.library_product() if isinstance(w, quant.Packed | quant.DensePanels) else None
-                if found is None:
-                    return None, 0
-                products[name], rows = found
-                max_rows = min(max_rows, rows)
-            biases = {f"{name}_bias": getattr(layer, f"{name}_bias") for name in products}
-            if self.dtype != torch.float32 and any(b is not None for b in biases.values()):
-                return None, 0
-            chained.append(
-                cpu_kernels.ChainLayer(
-                    layer.input_norm, layer.mlp_norm, rope=layer.rope, **products, **biases
-                )
+                return []
+            if self.dtype != torch.float32 and any(
+                getattr(layer, f"{name}_bias") is not None for name in ("qkv", "o", "gate_up", "down")
+            ):
+                return []
+            runs.append(
+                {
+                    name: w.library_products() if isinstance(w, quant.Packed | quant.DensePanels) else []
+                    for name in ("qkv", "o", "gate_up", "down")
+                    for w in [getattr(layer, name)]
+                }
             )
-        chain = cpu_kernels.LayerChain(
-            chained,
-            self.dtype,
-            cfg.hidden_size,
-            chained[0].down.k,  # the intermediate size
-            self.num_heads,
-            self.num_kv_heads,
-            cfg.head_dim,
-        )
-        return chain, max_rows
+        bounds = sorted({rows for layer in runs for products in layer.values() for rows, _ in products})
+        chains: list[tuple[float, cpu_kernels.LayerChain | None]] = []
+        for most in bounds:  # each matrix's product for the steps of up to `most` rows past the last bound
+            chosen = [
+                {name: next((p for rows, p in ps if rows >= most), None) for name, ps in products.items()}
+                for products in runs
+            ]
+            whole = all(p is not None for products in chosen for p in products.values())
+            chains.append((most, self._chain_of(chosen) if whole else None))
+        return chains if any(chain is not None for _, chain in chains) else []
 
-    def _chain_seq_ids(self, rows: int, attn: AttentionInputs, kv_caches: list) -> torch.Tensor | None:
-        """The sequences the chained layers' attention takes this step, or None where the step needs the
-        Python loop: more rows than a product's kernel serves, or attention the library does not run
+    def _chain_of(self, products: list[dict[str, cpu_kernels.Product]]) -> cpu_kernels.LayerChain:
+        layers = [
+            cpu_kernels.ChainLayer(
+                layer.input_norm,
+                layer.mlp_norm,
+                rope=layer.rope,
+                **chosen,
+                **{f"{name}_bias": getattr(layer, f"{name}_bias") for name in chosen},
+            )
+            for layer, chosen in zip(self.layers, products)
+        ]
+        cfg = self.cfg
+        intermediate = layers[0].down.k
+        return cpu_kernels.LayerChain(
+            layers, self.dtype, cfg.hidden_size, intermediate, self.num_heads, self.num_kv_heads, cfg.head_dim
+        )
+
+    def _chain(
+        self, rows: int, attn: AttentionInputs, kv_caches: list
+    ) -> tuple[cpu_kernels.LayerChain, torch.Tensor] | None:
+        """The chain this step takes and the sequences its attention runs, or None where the step needs the
+        Python loop: no chain for its size, or attention the library does not run
         (NativeShort.kernel_takes_all, which the backend's paged_attention asks too)."""
         plan = attn.plan
         native = getattr(plan, "native", None)
-        if self.layer_chain is None or rows > self._chain_rows or native is None:
+        chain = next((c for most, c in self.chain_runs if rows <= most), None)
+        if chain is None or native is None:
             return None
         block_size = kv_caches[0][0].shape[1]
         if not cpu_kernels.supports(self.dtype, block_size):
             return None
-        return native.all_ids if native.kernel_takes_all(self.dtype, self.cfg.head_dim, block_size) else None
+        if not native.kernel_takes_all(self.dtype, self.cfg.head_dim, block_size):
+            return None
+        return chain, native.all_ids
 
     def _rope_cache(self, length: int) -> None:
         # float32 angles as HF computes them, then cast: bit-identical rotations in fp32.
@@ -450,11 +468,12 @@ class LlamaModel:
         h = self.embed[input_ids]
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        seq_ids = self._chain_seq_ids(n, attn, kv_caches)
-        if seq_ids is not None:
+        chained = self._chain(n, attn, kv_caches)
+        if chained is not None:
+            chain, seq_ids = chained
             nat = attn.plan.native
             h = h.contiguous()  # the chain adds into it in place
-            m = self.layer_chain(
+            m = chain(
                 h,
                 positions.contiguous(),
                 attn.slot_mapping.contiguous(),

@@ -180,6 +180,10 @@ KERNEL_MAX_ROWS = 8
 # 5.2 / 6.9 ms against 5.9 / 6.3 / 7.5 on dense float32 panels; in 8-row passes at 18 rows, 8.9 against
 # 8.1 (avx2-only build, 2-core Zen 4).
 GROUPED_KERNEL_MAX_ROWS = 15
+# torch's bf16 int4 kernel beside a dense copy (auto) runs steps of up to this many rows: SmolLM2's four
+# layer matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py --rows 1,2,4,6,8`) took
+# 3.8 / 4.9 / 6.5 / 10.9 / 11.2 ms in it against 7.5 / 7.6 / 7.6 / 7.5 / 7.7 on the copy's bf16 panels.
+BF16_INT4_KERNEL_MAX_ROWS = 4
 
 
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
@@ -275,9 +279,9 @@ class DensePanels:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x.contiguous())
 
-    def library_product(self) -> tuple[cpu_kernels.Product, float]:
-        """The library product mm calls, and the most rows it serves (all)."""
-        return self._product, math.inf
+    def library_products(self) -> list[tuple[float, cpu_kernels.Product | None]]:
+        """The library product mm calls, for steps of every size (see _Packed.library_products)."""
+        return [(math.inf, self._product)]
 
 
 def _own_panels(w: QuantizedWeight) -> bool:
@@ -300,9 +304,12 @@ class _Packed:
     torch's packed-int ones in bf16), and for more rows a dense copy's matmul (auto keeps one) or else the
     matrix widened per call."""
 
-    def __init__(self, has_kernel: bool, dense_mm: DenseMatmul | None) -> None:
+    def __init__(self, has_kernel: bool, dense_mm: DenseMatmul | DensePanels | None) -> None:
         self.has_kernel = has_kernel
-        self.many_rows: DenseMatmul = dense_mm or self.widened_mm
+        panels = dense_mm if isinstance(dense_mm, DensePanels) else None
+        self.many_rows: DenseMatmul = panels.mm if panels else dense_mm or self.widened_mm
+        # the library product many_rows calls, where it is one (a dense copy's panels, our bf16 kernels)
+        self.many_rows_product = panels.library_products()[0][1] if panels else None
         self.kernel_max_rows = KERNEL_MAX_ROWS
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -313,14 +320,17 @@ class _Packed:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def library_product(self) -> tuple[cpu_kernels.Product, float] | None:
-        """The library product mm calls for steps of up to the returned rows, for a caller that chains the
-        products in C++ (cpu_kernels.LayerChain); None where even a step of one row runs elsewhere (torch's
-        int4 kernel in bfloat16)."""
-        product = getattr(self, "_product", None)
-        if not self.has_kernel or product is None:
-            return None
-        return product, math.inf if self.many_rows == self.kernel else self.kernel_max_rows
+    def library_products(self) -> list[tuple[float, cpu_kernels.Product | None]]:
+        """The library product mm calls for each run of step sizes, for a caller that chains the products in
+        C++ (cpu_kernels.LayerChain): (the most rows of the run, its product), runs in increasing order, the
+        last one unbounded; None for a run that is not the library's (torch's int4 kernel for few rows in
+        bfloat16, a matrix widened for torch's matmul)."""
+        few = getattr(self, "_product", None)
+        if self.has_kernel and self.many_rows == self.kernel:
+            return [(math.inf, few)]
+        if not self.has_kernel:
+            return [(math.inf, self.many_rows_product)]
+        return [(self.kernel_max_rows, few), (math.inf, self.many_rows_product)]
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -332,7 +342,11 @@ class PackedInt8(_Packed):
     values) in float32, and that kernel serves steps of any size unless a dense copy is kept for them."""
 
     def __init__(
-        self, w: Int8Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
+        self,
+        w: Int8Weight,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_mm: DenseMatmul | DensePanels | None = None,
     ) -> None:
         self.own = _own_kernels(dtype, device)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
@@ -379,7 +393,11 @@ class PackedInt4(_Packed):
     serves many rows, our AVX512-BF16 kernel's tiles, or else the nibbles again to widen."""
 
     def __init__(
-        self, w: Int4Weight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
+        self,
+        w: Int4Weight,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_mm: DenseMatmul | DensePanels | None = None,
     ) -> None:
         self.own = _own_kernels(dtype, device)
         self.own_bf16 = own_bf16_kernel(w, dtype, device)
@@ -390,7 +408,9 @@ class PackedInt4(_Packed):
                 w.codes.to(device), w.scales.to(device), w.zeros.to(device)
             )
             self._many_rows_bf16 = cpu_kernels.bind_int4_bf16(self.tiles, self.tile_scales, self.tile_zeros)
-            self.many_rows = self.many_rows_bf16
+            self.many_rows, self.many_rows_product = self.many_rows_bf16, self._many_rows_bf16
+        if dtype == torch.bfloat16 and dense_mm is not None:
+            self.kernel_max_rows = BF16_INT4_KERNEL_MAX_ROWS
         if dtype == torch.bfloat16:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
             self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(
@@ -432,9 +452,13 @@ Packed = PackedInt8 | PackedInt4
 
 
 def pack(
-    w: QuantizedWeight, dtype: torch.dtype, device: torch.device, dense_mm: DenseMatmul | None = None
+    w: QuantizedWeight,
+    dtype: torch.dtype,
+    device: torch.device,
+    dense_mm: DenseMatmul | DensePanels | None = None,
 ) -> Packed:
-    """`w` for the kernels; `dense_mm`, when given, computes steps of many rows (a dense copy's matmul)."""
+    """`w` for the kernels; `dense_mm`, when given, computes steps of many rows (a dense copy: its matmul, or
+    its DensePanels, whose library product a layer chain can then call)."""
     if device.type != "cpu":
         # torch's CUDA int4 kernel wants another packing (tensor-core tiles); nothing here can test it.
         raise ValueError(f"quantization: weight-only int8/int4 runs on CPU only, not on {device.type}")
