@@ -2,10 +2,10 @@
 
 bench/kernels.py times one layer's call, best of many: its K and V stay in cache between calls. In a step
 every layer reads its own cache and weights from memory, so this times SmolLM2's 30 layers in turn, each
-with caches or weights of its own (float32, the AVX2 class's dtype), the two builds alternated in one
+with caches or weights of its own (float32, the AVX2 class's dtype; attention in bf16 too), the two builds alternated in one
 process (ABBA), and prints each one's median and whether their outputs agree bit for bit. Not a test.
 
-- attention: paged attention, --batch sequences of --context tokens, --query new tokens each;
+- attention: paged attention, --batch sequences of --context tokens, --query new tokens each (--dtype);
 - f32: the dense float32 panel product (the four layer matrices) at --rows rows;
 - int4: the float32 int4 product (few-row kernels, or widened panels from 16 rows) at --rows rows;
 - int8: the float32 int8 product, a scale per output (as int4);
@@ -39,12 +39,13 @@ def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tens
     blocks_per_seq = -(-args.context // args.block_size)
     num_blocks = args.batch * blocks_per_seq
     shape = (num_blocks, args.block_size, KV_HEADS, HEAD_DIM)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
+    dtype = getattr(torch, args.dtype)
+    caches = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(LAYERS)]
     ids = torch.arange(num_blocks) if args.order == "sequential" else torch.randperm(num_blocks)
     tables = ids.to(torch.int32).view(args.batch, blocks_per_seq).contiguous()
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32)
     starts = torch.arange(0, (args.batch + 1) * args.query, args.query, dtype=torch.int32)
-    q = torch.randn(args.batch * args.query, Q_HEADS, HEAD_DIM)
+    q = torch.randn(args.batch * args.query, Q_HEADS, HEAD_DIM).to(dtype)
     seq_ids = torch.arange(args.batch, dtype=torch.int64)
 
     def run() -> torch.Tensor:
@@ -57,7 +58,7 @@ def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tens
 
     what = (
         f"attention, {LAYERS} layers: batch {args.batch}, context {args.context}, query {args.query}, "
-        f"block {args.block_size}, {args.order} blocks"
+        f"block {args.block_size}, {args.order} blocks, {args.dtype}"
     )
     return run, what
 
@@ -91,7 +92,7 @@ def products(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tenso
         return torch.cat(sums)
 
     what = "the int8 head, 4 copies" if args.case == "head" else f"the four layer matrices, {LAYERS} layers"
-    return run, f"{args.case} products of {what}, {args.rows} rows"
+    return run, f"{args.case} products of {what}, {args.rows} rows, float32"
 
 
 def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         help="block ids of a sequence: consecutive (a prompt's blocks, as the pool hands them out) or random",
     )
     p.add_argument("--repeats", type=int, default=12)
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="the attention case's caches"
+    )
     args = p.parse_args(argv)
 
     from specserve.kernels import cpu_paged_attention as kernel
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel._lib = builds["this checkout"]
 
     print(cpu_line())
-    print(f"{what}, float32, {isa} build, {torch.get_num_threads()} threads")
+    print(f"{what}, {isa} build, {torch.get_num_threads()} threads")
     for name in names:
         median, best = statistics.median(times[name]), min(times[name])
         print(f"  {name:>14}: median {median:7.2f} ms, best {best:7.2f} ms")
