@@ -2,8 +2,9 @@
 
 bench/kernels.py times one layer's call, best of many: its K and V stay in cache between calls. In a step
 every layer reads its own cache and weights from memory, so this times SmolLM2's 30 layers in turn, each
-with caches or weights of its own (float32, the AVX2 class's dtype; attention in bf16 too), the two builds alternated in one
-process (ABBA), and prints each one's median and whether their outputs agree bit for bit. Not a test.
+with caches or weights of its own (float32, the AVX2 class's dtype; attention in bf16 too), the two builds
+alternated in one process (ABBA), and prints each one's median and whether their outputs agree bit for bit.
+Not a test.
 
 - attention: paged attention, --batch sequences of --context tokens, --query new tokens each (--dtype);
 - f32: the dense float32 panel product (the four layer matrices) at --rows rows;
