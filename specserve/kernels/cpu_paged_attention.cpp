@@ -540,13 +540,19 @@ inline void qk_rows2_f32(const float* q, const __m256* ka, const __m256* kb, flo
 // group) this skips the transposes, which cost more than the FMAs they save there. SmolLM2's 30 layers
 // (bench/kernel_ab.py, avx2-only build, Zen 4): 64 x 400 tokens 75.9 ms against 83.2 transposed, 12 x 800
 // 34.8 against 36.2; native build 18 x 600 30.7 against 33.4.
+// ahead and now, where given, are HD / 2 lines (as many as these loads read) for the caller's prefetching,
+// two of each asked for beside every four loads (see run_f32's trickle).
 template <int NR, int HD>
-inline void qk_direct_f32(const float* q, const float* k0, int64_t row, float* dst, int64_t stride) {
+inline void qk_direct_f32(const float* q, const float* k0, int64_t row, float* dst, int64_t stride,
+                          const char* ahead = nullptr, const char* now = nullptr) {
   for (int t0 = 0; t0 < 8; t0 += 4) {
     __m256 acc[NR][4];
     for (int i = 0; i < NR; ++i)
       for (int t = 0; t < 4; ++t) acc[i][t] = _mm256_setzero_ps();
     for (int c = 0; c < HD / 8; ++c) {
+      const int64_t line = ((t0 / 4) * (HD / 8) + c) * 128;
+      if (ahead) __builtin_prefetch(ahead + line, 0, 3), __builtin_prefetch(ahead + line + 64, 0, 3);
+      if (now) __builtin_prefetch(now + line, 0, 3), __builtin_prefetch(now + line + 64, 0, 3);
       __m256 k[4];
       for (int t = 0; t < 4; ++t) k[t] = _mm256_loadu_ps(k0 + (t0 + t) * row + 8 * c);
       for (int i = 0; i < NR; ++i) {
@@ -702,11 +708,28 @@ void run_f32(const Args& a, int num_threads) {
       // blocks before it are outside every window (or before the part)
       const int64_t b0 = std::max(window_start(a, limit[0]), task.p0) / BS;
       for (int64_t b = b0; b < b0 + kPrefetchAheadF32 && b < num_blocks; ++b) prefetch_block(kp, b);
+      // A decode task of every head reads each 8-token tile's whole rows of K as they lie (qk_direct_f32):
+      // beside its loads it asks for the same tile's lines kPrefetchAheadF32 blocks on and its V, a few at a
+      // time, where a block's lines at once filled the core's miss buffers and stalled it (as in run_bf16).
+      // bench/kernel_ab.py --order shuffled, 30 layers, 2-core Zen 4, avx2-only build, bit for bit the same:
+      // 18 x 800 tokens 40.3 ms against 53.5, 64 x 400 75.3 against 96.0, 8 x 1,600 38.2 against 48.1;
+      // native build 18 x 800 40.0 against 50.3.
+      const bool trickle = H == KVH && R <= 4;
       for (int64_t u = b0 * BS / 8; u < num_tiles; ++u) {
         const int64_t p0 = u * 8, b = p0 / BS;
-        if (p0 % BS == 0) {
+        if (!trickle && p0 % BS == 0) {
           if (b + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b + kPrefetchAheadF32);
           prefetch_block(vp, b);
+        }
+        const char* k_ahead = nullptr;
+        const char* v_now = nullptr;
+        if (trickle) {
+          const int64_t tile = p0 % BS * row;  // the tile's offset in its block, in floats
+          const auto block_at = [&](const float* cache, int64_t at) {
+            return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[at]) * BS * row + tile);
+          };
+          if (b + kPrefetchAheadF32 < num_blocks) k_ahead = block_at(kp, b + kPrefetchAheadF32);
+          v_now = block_at(vp, b);
         }
         int64_t r = 0;
         while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
@@ -744,11 +767,14 @@ void run_f32(const Args& a, int num_threads) {
           const float* q = qs.data() + hh * R * HD;
           float* out = scores.data() + hh * R * stride + p0;
           if (r == 0 && R <= 4) {
+            const int64_t share = hh * HD * 32;  // this head's HD / 2 lines of the tile's, in bytes
+            const char* ka = k_ahead ? k_ahead + share : nullptr;
+            const char* vn = v_now ? v_now + share : nullptr;
             switch (R) {
-              case 4: qk_direct_f32<4, HD>(q, k0, row, out, stride); break;
-              case 3: qk_direct_f32<3, HD>(q, k0, row, out, stride); break;
-              case 2: qk_direct_f32<2, HD>(q, k0, row, out, stride); break;
-              default: qk_direct_f32<1, HD>(q, k0, row, out, stride); break;
+              case 4: qk_direct_f32<4, HD>(q, k0, row, out, stride, ka, vn); break;
+              case 3: qk_direct_f32<3, HD>(q, k0, row, out, stride, ka, vn); break;
+              case 2: qk_direct_f32<2, HD>(q, k0, row, out, stride, ka, vn); break;
+              default: qk_direct_f32<1, HD>(q, k0, row, out, stride, ka, vn); break;
             }
             continue;
           }
