@@ -708,13 +708,26 @@ void run_f32(const Args& a, int num_threads) {
       // blocks before it are outside every window (or before the part)
       const int64_t b0 = std::max(window_start(a, limit[0]), task.p0) / BS;
       for (int64_t b = b0; b < b0 + kPrefetchAheadF32 && b < num_blocks; ++b) prefetch_block(kp, b);
-      // A decode task of every head reads each 8-token tile's whole rows of K as they lie (qk_direct_f32):
-      // beside its loads it asks for the same tile's lines kPrefetchAheadF32 blocks on and its V, a few at a
-      // time, where a block's lines at once filled the core's miss buffers and stalled it (as in run_bf16).
+      // A task of every head reads each 8-token tile's whole rows of K: beside its loads it asks for the same
+      // tile's lines kPrefetchAheadF32 blocks on and its V, a few at a time (each head a share of the lines),
+      // where a block's lines at once filled the core's miss buffers and stalled it (as in run_bf16).
       // bench/kernel_ab.py --order shuffled, 30 layers, 2-core Zen 4, avx2-only build, bit for bit the same:
       // 18 x 800 tokens 40.3 ms against 53.5, 64 x 400 75.3 against 96.0, 8 x 1,600 38.2 against 48.1;
-      // native build 18 x 800 40.0 against 50.3.
-      const bool trickle = H == KVH && R <= 4;
+      // native build 18 x 800 40.0 against 50.3. Verify steps' transposed tiles too: 5 tokens at 18 x 600
+      // 54.1 against 62.2 (avx2-only), 3 tokens at 64 x 400 101.0 against 112.6 (blocks in order).
+      const bool trickle = H == KVH;
+      const auto slabs = [&](int64_t pt, const char** k_ahead, const char** v_now) {
+        const int64_t tile = pt % BS * row, at = pt / BS;  // the tile's offset in its block, in floats
+        const auto block_at = [&](const float* cache, int64_t blk) {
+          return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[blk]) * BS * row + tile);
+        };
+        *k_ahead = at + kPrefetchAheadF32 < num_blocks ? block_at(kp, at + kPrefetchAheadF32) : nullptr;
+        *v_now = block_at(vp, at);
+      };
+      // a transposed chunk's share: 4 lines of each slab beside its 16 loads
+      const auto chunk_lines = [](const char* slab, int64_t hh, int c) {
+        if (slab) prefetch(slab + hh * HD * 32 + c * 256, 256);
+      };
       for (int64_t u = b0 * BS / 8; u < num_tiles; ++u) {
         const int64_t p0 = u * 8, b = p0 / BS;
         if (!trickle && p0 % BS == 0) {
@@ -723,27 +736,24 @@ void run_f32(const Args& a, int num_threads) {
         }
         const char* k_ahead = nullptr;
         const char* v_now = nullptr;
-        if (trickle) {
-          const int64_t tile = p0 % BS * row;  // the tile's offset in its block, in floats
-          const auto block_at = [&](const float* cache, int64_t at) {
-            return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[at]) * BS * row + tile);
-          };
-          if (b + kPrefetchAheadF32 < num_blocks) k_ahead = block_at(kp, b + kPrefetchAheadF32);
-          v_now = block_at(vp, b);
-        }
+        if (trickle) slabs(p0, &k_ahead, &v_now);
         int64_t r = 0;
         while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
         if (R > 4 && u + 1 < num_tiles) {  // many rows (prefill tiles): two key tiles at a time
           const int64_t p1 = p0 + 8, b1 = p1 / BS;
-          if (p1 % BS == 0) {
+          if (!trickle && p1 % BS == 0) {
             if (b1 + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b1 + kPrefetchAheadF32);
             prefetch_block(vp, b1);
           }
+          const char* k_ahead1 = nullptr;
+          const char* v_now1 = nullptr;
+          if (trickle) slabs(p1, &k_ahead1, &v_now1);
           for (int64_t hh = 0; hh < H; ++hh) {
             const int64_t hoff = (task.h0 + hh) * HD;
             const float* ka = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + hoff;
             const float* kb = kp + (static_cast<int64_t>(table[b1]) * BS + p1 % BS) * row + hoff;
             for (int c = 0; c < HD / 8; ++c) {
+              for (const char* slab : {k_ahead, v_now, k_ahead1, v_now1}) chunk_lines(slab, hh, c);
               transpose8_load(ka + 8 * c, row, kt + 8 * c);
               transpose8_load(kb + 8 * c, row, kt2 + 8 * c);
             }
@@ -778,7 +788,10 @@ void run_f32(const Args& a, int num_threads) {
             }
             continue;
           }
-          for (int c = 0; c < HD / 8; ++c) transpose8_load(k0 + 8 * c, row, kt + 8 * c);
+          for (int c = 0; c < HD / 8; ++c) {
+            for (const char* slab : {k_ahead, v_now}) chunk_lines(slab, hh, c);
+            transpose8_load(k0 + 8 * c, row, kt + 8 * c);
+          }
           int64_t rr = r;
           for (; rr + 4 <= R; rr += 4) qk_rows_f32<4, HD>(q + rr * HD, kt, out + rr * stride, stride);
           switch (R - rr) {
