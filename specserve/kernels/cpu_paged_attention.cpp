@@ -66,6 +66,29 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
+// The attention kernels' prefetches for the key tile at position pt. A task of every head trickles them
+// beside its loads: this returns where, the same tile of the block `ahead` blocks on in K (nullptr past the
+// sequence's last block) and of its own block in V. Other tasks ask for whole blocks (or their head's
+// slices: prefetch_block) as a block starts, and get nullptrs.
+template <typename T, typename PrefetchBlock>
+inline void fetch_tile(bool trickle, const T* kp, const T* vp, const int32_t* table, int64_t BS, int64_t row,
+                       int64_t ahead, int64_t num_blocks, int64_t pt, PrefetchBlock prefetch_block,
+                       const char** k_ahead, const char** v_now) {
+  const int64_t b = pt / BS;
+  *k_ahead = *v_now = nullptr;
+  if (!trickle) {
+    if (pt % BS == 0 && b + ahead < num_blocks) prefetch_block(kp, b + ahead);
+    if (pt % BS == 0) prefetch_block(vp, b);
+    return;
+  }
+  const int64_t tile = pt % BS * row;  // the tile's offset in its block, in elements
+  const auto block_at = [&](const T* cache, int64_t blk) {
+    return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[blk]) * BS * row + tile);
+  };
+  if (b + ahead < num_blocks) *k_ahead = block_at(kp, b + ahead);
+  *v_now = block_at(vp, b);
+}
+
 // The panel products' driver (dense and widened, float32 and bf16): rows in chunks whose activations stay in
 // L2 while every panel of outputs passes over them, the panels of a chunk shared out over the threads.
 // block(c0, nr, pi, buffer) computes rows [c0, c0 + nr) against panel pi; buffer is the thread's own
@@ -328,20 +351,10 @@ void run_bf16(const Args& a, int num_threads) {
       const bool trickle = H == KVH;  // then a tile has as many loads as its rows have lines
       for (int64_t u = b0 * BS / 16; u < num_tiles; ++u) {
         const int64_t p0 = u * 16, b = p0 / BS;
-        if (!trickle && p0 % BS == 0) {
-          if (b + kPrefetchAhead < num_blocks) prefetch_block(kp, b + kPrefetchAhead);
-          prefetch_block(vp, b);
-        }
-        const char* k_ahead = nullptr;
-        const char* v_now = nullptr;
-        if (trickle) {
-          const int64_t tile = p0 % BS * row;  // the tile's offset in its block, in elements
-          const auto block_at = [&](const uint16_t* cache, int64_t at) {
-            return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[at]) * BS * row + tile);
-          };
-          if (b + kPrefetchAhead < num_blocks) k_ahead = block_at(kp, b + kPrefetchAhead);
-          v_now = block_at(vp, b);
-        }
+        const char* k_ahead;
+        const char* v_now;
+        fetch_tile(trickle, kp, vp, table, BS, row, kPrefetchAhead, num_blocks, p0, prefetch_block, &k_ahead,
+                   &v_now);
         int64_t r1 = 0;
         while (r1 < R && limit[r1] <= p0) ++r1;  // rows are ordered by limit: earlier rows end sooner
         for (int64_t h = task.h0; h < task.h1; ++h) {
@@ -716,13 +729,9 @@ void run_f32(const Args& a, int num_threads) {
       // native build 18 x 800 40.0 against 50.3. Verify steps' transposed tiles too: 5 tokens at 18 x 600
       // 54.1 against 62.2 (avx2-only), 3 tokens at 64 x 400 101.0 against 112.6 (blocks in order).
       const bool trickle = H == KVH;
-      const auto slabs = [&](int64_t pt, const char** k_ahead, const char** v_now) {
-        const int64_t tile = pt % BS * row, at = pt / BS;  // the tile's offset in its block, in floats
-        const auto block_at = [&](const float* cache, int64_t blk) {
-          return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[blk]) * BS * row + tile);
-        };
-        *k_ahead = at + kPrefetchAheadF32 < num_blocks ? block_at(kp, at + kPrefetchAheadF32) : nullptr;
-        *v_now = block_at(vp, at);
+      const auto fetch_at = [&](int64_t pt, const char** k_ahead, const char** v_now) {
+        fetch_tile(trickle, kp, vp, table, BS, row, kPrefetchAheadF32, num_blocks, pt, prefetch_block, k_ahead,
+                   v_now);
       };
       // a transposed chunk's share: 4 lines of each slab beside its 16 loads
       const auto chunk_lines = [](const char* slab, int64_t hh, int c) {
@@ -730,24 +739,16 @@ void run_f32(const Args& a, int num_threads) {
       };
       for (int64_t u = b0 * BS / 8; u < num_tiles; ++u) {
         const int64_t p0 = u * 8, b = p0 / BS;
-        if (!trickle && p0 % BS == 0) {
-          if (b + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b + kPrefetchAheadF32);
-          prefetch_block(vp, b);
-        }
-        const char* k_ahead = nullptr;
-        const char* v_now = nullptr;
-        if (trickle) slabs(p0, &k_ahead, &v_now);
+        const char* k_ahead;
+        const char* v_now;
+        fetch_at(p0, &k_ahead, &v_now);
         int64_t r = 0;
         while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
         if (R > 4 && u + 1 < num_tiles) {  // many rows (prefill tiles): two key tiles at a time
           const int64_t p1 = p0 + 8, b1 = p1 / BS;
-          if (!trickle && p1 % BS == 0) {
-            if (b1 + kPrefetchAheadF32 < num_blocks) prefetch_block(kp, b1 + kPrefetchAheadF32);
-            prefetch_block(vp, b1);
-          }
-          const char* k_ahead1 = nullptr;
-          const char* v_now1 = nullptr;
-          if (trickle) slabs(p1, &k_ahead1, &v_now1);
+          const char* k_ahead1;
+          const char* v_now1;
+          fetch_at(p1, &k_ahead1, &v_now1);
           for (int64_t hh = 0; hh < H; ++hh) {
             const int64_t hoff = (task.h0 + hh) * HD;
             const float* ka = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + hoff;
