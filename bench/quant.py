@@ -243,7 +243,8 @@ def _means(title: str, runs: dict[str, list[float]], native: str) -> dict[str, f
     fp32 = base if native == "float32" else means.get("float32 dense", math.nan)
     print(f"  {title}:")
     for label, mean in means.items():
-        ratios = f"{mean / base:5.2f}x {native} dense  {mean / fp32:5.2f}x fp32"
+        ratios = f"{mean / base:5.2f}x {native} dense"
+        ratios += "" if math.isnan(fp32) else f"  {mean / fp32:5.2f}x fp32"  # --no-fp32: no such row
         print(f"    {label:16s} {mean:8.1f} tok/s  {ratios}")
     return means
 

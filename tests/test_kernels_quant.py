@@ -220,6 +220,50 @@ def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpa.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypatch, rows) -> None:
+    """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). Each code
+    enters as 1 + code / 16 (exact in bf16) and its group's x sum is taken off again, so the float32 error
+    bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight."""
+    cpa = _variant(monkeypatch, "native")
+    if not cpa.quant_bf16_fast():
+        pytest.skip("the bf16 int4 product needs AVX512-BF16")
+    # SmolLM2's shapes, an odd number of groups (7: the last one alone), a single group
+    for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 224), (16, 32), (48, 64)]):
+        torch.manual_seed(10 * rows + i)
+        w = quant.quantize_int4(torch.randn(n, k) + torch.rand(n, 1))  # zeros away from 0
+        scales, offsets = w.scales.contiguous(), (w.zeros - 8.0 * w.scales).contiguous()
+        wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
+        x = wide[:, :k]
+        got = cpa.bind_int4_rows_bf16(cpa.pack_int4(w.codes), scales, offsets)(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        group = torch.arange(k) // quant.GROUP
+        s, o = scales.double()[:, group], offsets.double()[:, group]
+        exact = x.double() @ (w.codes.double() * s + o).t()
+        terms = x.double().abs() @ (s.abs() * (16 + w.codes.double()) + (o - 16 * s).abs()).t()
+        bound = exact.abs() * 2.0**-8 + terms * (k + 2) * torch.finfo(torch.float32).eps
+        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+
+
+def test_bf16_int4_rows_refuses_what_it_cannot_take(monkeypatch) -> None:
+    cpa = _variant(monkeypatch, "native")
+    w = quant.quantize_int4(torch.randn(32, 64))
+    offsets = (w.zeros - 8.0 * w.scales).contiguous()
+    product = cpa.bind_int4_rows_bf16(cpa.pack_int4(w.codes), w.scales, offsets)
+    x = torch.randn(9, 64).to(torch.bfloat16)
+    if not cpa.quant_bf16_fast():  # a build without AVX512-BF16 refuses the call instead of computing
+        with pytest.raises(ValueError, match="code 2"):
+            product(x[:1])
+        return
+    assert product(x[:0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="code 1"):  # past the few-row forms
+        product(x)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        product(x[:1].float())
+    with pytest.raises(ValueError, match="float32 scales"):
+        cpa.bind_int4_rows_bf16(cpa.pack_int4(w.codes), w.scales.bfloat16(), w.zeros)
+
+
 def _panels_variant(monkeypatch, isa: str, dtype: torch.dtype):
     cpa = _variant(monkeypatch, isa)
     built = cpa.quant_fast() if dtype == torch.float32 else cpa.quant_bf16_fast()

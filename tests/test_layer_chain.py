@@ -49,15 +49,10 @@ def _chains(dtype: str, shape: str, mode: str) -> bool:
 
 def _chained_steps(dtype: str, shape: str, mode: str) -> int:
     """STEPS' steps the chain takes: not prefill chunks, which it takes only where the library's attention
-    runs long queries (head size 64); in bf16 int4 only steps of more rows than torch's few-row kernel serves
-    (our many-row kernel's), else every size (float32 products of int8 / int4 widen panels past 8 rows)."""
+    runs long queries (head size 64); of the others every size (float32 products of int8 / int4 widen panels
+    past 8 rows; bf16 int4 runs our few-row product up to 8 rows and our tiles' kernel past them)."""
     long_queries = shape == "llama_hd64"
-    few_rows = not (dtype == "bfloat16" and mode == "int4")
-    return sum(
-        (long_queries or all(n <= 16 for _, _, n in step))
-        and (few_rows or sum(n for _, _, n in step) > quant.KERNEL_MAX_ROWS)
-        for step in STEPS
-    )
+    return sum(long_queries or all(n <= 16 for _, _, n in step) for step in STEPS)
 
 
 def _counting(model) -> list[Counting]:
@@ -116,21 +111,21 @@ def test_a_step_in_a_run_of_sizes_without_a_chain_takes_the_loop(tiny_model_fact
     assert counting.calls == 1
 
 
-def test_bf16_auto_chains_the_dense_copys_steps_and_leaves_few_rows_to_torchs_int4_kernel():
-    """The demo's Q4_1 under auto in bf16: steps of up to BF16_INT4_KERNEL_MAX_ROWS rows run torch's int4
-    kernel (the Python loop), larger ones the dense copy's panels, chained, bit for bit the loop's."""
+def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense_copy_for_more():
+    """The demo's Q4_1 under auto in bf16: steps of up to BF16_OWN_INT4_MAX_ROWS rows run our int4 product
+    on the GGUF's blocks, larger ones the dense copy's panels; both chained, bit for bit the loop's."""
     if not (cpu_kernels.load() is not None and cpu_kernels.quant_bf16_fast()):
         pytest.skip("bf16 panels need AVX512-BF16")
     llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32)
     model = llm.engine.model
     if not isinstance(model.layers[0].qkv.many_rows.__self__, quant.DensePanels):
         pytest.skip("auto's dense copy runs on oneDNN here (AMX)")
-    most, few = model.chain_runs[0]
-    assert (most, few) == (quant.BF16_INT4_KERNEL_MAX_ROWS, None) and model.chain_runs[1][0] == math.inf
+    assert [most for most, _ in model.chain_runs] == [quant.BF16_OWN_INT4_MAX_ROWS, math.inf]
+    assert all(chain is not None for _, chain in model.chain_runs)
     counters = _counting(model)
     runs = model.chain_runs
     chained, looped = ModelRunner(model, 32, BLOCK), ModelRunner(model, 32, BLOCK)
-    steps = [[(0, 0, 12)], [(0, 12, 1), (1, 0, 3)], [(0, 13, 1), (1, 3, 9)]]
+    steps = [[(0, 0, 12)], [(0, 12, 1)], [(0, 13, 1), (1, 0, 1)], [(0, 14, 1), (1, 1, 3)], [(1, 4, 1)]]
     tables = {0: [0, 1], 1: [2, 3]}
     for step in steps:
         entries = [
@@ -141,4 +136,5 @@ def test_bf16_auto_chains_the_dense_copys_steps_and_leaves_few_rows_to_torchs_in
         model.chain_runs = []
         want, _ = looped.forward(entries)
         assert torch.equal(got, want), step
-    assert [c.calls for c in counters] == [2]  # 12 and 10 rows; 4 rows ran torch's kernel
+    # 1, 2 and 1 rows on our int4 product; 12 and 4 on the copy's panels
+    assert [c.calls for c in counters] == [3, 2]

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.engine.config import EngineConfig
+from specserve.kernels import cpu_paged_attention as cpu_kernels
 from specserve.models import quant
 from specserve.models.loader import demo_model_path, load_checkpoint
 from tests.conftest import MAX_TOKENS, PROMPTS
@@ -227,7 +228,8 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
     """The demo's Q4_1 under auto, where a kernel is vectorised for the dtype (float32: ours on AVX2;
     bf16: torch's on AVX-512). bf16: a step of more than KERNEL_MAX_ROWS rows reads a dequantized copy, so a
     batch of 12 decodes exactly as the dense model. float32: our kernel widens panels for such steps and no
-    copy is held; the same weights summed in another order, a batch of 12 and one sequence decode alike."""
+    copy is held; the same weights summed in another order, a batch of 12 and one sequence decode alike.
+    bf16's few rows run our AVX512-BF16 int4 product where built (torch's int4 kernel elsewhere)."""
     if not quant.kernels_fast(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"auto keeps quantization in {dtype} only where a kernel is vectorised for it")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -239,10 +241,11 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
         assert layer.qkv.many_rows == layer.qkv.kernel and hasattr(layer.qkv, "nibbles")
     else:
         # a dense copy serves many rows (oneDNN's prepacked matmul, or our bf16 product's panels where they
-        # pay); torch's bf16 kernel has its own layout, so no nibbles are held for widening
+        # pay); few rows run our bf16 product on the GGUF's nibbles where AVX512-BF16 is built, else
+        # torch's int4 kernel on its own packed layout (and then no nibbles are held)
         copy = getattr(layer.qkv.many_rows, "__self__", None)
         assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
-        assert not hasattr(layer.qkv, "nibbles")
+        assert hasattr(layer.qkv, "nibbles") == layer.qkv.own_rows_bf16 != hasattr(layer.qkv, "packed")
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
     assert [o.token_ids for o in auto.generate(prompts, params)] == [
         o.token_ids for o in dense.generate(prompts, params)
@@ -270,7 +273,8 @@ def _assert_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch
 
 def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     """int4 asked for outright in bf16, where our AVX512-BF16 kernel is built: steps of many rows run on it
-    (not widened per call), from the same bf16 values a dense copy would hold; few rows on torch's kernel."""
+    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 8 rows on our
+    few-row product, from the GGUF's own values (its nibbles and float32 scales)."""
     cpu = torch.device("cpu")
     o_proj = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
         "model.layers.0.self_attn.o_proj.weight"
@@ -279,12 +283,16 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
     llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128)
     layer = llm.engine.model.layers[0]
-    assert layer.o.many_rows == layer.o.many_rows_bf16 and not hasattr(layer.o, "nibbles")
+    assert layer.o.many_rows == layer.o.many_rows_bf16 and layer.o.own_rows_bf16
+    assert layer.o.kernel_max_rows == cpu_kernels.INT4_ROWS_BF16_MAX and not hasattr(layer.o, "packed")
     weights = quant.dequantize(o_proj).to(torch.bfloat16).double()
     torch.manual_seed(0)
     for rows in (quant.KERNEL_MAX_ROWS + 4, 64):
         x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
         _assert_one_bf16_rounding(llm.engine.model.linear(x, layer.o), x, weights)
+    x = torch.randn(1, weights.shape[1]).to(torch.bfloat16)
+    exact = x.double() @ quant.dequantize(o_proj).double().t()
+    assert (llm.engine.model.linear(x, layer.o).double() - exact).abs().max() <= 2.0**-7 * exact.abs().max()
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
     assert all(len(o.token_ids) == 8 for o in llm.generate(prompts, params))

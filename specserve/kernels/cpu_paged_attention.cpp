@@ -1848,6 +1848,85 @@ void q4_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles, 
   panel_product(x, xs, rows, n, k, nullptr, out, os, num_threads, nullptr, widen);
 }
 
+// int4 in pack_int4's nibbles (specserve_int4_matmul's matrix: w = code * scale + offset per group of 32)
+// for few bf16 rows (batch-1 decode, verify steps), on vdpbf16ps. A code c goes to the bf16 1 + c / 16
+// (0x3F80 | c << 3: the shift, mask and OR in two ops), exact, so a group's dot product with x, D = sum x_i
+// (1 + c_i / 16), is products exact and sums in float32, and sum c_i x_i = 16 (D - sum x_i). A row is then
+//   sum_g scale_g * 16 * D_g + (offset_g - 16 * scale_g) * xsum_g,
+// the first sum in registers, the second a short vector dot at the row's end. Two groups a step: 32 bytes of
+// codes widen to 64 words, the low nibbles of both groups in one register and the high ones in another, so
+// x is read interleaved the same way (xi below). The float32 kernel widened every code to a float32 lane: at
+// one row, SmolLM2's 30 layers of codes from memory took 3.5-4.2 ms in it against 2.9-3.0 in this form and
+// 2.5 for reading them alone (a C++ loop over the layers, 2-core Zen 4).
+inline void interleave_groups(const uint16_t* x, int64_t k, uint16_t* xi) {
+  const int64_t groups = k / 32;
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool pair = g + 1 < groups;
+    for (int i = 0; i < 16; ++i) {
+      xi[g * 32 + i] = x[g * 32 + i];
+      xi[g * 32 + 16 + i] = pair ? x[(g + 1) * 32 + i] : 0;
+      xi[g * 32 + 32 + i] = x[g * 32 + 16 + i];
+      xi[g * 32 + 48 + i] = pair ? x[(g + 1) * 32 + 16 + i] : 0;
+    }
+  }
+}
+
+template <int R>
+inline void q4_bf16_row(const uint16_t* xi, int64_t xis, const uint8_t* w, int64_t groups, const float* scales,
+                        const float* offsets, const float* xsum, uint16_t* out, int64_t os) {
+  const __m512i mask = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+  // lanes 0-7 take the first group's scale, 8-15 the second's
+  const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool pair = g + 1 < groups;  // an odd last group: its partner's codes 0, x 0 and scale 0
+    const __m256i bytes = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16))
+                               : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16)));
+    const __m512i words = _mm512_cvtepu8_epi16(bytes);
+    const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(words, 3), mask, one, 0xEA);
+    const __m512bh hi = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 1), mask, one, 0xEA);
+    const __m128 s2 = pair ? _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + g)))
+                           : _mm_load_ss(scales + g);
+    const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s2));
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* xr = xi + r * xis + g * 32;
+      __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), lo, (__m512bh)_mm512_loadu_si512(xr));
+      d = _mm512_dpbf16_ps(d, hi, (__m512bh)_mm512_loadu_si512(xr + 32));
+      acc[r] = _mm512_fmadd_ps(d, s, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* xs = xsum + r * groups;
+    __m512 t = _mm512_setzero_ps();
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16) {
+      const __m512 o = _mm512_fnmadd_ps(_mm512_loadu_ps(scales + g), _mm512_set1_ps(16.f), _mm512_loadu_ps(offsets + g));
+      t = _mm512_fmadd_ps(o, _mm512_loadu_ps(xs + g), t);
+    }
+    float y = 16.f * _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(t);
+    for (; g < groups; ++g) y += (offsets[g] - 16.f * scales[g]) * xs[g];
+    store(out + r * os, 0, y);
+  }
+}
+
+template <int R>
+void q4_bf16_rows(const uint16_t* xi, int64_t xis, const uint8_t* packed, const float* scales,
+                  const float* offsets, int64_t n, int64_t k, const float* xsum, uint16_t* out, int64_t os,
+                  int num_threads) {
+  const int64_t groups = k / 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= (int64_t{1} << 16))
+  for (int64_t j = 0; j < n; ++j) {
+    if (j + kRowsAhead < n) {  // as q4_rows: a row's codes, scales and offsets are three short streams
+      prefetch(packed + (j + kRowsAhead) * groups * 16, groups * 16);
+      prefetch(scales + (j + kRowsAhead) * groups, groups * 4);
+      prefetch(offsets + (j + kRowsAhead) * groups, groups * 4);
+    }
+    q4_bf16_row<R>(xi, xis, packed + j * groups * 16, groups, scales + j * groups, offsets + j * groups, xsum,
+                   out + j, os);
+  }
+}
+
 // Dense bf16 weights held as the panels above already are: [n / 32][k / 2][2][16][2] (a last panel of one
 // tile when n / 16 is odd), so a step reads each panel straight from memory, once a chunk of rows.
 void dense_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* panels, int64_t n, int64_t k,
@@ -1875,6 +1954,43 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
   return 0;
 #else
   (void)x, (void)xs, (void)tiles, (void)scales, (void)zeros, (void)out, (void)os, (void)num_threads;
+  return 2;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs), 1..8 rows, times the int4 matrix of specserve_int4_matmul (pack_int4's
+// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32 rounded once
+// (q4_bf16_row). For the few-row steps of a bf16 model whose int4 matrices keep their blocks: the library's
+// own, so a layer chain runs them, where torch's int4 kernel had to be called from Python. Returns 2 where
+// the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
+                                        const float* scales, const float* offsets, int64_t n, int64_t k,
+                                        uint16_t* out, int64_t os, int num_threads) {
+  if (rows < 1 || rows > 8 || n < 1 || k < 32 || k % 32 != 0) return 1;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  const int64_t groups = k / 32, xis = (groups + 1) / 2 * 64;
+  std::vector<uint16_t> xi(rows * xis);
+  std::vector<float> xsum(rows * groups);
+  for (int64_t r = 0; r < rows; ++r) {
+    interleave_groups(x + r * xs, k, xi.data() + r * xis);
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.f;
+      for (int i = 0; i < 32; ++i) t += load(x + r * xs, g * 32 + i);
+      xsum[r * groups + g] = t;
+    }
+  }
+  const uint16_t* xp = xi.data();
+  const float* sp = xsum.data();
+  switch (rows) {
+#define SPECSERVE_Q4_ROWS(R) \
+  case R: q4_bf16_rows<R>(xp, xis, packed, scales, offsets, n, k, sp, out, os, num_threads); break;
+    SPECSERVE_Q4_ROWS(1) SPECSERVE_Q4_ROWS(2) SPECSERVE_Q4_ROWS(3) SPECSERVE_Q4_ROWS(4)
+    SPECSERVE_Q4_ROWS(5) SPECSERVE_Q4_ROWS(6) SPECSERVE_Q4_ROWS(7) SPECSERVE_Q4_ROWS(8)
+#undef SPECSERVE_Q4_ROWS
+  }
+  return 0;
+#else
+  (void)x, (void)xs, (void)packed, (void)scales, (void)offsets, (void)out, (void)os, (void)num_threads;
   return 2;
 #endif
 }
@@ -2106,7 +2222,9 @@ struct LayerDesc {
 };
 static_assert(sizeof(ProductDesc) == 7 * 8 && sizeof(LayerDesc) == 31 * 8, "LayerChain's words");
 
-enum ProductKind : int64_t { kF32Panels, kInt8, kInt8Grouped, kInt4, kBf16Panels, kInt8Bf16, kInt4Bf16 };
+enum ProductKind : int64_t {
+  kF32Panels, kInt8, kInt8Grouped, kInt4, kBf16Panels, kInt8Bf16, kInt4Bf16, kInt4RowsBf16
+};
 
 int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, int threads) {
   using u16 = uint16_t;
@@ -2130,6 +2248,7 @@ int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, in
     case kBf16Panels: rc = specserve_bf16_matmul(xb, k, rows, b16, n, k, ob, n, threads); break;
     case kInt8Bf16: rc = specserve_int8_matmul_bf16(xb, k, rows, i8, s, n, k, ob, n, threads); break;
     case kInt4Bf16: rc = specserve_int4_matmul_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
+    case kInt4RowsBf16: rc = specserve_int4_rows_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
     default: return 3;
   }
   if (rc == 0 && p.bias != nullptr)  // y + bias, one rounding as torch's add

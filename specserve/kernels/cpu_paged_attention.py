@@ -128,6 +128,7 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_int8_matmul_bf16", "p i i p p i i p i c")
     _bind(lib, "specserve_int4_matmul_bf16", "p i i p p p i i p i c")
     _bind(lib, "specserve_int4_widen", "p p p i i p c")
+    _bind(lib, "specserve_int4_rows_bf16", "p i i p p p i i p i c")
     _bind(lib, "specserve_bf16_matmul", "p i i p i i p i c")
     _bind(lib, "specserve_f32_matmul", "p i i p i i p i c")
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
@@ -488,7 +489,7 @@ def int4_tiles(
 def bind_int4_bf16(tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> Product:
     """x [rows, k] bfloat16 times w^T -> [rows, n] bfloat16, w = (code - 8) * scale + zero per group of 32
     inputs, rounded to bf16 as the dense bf16 form (quant.dequantize) holds it, in int4_tiles' layout; sums in
-    float32. Written for steps of many rows (few are torch's int4 kernel's). Needs quant_bf16_fast()."""
+    float32. Written for steps of many rows (few are bind_int4_rows_bf16's). Needs quant_bf16_fast()."""
     if tiles.dtype != torch.uint8 or tiles.dim() != 3 or not tiles.is_contiguous():
         raise ValueError("int4_matmul_bf16 takes the codes as int4_tiles gives them")
     n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
@@ -576,6 +577,17 @@ def int4_matmul(
     return bind_int4(packed, scales, offsets)(x)
 
 
+# The most rows int4_rows_bf16 takes (the float32 few-row kernels' forms).
+INT4_ROWS_BF16_MAX = 8
+
+
+def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
+    """bind_int4's matrix times x [rows, k] bfloat16 (1..INT4_ROWS_BF16_MAX rows) -> [rows, n] bfloat16: codes
+    exact in bf16 products on vdpbf16ps, sums in float32, rounded once. Needs quant_bf16_fast()."""
+    n, k = _check_int4(packed, scales, offsets)
+    return Product("int4_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, packed, scales, offsets)
+
+
 def int8_widen(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [n, k] int8 * scales [n] -> [n, k] float32, on every thread."""
     if codes.dtype != torch.int8 or scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:
@@ -632,6 +644,7 @@ _CHAIN_KINDS = {
     "bf16_matmul": 4,
     "int8_matmul_bf16": 5,
     "int4_matmul_bf16": 6,
+    "int4_rows_bf16": 7,
 }
 
 

@@ -6,9 +6,9 @@ Two stored forms, both plain data until the model packs them for its device:
 - `Int8Weight`: symmetric int8 per output channel; run by ours in float32 (AVX2 + FMA) and in bf16
   (AVX512-BF16, any step size), elsewhere in bf16 by `torch._weight_int8pack_mm`.
 - `Int4Weight`: 4-bit codes with a scale and zero per group of 32 along the input, in tinygemm's convention
-  w = (q - 8) * scale + zero; run by ours in float32, in bf16 by `torch._weight_int4pack_mm_for_cpu` for
-  few rows and by ours (AVX512-BF16) for many. GGUF's Q4_0, Q4_1 and Q4_K are this exactly (groups of 32
-  with a scale and a minimum), so they load without re-quantizing (models/loader.py).
+  w = (q - 8) * scale + zero; run by ours in float32, and in bf16 by ours (AVX512-BF16) for few rows and
+  many, elsewhere in bf16 by `torch._weight_int4pack_mm_for_cpu`. GGUF's Q4_0, Q4_1 and Q4_K are this
+  exactly (groups of 32 with a scale and a minimum), so they load without re-quantizing (models/loader.py).
 
 The decoder layers' matrices are quantized. The embedding is a lookup that needs the dense table; the LM head
 (tied to it in most small models) keeps that dense form for steps of many rows, and where our float32 kernels
@@ -180,10 +180,16 @@ KERNEL_MAX_ROWS = 8
 # 5.2 / 6.9 ms against 5.9 / 6.3 / 7.5 on dense float32 panels; in 8-row passes at 18 rows, 8.9 against
 # 8.1 (avx2-only build, 2-core Zen 4).
 GROUPED_KERNEL_MAX_ROWS = 15
-# torch's bf16 int4 kernel beside a dense copy (auto) runs steps of up to this many rows: SmolLM2's four
+# torch's bf16 int4 kernel (where ours below is not built) beside a dense copy (auto) runs steps of up to this
+# many rows: SmolLM2's four
 # layer matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py --rows 1,2,4,6,8`) took
 # 3.8 / 4.9 / 6.5 / 10.9 / 11.2 ms in it against 7.5 / 7.6 / 7.6 / 7.5 / 7.7 on the copy's bf16 panels.
 BF16_INT4_KERNEL_MAX_ROWS = 4
+# Our bf16 int4 few-row product (cpu_kernels.bind_int4_rows_bf16, AVX512-BF16) runs steps of up to this many
+# rows beside a dense copy, all of 1..8 without one. Same matrices and command as above: 3.65 / 4.77 / 6.99 /
+# 9.21 / 12.87 ms at 1 / 2 / 4 / 6 / 8 rows, against torch's int4 kernel 4.12 / 4.90 / 6.48 / 11.35 / 13.50
+# and the copy's bf16 panels 5.86 / 5.85 / 5.97 / 6.16 / 7.96 (our int4 tiles for many rows: 11.0-14.1).
+BF16_OWN_INT4_MAX_ROWS = 2
 
 
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
@@ -294,6 +300,18 @@ def _own_panels(w: QuantizedWeight) -> bool:
     return w.codes.shape[0] % 8 == 0 and (isinstance(w, Int4Weight) or w.scales.dim() == 1)
 
 
+def _own_rows_bf16(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether our AVX512-BF16 product (cpu_kernels.bind_int4_rows_bf16) runs an int4 matrix's few-row steps
+    in bf16, in place of torch's int4 kernel: faster at one and two rows (BF16_OWN_INT4_MAX_ROWS), and the
+    library's own, so a layer chain runs those steps (batch-1 decode)."""
+    return (
+        dtype == torch.bfloat16
+        and device.type == "cpu"
+        and cpu_kernels.load() is not None
+        and cpu_kernels.quant_bf16_fast()
+    )
+
+
 def _own_widening(dtype: torch.dtype) -> bool:
     """Whether the C++ library widens the matrix (float32, any build variant: its loops use both cores)."""
     return dtype == torch.float32 and cpu_kernels.load() is not None
@@ -388,9 +406,10 @@ class PackedInt8(_Packed):
 
 class PackedInt4(_Packed):
     """An int4 matrix at half a byte a value. float32 with our kernels: nibbles in their layout
-    (cpu_kernels.pack_int4), read by the kernel and by widening alike. bfloat16: torch's packed layout (rows
-    tiled by 16) for few rows (faster there than ours: bench/quant_kernels.py) and, unless a dense copy
-    serves many rows, our AVX512-BF16 kernel's tiles, or else the nibbles again to widen."""
+    (cpu_kernels.pack_int4), read by the kernel and by widening alike. bfloat16: for few rows the same
+    nibbles on our AVX512-BF16 product (so a layer chain runs batch-1 steps), or where it is not built
+    torch's packed layout (rows tiled by 16); for many rows, unless a dense copy serves them, our AVX512-BF16
+    kernel's tiles, or else the nibbles again to widen."""
 
     def __init__(
         self,
@@ -401,33 +420,41 @@ class PackedInt4(_Packed):
     ) -> None:
         self.own = _own_kernels(dtype, device)
         self.own_bf16 = own_bf16_kernel(w, dtype, device)
+        self.own_rows_bf16 = _own_rows_bf16(dtype, device)
         self.own_widening = _own_widening(dtype)
         super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
-        if self.own_bf16 and dense_mm is None:  # our kernel for many rows, torch's for few
+        if self.own_bf16 and dense_mm is None:  # our tiles' kernel for many rows
             self.tiles, self.tile_scales, self.tile_zeros = cpu_kernels.int4_tiles(
                 w.codes.to(device), w.scales.to(device), w.zeros.to(device)
             )
             self._many_rows_bf16 = cpu_kernels.bind_int4_bf16(self.tiles, self.tile_scales, self.tile_zeros)
             self.many_rows, self.many_rows_product = self.many_rows_bf16, self._many_rows_bf16
-        if dtype == torch.bfloat16 and dense_mm is not None:
-            self.kernel_max_rows = BF16_INT4_KERNEL_MAX_ROWS
-        if dtype == torch.bfloat16:
+        if self.own_rows_bf16:
+            beside_copy = dense_mm is not None
+            self.kernel_max_rows = BF16_OWN_INT4_MAX_ROWS if beside_copy else cpu_kernels.INT4_ROWS_BF16_MAX
+        elif dtype == torch.bfloat16:
+            if dense_mm is not None:
+                self.kernel_max_rows = BF16_INT4_KERNEL_MAX_ROWS
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
             self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(
                 device=device, dtype=dtype
             )
-        if self.own or (dense_mm is None and not self.own_bf16):
+        if self.own or self.own_rows_bf16 or (dense_mm is None and not self.own_bf16):
             self.nibbles = cpu_kernels.pack_int4(w.codes.to(device))  # [out, in // 2]
-            self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
+            # float32 for our bf16 product as for the float32 one (a GGUF's fp16 scales stay exact)
+            kept = torch.float32 if self.own_rows_bf16 else dtype
+            self.scales = w.scales.to(device=device, dtype=kept).contiguous()
             # w = code * scale + (zero - 8 * scale): one multiply-add a weight
-            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=dtype).contiguous()
+            self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=kept).contiguous()
             if self.own:
                 self._product = cpu_kernels.bind_int4(self.nibbles, self.scales, self.offsets)
+            elif self.own_rows_bf16:
+                self._product = cpu_kernels.bind_int4_rows_bf16(self.nibbles, self.scales, self.offsets)
         if self.own and dense_mm is None and _own_panels(w):
             self.many_rows = self.kernel
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own:
+        if self.own or self.own_rows_bf16:
             return self._product(x)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 
@@ -444,8 +471,8 @@ class PackedInt4(_Packed):
             return _widened_blocks(x, nibbles.shape[0], widen)
         n = self.nibbles.shape[0]
         codes = cpu_kernels.unpack_int4(self.nibbles).view(n, -1, GROUP)
-        widened = (codes.to(x.dtype) * self.scales[..., None]).add_(self.offsets[..., None])
-        return F.linear(x, widened.view(n, -1))
+        widened = (codes.to(self.scales.dtype) * self.scales[..., None]).add_(self.offsets[..., None])
+        return F.linear(x, widened.view(n, -1).to(x.dtype))
 
 
 Packed = PackedInt8 | PackedInt4
