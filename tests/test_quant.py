@@ -111,6 +111,43 @@ def test_the_demo_gguf_q8_0_head_is_kept_bit_for_bit_as_grouped_int8():
     assert ((quant.dequantize(q) - w).abs() <= step / 2 + 1e-7).all()
 
 
+def test_a_bf16_quantized_model_keeps_the_gguf_q8_0_head_as_its_blocks():
+    """bf16 rounds Q8_0's values (code times an fp16 scale), so the loader keeps the tied head's blocks beside
+    the dense embedding: the same weights gguf dequantizes in float32. float32 holds them exactly (head_form
+    finds them in the dense head) and an unquantized model reads the dense head: neither keeps the blocks."""
+    key = "model.embed_tokens" + quant.HEAD_Q8_0
+    embed = load_checkpoint(demo_model_path(), torch.float32, "none").state_dict["model.embed_tokens.weight"]
+    kept = load_checkpoint(demo_model_path(), torch.bfloat16, "auto").state_dict
+    assert torch.equal(quant.dequantize(kept[key]), embed) and kept[key].scales.shape == (49152, 576 // 32)
+    assert key not in load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict
+    assert key not in load_checkpoint(demo_model_path(), torch.bfloat16, "none").state_dict
+
+
+def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
+    """bf16 auto on the demo: steps of up to BF16_GROUPED_KERNEL_MAX_ROWS rows read the head's Q8_0 blocks on
+    our float32 kernel (float32 logits of the file's own weights), larger ones the dense bf16 head."""
+    if not quant.kernels_fast(torch.device("cpu"), torch.float32):
+        pytest.skip("our float32 kernels are not built here")
+    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32)
+    model = llm.engine.model
+    head = model.lm_head
+    assert isinstance(head, quant.PackedInt8) and head.float32_rows
+    assert head.kernel_max_rows == quant.BF16_GROUPED_KERNEL_MAX_ROWS
+    assert head.library_products()[0] == (quant.BF16_GROUPED_KERNEL_MAX_ROWS, None)  # not a bf16 product
+    dense = load_checkpoint(demo_model_path(), torch.float32, "none").state_dict
+    weights = dense["model.embed_tokens.weight"]
+    torch.manual_seed(6)
+    for rows in (1, quant.BF16_GROUPED_KERNEL_MAX_ROWS):
+        x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
+        got = model.linear(x, head)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, F.linear(x.float(), weights), rtol=1e-5, atol=1e-4)
+    x = torch.randn(quant.BF16_GROUPED_KERNEL_MAX_ROWS + 1, weights.shape[1]).to(torch.bfloat16)
+    assert model.linear(x, head).dtype == torch.bfloat16  # the dense head's panels
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert len(llm.generate([[1, 2, 3, 4]], params)[0].token_ids) == 8
+
+
 def test_a_grouped_int8_head_runs_its_kernel_up_to_15_rows_and_its_dense_copy_beyond():
     """The Q8_0 head's int8 copy serves steps of up to GROUPED_KERNEL_MAX_ROWS rows (our float32 kernel in
     two passes above 8), the dense head more."""

@@ -190,6 +190,9 @@ class LlamaModel:
         self.layers = [Layer(sd, f"model.layers.{i}.", cfg, i, quantize) for i in range(cfg.num_layers)]
         self.norm = sd["model.norm.weight"]
         self.lm_head = self.embed if cfg.tie_word_embeddings else sd["lm_head.weight"]
+        # a GGUF's Q8_0 head as its blocks, where the dtype rounds them (quant.head_form; packed below)
+        head_name = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        head_q8_0 = sd.get(head_name + quant.HEAD_Q8_0)
         self.linear = F.linear
         self.act = F.silu if cfg.hidden_act == "silu" else lambda x: F.gelu(x, approximate="tanh")
         # bit for bit the torch ops in both dtypes (tests/test_kernels.py), so the HF oracle tests still hold;
@@ -213,7 +216,7 @@ class LlamaModel:
         # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy where that
         # is faster (quant.dense_copy_pays: not int8 in bf16 without AMX, nor float32 on our widened panels,
         # which run as fast as dense at every step size); int8/int4 asked for outright hold them quantized.
-        self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto")
+        self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto", head_q8_0)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         if tp is not None:  # row-parallel biases are added once, to the sum of the ranks' partial products
@@ -230,7 +233,7 @@ class LlamaModel:
         self._rope_len = 0
         self._rope_cache(min(cfg.max_position_embeddings, 4096))
 
-    def _pack_weights(self, prepack: bool, keep_dense: bool) -> None:
+    def _pack_weights(self, prepack: bool, keep_dense: bool, head_q8_0: quant.Int8Weight | None) -> None:
         """Quantized matrices into their kernels' layouts, with a dense copy beside them when `keep_dense`
         and the copy pays (quant.dense_copy_pays); dense ones into our panel products' layout where they pay
         (quant.dense_panels_pay), else with `prepack` into oneDNN's own blocked layout, once instead of on
@@ -281,7 +284,7 @@ class LlamaModel:
         # MKL's sgemm, a third of the step (bench/profile_step.py --dtype float32, Zen 4).
         head = dense_form(self.lm_head)
         if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
-            int8_head = quant.pack_head(self.lm_head, dense_mm(head), self.dtype, self.device)
+            int8_head = quant.pack_head(self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0)
             head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense

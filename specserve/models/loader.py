@@ -319,6 +319,8 @@ def _load_gguf(
             continue
         shape = tuple(reversed([int(n) for n in t.shape]))
         name = _hf_name(t.name, p, names) if t.name not in _GGUF_ROPE_FACTORS else t.name
+        if _keeps_q8_0_head(t, config, dtype, quantization):
+            _keep(state, name.removesuffix(".weight") + quant.HEAD_Q8_0, _gguf_q8_0(t, shape), transform)
         plain = len(shape) == 2 and not (arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name))
         if plain:  # most matrices: dequantized in slices of rows straight into the served dtype
             _keep(state, name, _dequantize_rows(t, shape, dtype), transform)
@@ -374,6 +376,30 @@ def _release(reader: Any, t: Any) -> None:
     end = min(len(mapped), int(t.data_offset) + int(t.n_bytes))
     if end > begin:
         mapped.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
+def _keeps_q8_0_head(t: Any, config: dict[str, Any], dtype: torch.dtype, quantization: str) -> bool:
+    """Whether tensor t is the LM head (the embedding, when tied) in Q8_0 that a quantized model in a dtype
+    other than float32 should keep as its blocks: float32 holds Q8_0's values exactly, so there head_form
+    finds them again in the dense head; bf16 rounds them (8 significant bits against Q8_0's code times an
+    fp16 scale)."""
+    head = "token_embd.weight" if config["tie_word_embeddings"] else "output.weight"
+    return (
+        t.name == head
+        and t.tensor_type.name == "Q8_0"
+        and quantization != "none"
+        and dtype != torch.float32
+        and len(t.shape) == 2
+    )
+
+
+def _gguf_q8_0(t: Any, shape: tuple[int, ...]) -> quant.Int8Weight:
+    """Q8_0's blocks (34 bytes: an fp16 scale, then 32 int8 codes) as codes [n, k] and scales [n, k // 32]."""
+    n, k = shape
+    blocks = np.asarray(t.data).reshape(-1, 34)
+    scales = np.ascontiguousarray(blocks[:, :2]).view(np.float16).astype(np.float32).reshape(n, k // 32)
+    codes = np.ascontiguousarray(blocks[:, 2:]).view(np.int8).reshape(n, k)
+    return quant.Int8Weight(torch.from_numpy(codes), torch.from_numpy(scales))
 
 
 def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
@@ -647,7 +673,8 @@ def _check_names(config: dict[str, Any], state: dict[str, torch.Tensor], p: Path
     missing = sorted(required - state.keys())
     if missing:
         raise ValueError(f"{p}: checkpoint is missing tensors {_some(missing)}")
-    unknown = sorted(n for n in state.keys() - required if not _HF_LAYER_RE.fullmatch(n))
+    heads = {"model.embed_tokens" + quant.HEAD_Q8_0, "lm_head" + quant.HEAD_Q8_0}
+    unknown = sorted(n for n in state.keys() - required - heads if not _HF_LAYER_RE.fullmatch(n))
     if unknown:
         raise ValueError(f"{p}: unexpected tensors {_some(unknown)}")
 

@@ -13,7 +13,8 @@ Two stored forms, both plain data until the model packs them for its device:
 The decoder layers' matrices are quantized. The embedding is a lookup that needs the dense table; the LM head
 (tied to it in most small models) keeps that dense form for steps of many rows, and where our float32 kernels
 run, a quantized model reads its few-row logits from an int8 copy in groups of 32 (head_form: at batch 1 the
-dense head would otherwise cost as much as all the quantized layers together).
+dense head would otherwise cost as much as all the quantized layers together); in bf16 that copy is a GGUF's
+own Q8_0 blocks, which the loader keeps (HEAD_Q8_0).
 """
 
 from __future__ import annotations
@@ -369,10 +370,14 @@ class PackedInt8(_Packed):
         self.own = _own_kernels(dtype, device)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
         self.own_bf16 = own_bf16_kernel(w, dtype, device)
+        # a matrix with a scale per group (a Q8_0 head) in bf16: our float32 kernel on the rows widened to
+        # float32, float32 out (head_form)
+        self.float32_rows = self.grouped and dtype == torch.bfloat16 and kernels_fast(device, torch.float32)
         self.own_widening = _own_widening(dtype) and not self.grouped
         torch_kernel = dtype == torch.bfloat16 and not self.grouped
-        super().__init__(self.own or self.own_bf16 or torch_kernel, dense_mm)
-        self.scales = w.scales.to(device=device, dtype=dtype).contiguous()
+        super().__init__(self.own or self.own_bf16 or torch_kernel or self.float32_rows, dense_mm)
+        kept = torch.float32 if self.float32_rows else dtype
+        self.scales = w.scales.to(device=device, dtype=kept).contiguous()
         if self.own_bf16:
             self.tiles = cpu_kernels.int8_tiles(w.codes.to(device))
             self.scales = self.scales.float()
@@ -381,14 +386,20 @@ class PackedInt8(_Packed):
             self.codes = w.codes.to(device).contiguous()
             if self.own:
                 self._product = cpu_kernels.bind_int8(self.codes, self.scales)
+            elif self.float32_rows:  # not _product: a layer chain in bf16 cannot call a float32 product
+                self._float32_product = cpu_kernels.bind_int8(self.codes, self.scales)
         if dense_mm is None and (self.own_bf16 or (self.own and _own_panels(w))):
             self.many_rows = self.kernel
         if self.own and self.grouped:
             self.kernel_max_rows = GROUPED_KERNEL_MAX_ROWS
+        if self.float32_rows:
+            self.kernel_max_rows = BF16_GROUPED_KERNEL_MAX_ROWS
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_bf16 or self.own:
             return self._product(x)
+        if self.float32_rows:
+            return self._float32_product(x.float())
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -399,8 +410,8 @@ class PackedInt8(_Packed):
             )
         if self.grouped:
             n = self.codes.shape[0]
-            widened = self.codes.to(x.dtype).view(n, -1, GROUP) * self.scales[..., None]
-            return F.linear(x, widened.view(n, -1))
+            widened = self.codes.to(self.scales.dtype).view(n, -1, GROUP) * self.scales[..., None]
+            return F.linear(x, widened.view(n, -1).to(x.dtype))
         return F.linear(x, self.codes.to(x.dtype)) * self.scales  # int8 values are exact in bf16
 
 
@@ -493,15 +504,33 @@ def pack(
     return kind(w, dtype, device, dense_mm)
 
 
-def head_form(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8Weight | None:
+# A GGUF's Q8_0 LM head, kept as its blocks beside the dense head where the dtype rounds them (bf16): the
+# state dict's "lm_head" + HEAD_Q8_0, or "model.embed_tokens" + HEAD_Q8_0 for a tied one (head_form).
+HEAD_Q8_0 = ".q8_0"
+# Our float32 kernel on a Q8_0 head runs a bf16 model's steps of up to this many rows, before the dense bf16
+# head's panels: SmolLM2's 49,152 x 576 head alone, called in turn (the int8 one is 32 MB, partly in a 32 MB
+# L3, so it gains more in a step), at 1 / 2 / 3 / 4 / 5 rows took 1.02 / 1.41 / 1.41 / 1.65 / 2.44 ms against
+# 1.49 / 1.60 / 1.56 / 1.47 / 1.65 (2-core Zen 4).
+BF16_GROUPED_KERNEL_MAX_ROWS = 3
+
+
+def head_form(
+    w: torch.Tensor, dtype: torch.dtype, device: torch.device, q8_0: Int8Weight | None = None
+) -> Int8Weight | None:
     """The LM head as a quantized model's batch-1 logits read it: int8 in groups of 32 (quantize_int8_grouped)
     where our float32 kernels run, else None (dense). At batch 1 on the 2-core AVX2 EPYC, SmolLM2's tied
     49,152 x 576 head is 113 MB of float32 against 106 MB for all 30 layers in int8 (9 GB/s for the pair:
     12.5 ms a token), so with it dense neither target (int8 2.5x, int4 4x fp32) is reachable; in int8 it
     reads 32 MB. A GGUF's Q8_0 head is kept bit for bit; its logits are the quantized model's own, which the
     verifier and logprobs then read (speculation stays lossless)."""
-    if not _own_kernels(dtype, device) or w.dim() != 2 or w.shape[1] % GROUP != 0:
+    if not kernels_fast(device, torch.float32) or w.dim() != 2 or w.shape[1] % GROUP != 0:
         return None
+    if dtype != torch.float32:
+        # the dense head holds the file's values rounded to bf16, the copy the file's own (q8_0): at batch 1
+        # it reads 32 MB of SmolLM2's head on our float32 kernel, the dense bf16 head 57 MB. bf16 `auto`'s
+        # layers already differ so between step sizes (the GGUF's int4 blocks for few rows, their bf16 copy
+        # past them); float32 keeps one set of values at every size
+        return q8_0 if q8_0 is not None and q8_0.codes.shape == w.shape else None
     q = quantize_int8_grouped(w)
     # Only where it holds the head's own values (a Q8_0 head): steps of more rows read the dense head, so a
     # lossy copy would make the model's distribution depend on the step's size, and speculation (whose verify
@@ -515,10 +544,16 @@ def head_form(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> Int8
     return q
 
 
-def pack_head(w: torch.Tensor, dense_mm: DenseMatmul, dtype: torch.dtype, device: torch.device) -> object:
-    """The head for the model's linear: head_form's int8 for steps of up to KERNEL_MAX_ROWS rows beside
-    `dense_mm` (the dense head, which the embedding lookup keeps anyway when tied) for more, or `w` as is."""
-    q = head_form(w, dtype, device)
+def pack_head(
+    w: torch.Tensor,
+    dense_mm: DenseMatmul,
+    dtype: torch.dtype,
+    device: torch.device,
+    q8_0: Int8Weight | None = None,
+) -> object:
+    """The head for the model's linear: head_form's int8 for steps of few rows beside `dense_mm` (the dense
+    head, which the embedding lookup keeps anyway when tied) for more, or `w` as is."""
+    q = head_form(w, dtype, device, q8_0)
     return w if q is None else PackedInt8(q, dtype, device, dense_mm)
 
 
