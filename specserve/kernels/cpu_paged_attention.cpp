@@ -1881,8 +1881,9 @@ inline void q4_bf16_row(const uint16_t* xi, int64_t xis, const uint8_t* w, int64
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g += 2) {
     const bool pair = g + 1 < groups;  // an odd last group: its partner's codes 0, x 0 and scale 0
-    const __m256i bytes = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 16))
-                               : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * 16)));
+    const uint8_t* p = w + g * 16;
+    const __m256i bytes = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                               : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     const __m512i words = _mm512_cvtepu8_epi16(bytes);
     const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(words, 3), mask, one, 0xEA);
     const __m512bh hi = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(words, 1), mask, one, 0xEA);
@@ -1901,8 +1902,8 @@ inline void q4_bf16_row(const uint16_t* xi, int64_t xis, const uint8_t* w, int64
     __m512 t = _mm512_setzero_ps();
     int64_t g = 0;
     for (; g + 16 <= groups; g += 16) {
-      const __m512 o = _mm512_fnmadd_ps(_mm512_loadu_ps(scales + g), _mm512_set1_ps(16.f), _mm512_loadu_ps(offsets + g));
-      t = _mm512_fmadd_ps(o, _mm512_loadu_ps(xs + g), t);
+      const __m512 s = _mm512_loadu_ps(scales + g), o = _mm512_loadu_ps(offsets + g);
+      t = _mm512_fmadd_ps(_mm512_fnmadd_ps(s, _mm512_set1_ps(16.f), o), _mm512_loadu_ps(xs + g), t);
     }
     float y = 16.f * _mm512_reduce_add_ps(acc[r]) + _mm512_reduce_add_ps(t);
     for (; g < groups; ++g) y += (offsets[g] - 16.f * scales[g]) * xs[g];

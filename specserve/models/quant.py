@@ -182,9 +182,9 @@ KERNEL_MAX_ROWS = 8
 # 8.1 (avx2-only build, 2-core Zen 4).
 GROUPED_KERNEL_MAX_ROWS = 15
 # torch's bf16 int4 kernel (where ours below is not built) beside a dense copy (auto) runs steps of up to this
-# many rows: SmolLM2's four
-# layer matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py --rows 1,2,4,6,8`) took
-# 3.8 / 4.9 / 6.5 / 10.9 / 11.2 ms in it against 7.5 / 7.6 / 7.6 / 7.5 / 7.7 on the copy's bf16 panels.
+# many rows: SmolLM2's four layer matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py
+# --rows 1,2,4,6,8`) took 3.8 / 4.9 / 6.5 / 10.9 / 11.2 ms in it against 7.5 / 7.6 / 7.6 / 7.5 / 7.7 on the
+# copy's bf16 panels.
 BF16_INT4_KERNEL_MAX_ROWS = 4
 # Our bf16 int4 few-row product (cpu_kernels.bind_int4_rows_bf16, AVX512-BF16) runs steps of up to this many
 # rows beside a dense copy, all of 1..8 without one. Same matrices and command as above: 3.65 / 4.77 / 6.99 /
@@ -370,8 +370,8 @@ class PackedInt8(_Packed):
         self.own = _own_kernels(dtype, device)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
         self.own_bf16 = own_bf16_kernel(w, dtype, device)
-        # a matrix with a scale per group (a Q8_0 head) in bf16: our float32 kernel on the rows widened to
-        # float32, float32 out (head_form)
+        # a matrix with a scale per group in bf16 (only a Q8_0 head is one: head_form): our float32 kernel on
+        # the rows widened to float32, float32 logits out
         self.float32_rows = self.grouped and dtype == torch.bfloat16 and kernels_fast(device, torch.float32)
         self.own_widening = _own_widening(dtype) and not self.grouped
         torch_kernel = dtype == torch.bfloat16 and not self.grouped
