@@ -46,6 +46,20 @@ __attribute__((always_inline)) inline void store(uint16_t* p, int64_t i, float v
   p[i] = static_cast<uint16_t>(bits >> 16);
 }
 
+// Each row's sums of x over groups of 32 inputs, [rows, k / 32]: the int4 products' offset terms.
+template <typename T>
+std::vector<float> group_sums(const T* x, int64_t xs, int64_t rows, int64_t k) {
+  const int64_t groups = k / 32;
+  std::vector<float> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.f;
+      for (int i = 0; i < 32; ++i) t += load(x + r * xs, g * 32 + i);
+      sums[r * groups + g] = t;
+    }
+  return sums;
+}
+
 // exp(x) for x <= 0 (scores minus the row max): 2^(x log2 e) split into integer and fraction, the fraction
 // by a degree-6 polynomial (relative error ~2e-7). Written so that the compiler vectorises the loop.
 inline float exp_nonpositive(float x) {
@@ -1618,7 +1632,6 @@ extern "C" int specserve_int4_matmul(const float* x, int64_t x_stride, int64_t r
                                      const float* scales, const float* offsets, int64_t n, int64_t k,
                                      float* out, int64_t out_stride, int num_threads) {
   if (rows < 1 || n < 1 || k < 32 || k % 32 != 0) return 1;
-  const int64_t groups = k / 32;
 #ifdef SPECSERVE_QUANT_PATH
   if (rows > 8 && rows < kWidenFromRows) {
     specserve_int4_matmul(x, x_stride, 8, packed, scales, offsets, n, k, out, out_stride, num_threads);
@@ -1628,13 +1641,7 @@ extern "C" int specserve_int4_matmul(const float* x, int64_t x_stride, int64_t r
   if (rows > 8 && n % 8 == 0)
     return q4_widened(x, x_stride, rows, packed, scales, offsets, n, k, out, out_stride, num_threads), 0;
 #endif
-  std::vector<float> gsum(rows * groups);
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float s = 0.f;
-      for (int i = 0; i < 32; ++i) s += x[r * x_stride + g * 32 + i];
-      gsum[r * groups + g] = s;
-    }
+  const std::vector<float> gsum = group_sums(x, x_stride, rows, k);
 #ifdef SPECSERVE_QUANT_PATH
   const float* gs = gsum.data();
   switch (rows) {
@@ -1971,15 +1978,8 @@ extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t r
 #ifdef SPECSERVE_QUANT_BF16_PATH
   const int64_t groups = k / 32, xis = (groups + 1) / 2 * 64;
   std::vector<uint16_t> xi(rows * xis);
-  std::vector<float> xsum(rows * groups);
-  for (int64_t r = 0; r < rows; ++r) {
-    interleave_groups(x + r * xs, k, xi.data() + r * xis);
-    for (int64_t g = 0; g < groups; ++g) {
-      float t = 0.f;
-      for (int i = 0; i < 32; ++i) t += load(x + r * xs, g * 32 + i);
-      xsum[r * groups + g] = t;
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r) interleave_groups(x + r * xs, k, xi.data() + r * xis);
+  const std::vector<float> xsum = group_sums(x, xs, rows, k);
   const uint16_t* xp = xi.data();
   const float* sp = xsum.data();
   switch (rows) {
