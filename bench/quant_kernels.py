@@ -14,8 +14,8 @@ the median of --passes passes (each running every kind once, in turn) after one 
   widened 256 outputs at a time for MKL (what steps of more than 8 rows ran before the widening panels);
 - ours bf16 / int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (panel_matmul on the dense
   matrix's panels, int8_matmul_bf16, int4_matmul_bf16), where built;
-- ours int4 rows: bf16 activations on our float32 few-row int4 product (int4_rows_bf16, 1..8 rows), the
-  form bf16 `auto` runs batch-1 steps on.
+- ours int4 rows: our AVX512-BF16 few-row int4 product on the float32 kernels' nibbles (int4_rows_bf16,
+  1..8 rows: each code as the exact bf16 1 + code / 16 on vdpbf16ps), what bf16 `auto` runs batch-1 steps on.
 
     python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N] [--float32]
 """
@@ -87,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
                 mat["ours bf16"] = cpa.bf16_panels(quant.dequantize(q8).to(torch.bfloat16))
                 mat["ours int8"] = (cpa.int8_tiles(q8.codes), scales.float())
                 mat["ours int4"] = cpa.int4_tiles(q4.codes, q4.scales, q4.zeros)
-            if ours and cpa.quant_fast():
                 mat["ours int4 rows"] = cpa.bind_int4_rows_bf16(
                     cpa.pack_int4(q4.codes), q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous()
                 )
@@ -127,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     cpa.int4_matmul_bf16(xs[k], *w)
 
-    kinds = ["dense", "torch int8", "torch int4"] + (["ours bf16", "ours int8", "ours int4"] if ours else [])
-    kinds += ["ours int4 rows"] if "ours int4 rows" in layers[0][0][1] else []
+    ours_kinds = ["ours bf16", "ours int8", "ours int4", "ours int4 rows"]
+    kinds = ["dense", "torch int8", "torch int4"] + (ours_kinds if ours else [])
     fp32 = ("fp32 MKL", "fp32 ours", "fp32 int8", "fp32 int4", "fp32 int8 wide")
     kinds += [kind for kind in fp32 if kind in layers[0][0][1]]
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
