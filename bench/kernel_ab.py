@@ -10,6 +10,7 @@ Not a test.
 - f32: the dense float32 panel product (the four layer matrices) at --rows rows;
 - int4: the float32 int4 product (few-row kernels, or widened panels from 16 rows) at --rows rows;
 - int8: the float32 int8 product, a scale per output (as int4);
+- int8-bf16: the AVX512-BF16 int8 product (bf16 rows, codes in 16-output tiles, a scale per output);
 - head: the int8 LM head a Q8_0 GGUF keeps (SmolLM2's 49,152 x 576, a scale per 32 inputs), four copies
   in turn so that each comes from memory, at --rows rows.
 
@@ -77,23 +78,35 @@ def products(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tenso
             q4 = quant.quantize_int4(w)
             packed = kernel.pack_int4(q4.codes)
             layers.append((k, (packed, q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous())))
+        elif args.case == "int8-bf16":
+            q8 = quant.quantize_int8(w)
+            layers.append((k, (kernel.int8_tiles(q8.codes), q8.scales.contiguous())))
         else:
             q8 = quant.quantize_int8(w)
             codes, scales = (q8.codes, q8.scales) if args.case == "int8" else _q8_0(w)
             layers.append((k, (codes.contiguous(), scales.contiguous())))
-    xs = {k: torch.randn(args.rows, k) for _, k in shapes}
+    dtype = torch.bfloat16 if args.case == "int8-bf16" else torch.float32
+    xs = {k: torch.randn(args.rows, k).to(dtype) for _, k in shapes}
     product = {"f32": kernel.panel_matmul, "int4": kernel.int4_matmul}.get(args.case, kernel.int8_matmul)
+
+    bound: dict[object, list] = {}  # int8-bf16's products bound once per build, as the model binds them
 
     def run() -> torch.Tensor:
         # each product's bits summed by column: any changed output changes them, and they are small to keep
         sums = []
-        for k, w in layers:
-            y = product(xs[k], w) if args.case == "f32" else product(xs[k], *w)
-            sums.append(y.view(torch.int32).sum(dim=0, dtype=torch.int64))
+        if args.case == "int8-bf16" and kernel._lib not in bound:
+            bound[kernel._lib] = [kernel.bind_int8_bf16(*w) for _, w in layers]
+        for i, (k, w) in enumerate(layers):
+            if args.case == "int8-bf16":
+                y = bound[kernel._lib][i](xs[k])
+            else:
+                y = product(xs[k], w) if args.case == "f32" else product(xs[k], *w)
+            bits = y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32)
+            sums.append(bits.sum(dim=0, dtype=torch.int64))
         return torch.cat(sums)
 
     what = "the int8 head, 4 copies" if args.case == "head" else f"the four layer matrices, {LAYERS} layers"
-    return run, f"{args.case} products of {what}, {args.rows} rows, float32"
+    return run, f"{args.case} products of {what}, {args.rows} rows, {str(dtype).removeprefix('torch.')}"
 
 
 def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +120,9 @@ def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose kernel source to compare against")
-    p.add_argument("--case", choices=("attention", "f32", "int4", "int8", "head"), default="attention")
+    p.add_argument(
+        "--case", choices=("attention", "f32", "int4", "int8", "int8-bf16", "head"), default="attention"
+    )
     p.add_argument("--rows", type=int, default=2048, help="activation rows of the products")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=400)

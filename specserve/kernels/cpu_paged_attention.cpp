@@ -1710,6 +1710,9 @@ inline __m512i widen_codes_bf16(const int8_t* p) {
 
 // R rows [r0, r0 + R) against NT tiles of weights: widened already (Direct false: panel [k / 2][NT][32]
 // bf16) or widened here from the codes (Direct: tiles of the layout above, for a single row block).
+// Direct reads ask for the codes this many bytes on in their tile (one line a 64 bytes read): its 16 outputs'
+// codes are one stream of k * 16 bytes, which the hardware prefetcher ran too few lines ahead of.
+constexpr int64_t kQ8Ahead = 1024;
 template <int NT, int R, bool Direct = false>
 inline void q8_bf16_block(const uint16_t* x, int64_t xs, int64_t r0, const void* weights, int64_t pairs,
                           const float* scales, uint16_t* out, int64_t os, int64_t j0) {
@@ -1718,9 +1721,15 @@ inline void q8_bf16_block(const uint16_t* x, int64_t xs, int64_t r0, const void*
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh w[NT];
-    for (int t = 0; t < NT; ++t)
-      w[t] = Direct ? (__m512bh)widen_codes_bf16(static_cast<const int8_t*>(weights) + (t * pairs + p) * 32)
-                    : (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(weights) + (p * NT + t) * 32);
+    for (int t = 0; t < NT; ++t) {
+      if constexpr (Direct) {
+        const int8_t* codes = static_cast<const int8_t*>(weights) + (t * pairs + p) * 32;
+        if (p % 2 == 0) __builtin_prefetch(codes + kQ8Ahead, 0, 3);
+        w[t] = (__m512bh)widen_codes_bf16(codes);
+      } else {
+        w[t] = (__m512bh)_mm512_loadu_si512(static_cast<const uint16_t*>(weights) + (p * NT + t) * 32);
+      }
+    }
     for (int r = 0; r < R; ++r) {
       int32_t xp;
       std::memcpy(&xp, x + (r0 + r) * xs + 2 * p, 4);
@@ -1777,9 +1786,13 @@ void panel_product(const uint16_t* x, int64_t xs, int64_t rows, int64_t n, int64
       [&](int64_t c0, int64_t nr, int64_t pi, uint16_t* panel) {
         const int64_t t0 = 2 * pi, nt = num_tiles - t0 < 2 ? 1 : 2;
         if (direct && rows <= kQ8RowBlock) {  // one row block: each weight is used once
+          // a tile at a time, so a thread reads one stream front to back (its panels' tiles lie in turn):
+          // SmolLM2's 30 layers (bench/kernel_ab.py --case int8-bf16, Zen 4, medians) at 1 / 3 / 8 / 12 rows
+          // took 5.7 / 6.5 / 8.4 / 9.7 ms, this and kQ8Ahead, against 7.5 / 8.2 / 9.9 / 10.9 reading both
+          // tiles of a panel side by side with no prefetch
           const int8_t* w = direct + t0 * pairs * 32;
-          if (nt == 2) q8_bf16_rows<2, true>(x, xs, 0, rows, w, pairs, scales, out, os, 16 * t0);
-          else q8_bf16_rows<1, true>(x, xs, 0, rows, w, pairs, scales, out, os, 16 * t0);
+          for (int64_t t = 0; t < nt; ++t)
+            q8_bf16_rows<1, true>(x, xs, 0, rows, w + t * pairs * 32, pairs, scales, out, os, 16 * (t0 + t));
           return;
         }
         widen(t0, nt, panel);
