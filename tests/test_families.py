@@ -163,3 +163,25 @@ def test_speculation_keeps_outputs_exact(name, method, family):
     if method == "draft":
         assert sum(o.usage.draft_accepted for o in outs) == proposed
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen3", "phi3", "mistral_window"])
+def test_export_gives_hf_the_same_model(name, family, tmp_path):
+    """tools/export_hf.py (what the benchmarks hand HF transformers and vLLM) writes a config with the
+    family's own fields, so HF's greedy tokens from the exported directory are the original's."""
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from export_hf import export
+
+    path, refs = family(name)
+    out = export(tmp_path / "exported", source=path)
+    model = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        gen = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert gen[0, ids.shape[1] :].tolist() == ref

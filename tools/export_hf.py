@@ -23,25 +23,6 @@ from specserve.models.loader import Checkpoint, demo_model_path, load_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-# The HF config fields a Llama-family config.json needs; the loader's normalised dict carries them all.
-_CONFIG_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "rope_theta",
-    "rope_scaling",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-    "attention_bias",
-    "bos_token_id",
-    "eos_token_id",
-)
 
 
 def truncated_state(ckpt: Checkpoint, num_layers: int) -> dict[str, torch.Tensor]:
@@ -58,7 +39,10 @@ def truncated_state(ckpt: Checkpoint, num_layers: int) -> dict[str, torch.Tensor
 
 
 def hf_config(config: dict[str, Any], num_layers: int, dtype: str) -> dict[str, Any]:
-    out = {k: config[k] for k in _CONFIG_KEYS if k in config}
+    """The loader's normalised config as HF's config.json: every field it has, so a family's own ones
+    (Gemma 3's hidden_activation, sliding_window, layer_types, query_pre_attn_scalar) reach HF and vLLM too;
+    an earlier list of Llama's fields alone left vLLM running Gemma 3 with SiLU and no window."""
+    out = dict(config)
     out.update(
         architectures=config.get("architectures", ["LlamaForCausalLM"]),
         model_type=config.get("model_type", "llama"),
@@ -67,6 +51,8 @@ def hf_config(config: dict[str, Any], num_layers: int, dtype: str) -> dict[str, 
         mlp_bias=False,
         torch_dtype=dtype,
     )
+    if isinstance(out.get("layer_types"), list):
+        out["layer_types"] = out["layer_types"][:num_layers]
     return out
 
 
