@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.model and ("hf" in systems or "vllm" in systems) and not args.hf_dir:
         raise SystemExit("--model needs --hf-dir (the same weights as an HF dir) for the hf and vllm systems")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    hf_dir = args.hf_dir or DEFAULT_OUT / "models" / "smollm2-135m"
+    # absolute: the vLLM peer runs in its own process and directory, and took a relative path for a hub id
+    hf_dir = (args.hf_dir or DEFAULT_OUT / "models" / "smollm2-135m").resolve()
 
     from specserve.models.loader import demo_model_path, load_tokenizer
 

@@ -221,8 +221,18 @@ VARIANT_LAYOUTS = [
     ([1], [1000]),
     ([4], [300]),
 ]
-# (group, head_dim, block_size): SmolLM2's 3, Llama's 4 and 8, MHA; 80 and block 12 take the generic loops
-VARIANT_SHAPES = [(1, 64, 8), (3, 64, 16), (4, 128, 32), (8, 64, 64), (3, 128, 16), (2, 80, 16), (3, 64, 12)]
+# (group, head_dim, block_size): SmolLM2's 3, Llama's 4 and 8, MHA, Gemma 3's 256-wide heads; 80 and block 12
+# take the generic loops
+VARIANT_SHAPES = [
+    (1, 64, 8),
+    (3, 64, 16),
+    (4, 128, 32),
+    (8, 64, 64),
+    (3, 128, 16),
+    (4, 256, 16),
+    (2, 80, 16),
+    (3, 64, 12),
+]
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
@@ -243,7 +253,7 @@ def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_di
     long_here = cpa.supports_long(dtype, head_dim, block_size)
     assert long_here == (
         str(dtype).removeprefix("torch.") in paths
-        and head_dim in (64, 128)
+        and head_dim in (64, 128, 256)
         and block_size % (8 if dtype == torch.float32 else 16) == 0
     )
     for n, (query_lens, context_lens) in enumerate(VARIANT_LAYOUTS):

@@ -131,7 +131,9 @@ def _variant(monkeypatch, isa: str):
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("group", "head_dim", "block_size"), [(1, 64, 8), (3, 128, 16), (2, 80, 16)])
+@pytest.mark.parametrize(
+    ("group", "head_dim", "block_size"), [(1, 64, 8), (3, 128, 16), (4, 256, 16), (2, 80, 16)]
+)
 def test_cpu_kernel_window_and_softcap_match_dense(
     monkeypatch, isa, dtype, group, head_dim, block_size
 ) -> None:

@@ -283,7 +283,7 @@ void run_bf16(const Args& a, int num_threads) {
   const int64_t BS = a.block_size, group = a.num_heads / a.num_kv_heads, KVH = a.num_kv_heads;
   const int64_t row = KVH * HD;  // one token's K (or V) in the cache
   const int64_t block_bytes = BS * row * 2;
-  constexpr int kRowTile = HD == 64 ? 6 : 3;  // PV accumulators in registers: kRowTile * HD / 16
+  constexpr int kRowTile = HD == 64 ? 6 : (HD == 128 ? 3 : 1);  // PV accumulators: kRowTile * HD / 16
 
   // Short queries: one task per sequence, taking all KV heads when there are enough sequences to keep the
   // threads busy (the first head prefetches whole blocks, which the others then find in cache). Long
@@ -1008,6 +1008,7 @@ extern "C" int specserve_paged_attention_short(
 #ifdef SPECSERVE_F32_PATH
     if (block_size % 8 == 0 && head_dim == 64) return run_f32<64>(a, num_threads), 0;
     if (block_size % 8 == 0 && head_dim == 128) return run_f32<128>(a, num_threads), 0;
+    if (block_size % 8 == 0 && head_dim == 256) return run_f32<256>(a, num_threads), 0;
 #endif
     if (head_dim == 64) run<float, 64>(a, num_threads);
     else if (head_dim == 128) run<float, 128>(a, num_threads);
@@ -1016,6 +1017,7 @@ extern "C" int specserve_paged_attention_short(
 #ifdef SPECSERVE_BF16_PATH
     if (block_size % 16 == 0 && head_dim == 64) return run_bf16<64>(a, num_threads), 0;
     if (block_size % 16 == 0 && head_dim == 128) return run_bf16<128>(a, num_threads), 0;
+    if (block_size % 16 == 0 && head_dim == 256) return run_bf16<256>(a, num_threads), 0;
 #endif
     if (head_dim == 64) run<uint16_t, 64>(a, num_threads);
     else if (head_dim == 128) run<uint16_t, 128>(a, num_threads);
