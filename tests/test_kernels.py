@@ -384,6 +384,34 @@ def test_fused_add_rms_norm_is_the_residual_add_then_torch_rms_norm(monkeypatch,
 @pytest.mark.parametrize("isa", ["native", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 37, 300])
+def test_rms_norm_heads_is_torch_rms_norm_of_each_head_in_place(monkeypatch, isa, dtype, rows) -> None:
+    """q and k norms on their slices of a fused qkv row (4 q heads, 1 k head, then v, Gemma 3 270M's): each
+    head normalised as F.rms_norm normalises it, in place; the rest of the row untouched."""
+    cpa = _variant(monkeypatch, isa)
+    gen = torch.Generator().manual_seed(8)
+    hd = 256
+    qkv = (torch.randn(rows, 6 * hd, generator=gen) * 3).to(dtype)
+    q_w, k_w = (torch.randn(hd, generator=gen).to(dtype) for _ in range(2))
+    qk = qkv[:, : 5 * hd].view(rows, 5, hd)
+    want_q = F.rms_norm(qk[:, :4], (hd,), q_w, 1e-6)
+    want_k = F.rms_norm(qk[:, 4:], (hd,), k_w, 1e-6)
+    v = qkv[:, 5 * hd :].clone()
+    cpa.rms_norm_heads(qk[:, :4], q_w, 1e-6)
+    cpa.rms_norm_heads(qk[:, 4:], k_w, 1e-6)
+    assert torch.equal(qkv[:, 5 * hd :], v)
+    for got, want in ((qk[:, :4], want_q), (qk[:, 4:], want_k)):
+        if dtype == torch.bfloat16:
+            ulps = _bf16_ulps(got, want)
+            assert int(ulps.max()) <= 1 and float((ulps > 0).float().mean()) < 0.01
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpa.rms_norm_heads(qkv.view(rows, 6, hd).transpose(0, 1), q_w, 1e-6)
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37, 300])
 def test_fused_silu_mul_is_silu_of_gate_times_up(monkeypatch, isa, dtype, rows) -> None:
     """silu(gate) * up for a fused gate_up row (gate first) with torch's two roundings in bfloat16: rarely
     a step from torch's silu, so at most two from its product; float32 to a few ulps."""
@@ -403,6 +431,38 @@ def test_fused_silu_mul_is_silu_of_gate_times_up(monkeypatch, isa, dtype, rows) 
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="gate_up"):
         cpa.silu_mul(gate_up.half())
+
+
+@pytest.mark.parametrize("isa", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_fused_gelu_tanh_mul_is_gelu_of_gate_times_up(monkeypatch, isa, dtype, rows) -> None:
+    """Gemma's GeGLU: F.gelu(gate, approximate="tanh") * up with torch's two roundings in bfloat16 (as
+    silu_mul), float32 to a few ulps of float64's. Below 1e-4 it is compared by its difference: there
+    torch's float32 1 + tanh cancels (to 0 once tanh rounds to -1, gates under about -5), and ours,
+    x sigmoid(2u), keeps the tiny true value. Gates far out on both sides give gelu's 0 and x, no NaN."""
+    cpa = _variant(monkeypatch, isa)
+    gen = torch.Generator().manual_seed(7)
+    gate_up = (torch.randn(rows, 2 * 2048, generator=gen) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-200.0, -30.0, 30.0, 200.0]).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpa.gelu_tanh_mul(gate_up)
+    assert got.shape == (rows, 2048) and got.dtype == dtype and not got.isnan().any()
+    if dtype == torch.bfloat16:
+        gelu = cpa.gelu_tanh_mul(torch.cat([gate, torch.ones_like(up)], dim=-1))
+        for ours, torchs, steps in (
+            (got, F.gelu(gate, approximate="tanh") * up, 2),
+            (gelu, F.gelu(gate, approximate="tanh"), 1),
+        ):
+            near = torchs.float().abs() < 1e-4
+            ulps = _bf16_ulps(ours, torchs)[~near]
+            assert int(ulps.max()) <= steps and float((ulps > 0).float().mean()) < 0.01
+            assert float((ours.float() - torchs.float()).abs()[near].max()) < 1e-4
+    else:
+        exact = F.gelu(gate.double(), approximate="tanh") * up.double()
+        torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="gate_up"):
+        cpa.gelu_tanh_mul(gate_up.half())
 
 
 def test_triton_backend_without_triton_names_the_extra(monkeypatch) -> None:

@@ -20,10 +20,13 @@ class AttentionBackend:
     build_plan: Callable[..., object] | None
     # Rotary embedding + KV write fused for bfloat16 (cpu_paged_attention.rope_write_kv), where available.
     rope_write_kv: Callable[..., None] | None = None
-    # The layer's elementwise steps in one pass each (residual add + RMSNorm, silu(gate) * up), where the
-    # backend has them (cpu_paged_attention.add_rms_norm / silu_mul).
+    # The layer's elementwise steps in one pass each (residual add + RMSNorm, silu(gate) * up, Gemma's
+    # gelu(gate) * up), where the backend has them (cpu_paged_attention.add_rms_norm / silu_mul /
+    # gelu_tanh_mul).
     add_rms_norm: Callable[..., torch.Tensor] | None = None
     silu_mul: Callable[..., torch.Tensor] | None = None
+    gelu_tanh_mul: Callable[..., torch.Tensor] | None = None
+    rms_norm_heads: Callable[..., None] | None = None  # q and k norms, in place
 
 
 def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
@@ -66,5 +69,7 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
             cpu_paged_attention.rope_write_kv,
             cpu_paged_attention.add_rms_norm,
             cpu_paged_attention.silu_mul,
+            cpu_paged_attention.gelu_tanh_mul,
+            cpu_paged_attention.rms_norm_heads,
         )
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

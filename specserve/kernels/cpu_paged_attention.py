@@ -134,6 +134,8 @@ def build_variant(isa: str) -> ctypes.CDLL:
     _bind(lib, "specserve_apply_bitmask", "p i i p i p i i")
     _bind(lib, "specserve_add_rms_norm", "p p p p i i i i i f c c")
     _bind(lib, "specserve_silu_mul", "p p i i i i c c")
+    _bind(lib, "specserve_gelu_tanh_mul", "p p i i i i c c")
+    _bind(lib, "specserve_rms_norm_heads", "p p i i i i f c c")
     _bind(lib, "specserve_decoder_layers", "p i p p p p i i i i i i i p p p i p p p i f f c c")
     return lib
 
@@ -335,13 +337,36 @@ def add_rms_norm(h: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for rows [n, 2d] holding gate then up (a fused gate_up projection), one pass."""
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """F.rms_norm over the last dimension of x [n, heads, d] in place, each head alone (q and k norms):
+    heads contiguous within a token, tokens at any row stride (a slice of the fused qkv output)."""
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.dtype not in DTYPES:
+        raise ValueError("x must be float32 or bfloat16 [n, heads, d] with each token's heads contiguous")
+    n, heads, d = x.shape
+    if weight.shape != (d,) or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError("weight must be a contiguous vector of x's head width and dtype")
+    rc = _lib.specserve_rms_norm_heads(
+        x.data_ptr(),
+        weight.data_ptr(),
+        n,
+        heads,
+        d,
+        x.stride(0),
+        eps,
+        DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"rms_norm_heads refused its arguments (code {rc})")
+
+
+def _act_mul(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     n, d2 = gate_up.shape
     _rows(gate_up, d2, "gate_up")
     d = d2 // 2
     out = torch.empty(n, d, dtype=gate_up.dtype)
-    rc = _lib.specserve_silu_mul(
+    fn = getattr(_lib, f"specserve_{name}")
+    rc = fn(
         gate_up.data_ptr(),
         out.data_ptr(),
         n,
@@ -352,8 +377,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         torch.get_num_threads(),
     )
     if rc != 0:
-        raise ValueError(f"silu_mul refused its arguments (code {rc})")
+        raise ValueError(f"{name} refused its arguments (code {rc})")
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [n, 2d] holding gate then up (a fused gate_up projection), one pass."""
+    return _act_mul("silu_mul", gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU) for rows [n, 2d] holding gate then up, one
+    pass."""
+    return _act_mul("gelu_tanh_mul", gate_up)
 
 
 # The weight-only quantized products (models/quant.py holds the matrices; these only read them). int4 codes
