@@ -223,9 +223,10 @@ def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
     """Whether our AVX512-BF16 kernels run this matrix in bf16 (outputs in whole tiles of 16; int8 with a
     scale per output, int4 in groups of 32): int8 at every step size, int4 above KERNEL_MAX_ROWS (torch's is
     faster below). SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core Zen 4,
-    `python bench/quant_kernels.py`) at 1 / 8 / 16 / 64 / 256 rows took 6.6 / 9.4 / 15.4 / 39.4 / 137 ms in
-    int8 against torch's _weight_int8pack_mm 9.3 / 21.0 / 33.0 / 109 / 398 ms and the dense bf16 matmuls
-    (prepacked) 14.1 / 14.7 / 17.0 / 45.0 / 146 ms."""
+    `python bench/quant_kernels.py --rows 1,8,16,64,256`) took 5.9 / 8.3 / 17.5 / 44.0 / 138 ms in int8
+    (6.6 / 9.4 at 1 / 8 rows before few-row steps read a tile at a time) against torch's _weight_int8pack_mm
+    9.6 / 22.7 / 35.6 / 110 / 403 ms, the dense bf16 matmuls (prepacked) 16.6 / 15.0 / 22.5 / 45.9 / 148
+    and our dense bf16 panels 8.9 / 9.7 / 15.0 / 39.3 / 131."""
     if dtype != torch.bfloat16 or device.type != "cpu":
         return False
     n, k = w.codes.shape
