@@ -2232,55 +2232,49 @@ void gelu_tanh_mul(const T* gu, T* out, int64_t n, int64_t d, int64_t gu_stride,
 
 }  // namespace
 
+namespace {
+// f(T{}) with T the storage type of `dtype` (0 float32, 1 bfloat16 bits); 2 for any other dtype.
+template <typename F>
+int by_dtype(int dtype, F f) {
+  if (dtype == 0) f(float{});
+  else if (dtype == 1) f(uint16_t{});
+  else return 2;
+  return 0;
+}
+}  // namespace
+
 extern "C" int specserve_add_rms_norm(void* h, const void* add, const void* w, void* out, int64_t n,
                                       int64_t d, int64_t h_stride, int64_t add_stride, int64_t out_stride,
                                       float eps, int dtype, int num_threads) {
-  if (dtype == 0)
-    add_rms_norm(static_cast<float*>(h), static_cast<const float*>(add), static_cast<const float*>(w),
-                 static_cast<float*>(out), n, d, h_stride, add_stride, out_stride, eps, num_threads);
-  else if (dtype == 1)
-    add_rms_norm(static_cast<uint16_t*>(h), static_cast<const uint16_t*>(add), static_cast<const uint16_t*>(w),
-                 static_cast<uint16_t*>(out), n, d, h_stride, add_stride, out_stride, eps, num_threads);
-  else
-    return 2;
-  return 0;
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm(static_cast<T*>(h), static_cast<const T*>(add), static_cast<const T*>(w),
+                 static_cast<T*>(out), n, d, h_stride, add_stride, out_stride, eps, num_threads);
+  });
 }
 
 extern "C" int specserve_silu_mul(const void* gu, void* out, int64_t n, int64_t d, int64_t gu_stride,
                                   int64_t out_stride, int dtype, int num_threads) {
-  if (dtype == 0)
-    silu_mul(static_cast<const float*>(gu), static_cast<float*>(out), n, d, gu_stride, out_stride, num_threads);
-  else if (dtype == 1)
-    silu_mul(static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), n, d, gu_stride, out_stride,
-             num_threads);
-  else
-    return 2;
-  return 0;
-}
-
-extern "C" int specserve_rms_norm_heads(void* x, const void* w, int64_t n, int64_t heads, int64_t d,
-                                        int64_t stride, float eps, int dtype, int num_threads) {
-  if (dtype == 0)
-    rms_norm_heads(static_cast<float*>(x), static_cast<const float*>(w), n, heads, d, stride, eps, num_threads);
-  else if (dtype == 1)
-    rms_norm_heads(static_cast<uint16_t*>(x), static_cast<const uint16_t*>(w), n, heads, d, stride, eps,
-                   num_threads);
-  else
-    return 2;
-  return 0;
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul(static_cast<const T*>(gu), static_cast<T*>(out), n, d, gu_stride, out_stride, num_threads);
+  });
 }
 
 extern "C" int specserve_gelu_tanh_mul(const void* gu, void* out, int64_t n, int64_t d, int64_t gu_stride,
                                        int64_t out_stride, int dtype, int num_threads) {
-  if (dtype == 0)
-    gelu_tanh_mul(static_cast<const float*>(gu), static_cast<float*>(out), n, d, gu_stride, out_stride,
-                  num_threads);
-  else if (dtype == 1)
-    gelu_tanh_mul(static_cast<const uint16_t*>(gu), static_cast<uint16_t*>(out), n, d, gu_stride, out_stride,
-                  num_threads);
-  else
-    return 2;
-  return 0;
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    gelu_tanh_mul(static_cast<const T*>(gu), static_cast<T*>(out), n, d, gu_stride, out_stride, num_threads);
+  });
+}
+
+extern "C" int specserve_rms_norm_heads(void* x, const void* w, int64_t n, int64_t heads, int64_t d,
+                                        int64_t stride, float eps, int dtype, int num_threads) {
+  return by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_heads(static_cast<T*>(x), static_cast<const T*>(w), n, heads, d, stride, eps, num_threads);
+  });
 }
 
 // A whole step's decoder layers in one call, for steps whose products, attention and elementwise work all run
