@@ -2187,47 +2187,37 @@ inline float exp_sleef(float x) {
   return x > 88.72283935546875f ? __builtin_inff() : u;
 }
 
-// out[:, :d] = silu(gu[:, :d]) * gu[:, d:2d]: silu rounded to T, then the product rounded (two torch ops).
-template <typename T>
-void silu_mul(const T* gu, T* out, int64_t n, int64_t d, int64_t gu_stride, int64_t out_stride,
-              int num_threads) {
+// out[:, :d] = act(gu[:, :d]) * gu[:, d:2d]: the activation rounded to T, then the product rounded (two torch
+// ops).
+template <typename T, typename Act>
+void act_mul(const T* gu, T* out, int64_t n, int64_t d, int64_t gu_stride, int64_t out_stride,
+             int num_threads, Act act) {
 #pragma omp parallel for num_threads(num_threads) if (n * d >= 65536)
   for (int64_t i = 0; i < n; ++i) {
     const T* g = gu + i * gu_stride;
     const T* u = g + d;
     T* o = out + i * out_stride;
-    for (int64_t j = 0; j < d; ++j) {
-      const float x = load(g, j);
-      const float act = round_as(g, x / (1.f + exp_sleef(-x)));
-      store(o, j, act * load(u, j));
-    }
+    for (int64_t j = 0; j < d; ++j) store(o, j, round_as(g, act(load(g, j))) * load(u, j));
   }
 }
 
-// out[:, :d] = gelu(gu[:, :d]) * gu[:, d:2d], gelu in its tanh form as torch's F.gelu(x, approximate="tanh")
-// writes it, 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))): rounded to T, then the product (two torch
-// ops, as silu_mul). 0.5 (1 + tanh(u)) is sigmoid(2u) = 1 / (1 + exp(-2u)): no cancellation where tanh
-// nears -1 (torch's float32 1 + tanh loses all but a few bits there).
-template <typename T>
-void gelu_tanh_mul(const T* gu, T* out, int64_t n, int64_t d, int64_t gu_stride, int64_t out_stride,
-                   int num_threads) {
-  constexpr float kBeta = 0.7978845608028654f, kKappa = 0.044715f;
-#pragma omp parallel for num_threads(num_threads) if (n * d >= 65536)
-  for (int64_t i = 0; i < n; ++i) {
-    const T* g = gu + i * gu_stride;
-    const T* u = g + d;
-    T* o = out + i * out_stride;
-    for (int64_t j = 0; j < d; ++j) {
-      const float x = load(g, j);
-      const float inner = kBeta * (x + kKappa * x * x * x);
-      // past exp's range it is 0 outright: under -ffast-math's finite-only arithmetic x / (1 + exp) took
-      // exp's unchecked 2^q to a NaN there
-      const float e = -2.f * inner;
-      const float act = round_as(g, e > 88.f ? 0.f : x / (1.f + exp_sleef(e)));
-      store(o, j, act * load(u, j));
-    }
+// Past exp's range both are 0 outright: under -ffast-math's finite-only arithmetic x / (1 + exp) took exp's
+// unchecked 2^q to a NaN there (silu(-200) was NaN in the vectorised loop; its true value is under 1e-80).
+struct Silu {
+  __attribute__((always_inline)) float operator()(float x) const {
+    return x < -88.f ? 0.f : x / (1.f + exp_sleef(-x));
   }
-}
+};
+
+// gelu in its tanh form as torch's F.gelu(x, approximate="tanh") writes it, 0.5 x (1 + tanh(sqrt(2 / pi)
+// (x + 0.044715 x^3))). 0.5 (1 + tanh(u)) is sigmoid(2u) = 1 / (1 + exp(-2u)): no cancellation where tanh
+// nears -1 (torch's float32 1 + tanh loses all but a few bits there).
+struct GeluTanh {
+  __attribute__((always_inline)) float operator()(float x) const {
+    const float e = -2.f * 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return e > 88.f ? 0.f : x / (1.f + exp_sleef(e));
+  }
+};
 #pragma GCC pop_options
 
 }  // namespace
@@ -2257,7 +2247,8 @@ extern "C" int specserve_silu_mul(const void* gu, void* out, int64_t n, int64_t 
                                   int64_t out_stride, int dtype, int num_threads) {
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul(static_cast<const T*>(gu), static_cast<T*>(out), n, d, gu_stride, out_stride, num_threads);
+    act_mul(static_cast<const T*>(gu), static_cast<T*>(out), n, d, gu_stride, out_stride, num_threads,
+            Silu{});
   });
 }
 
@@ -2265,7 +2256,8 @@ extern "C" int specserve_gelu_tanh_mul(const void* gu, void* out, int64_t n, int
                                        int64_t out_stride, int dtype, int num_threads) {
   return by_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    gelu_tanh_mul(static_cast<const T*>(gu), static_cast<T*>(out), n, d, gu_stride, out_stride, num_threads);
+    act_mul(static_cast<const T*>(gu), static_cast<T*>(out), n, d, gu_stride, out_stride, num_threads,
+            GeluTanh{});
   });
 }
 
