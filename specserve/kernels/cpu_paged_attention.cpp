@@ -2108,6 +2108,23 @@ __attribute__((always_inline)) inline float round_as(const uint16_t*, float v) {
   return f;
 }
 
+template <typename T>
+inline float sum_squares(const T* x, int64_t d) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < d; ++j) {
+    const float v = load(x, j);
+    ss += v * v;
+  }
+  return ss;
+}
+
+// out = x * rsqrt(ss / d + eps) * w, rounded once (out may be x: each element is read before it is written).
+template <typename T>
+inline void normalise(const T* x, T* out, const T* w, int64_t d, float ss, float eps) {
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t j = 0; j < d; ++j) store(out, j, load(x, j) * r * load(w, j));
+}
+
 // Rows of d: with `add`, h += add (stored rounded, the residual stream as torch keeps it) first; then
 // out = h * rsqrt(mean(h^2) + eps) * w, rounded once (F.rms_norm's float32 math).
 template <typename T>
@@ -2126,13 +2143,9 @@ void add_rms_norm(T* h, const T* add, const T* w, T* out, int64_t n, int64_t d, 
         ss += s * s;
       }
     } else {
-      for (int64_t j = 0; j < d; ++j) {
-        const float v = load(hr, j);
-        ss += v * v;
-      }
+      ss = sum_squares(hr, d);
     }
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    for (int64_t j = 0; j < d; ++j) store(orow, j, load(hr, j) * r * load(w, j));
+    normalise(hr, orow, w, d, ss, eps);
   }
 }
 
@@ -2145,13 +2158,7 @@ void rms_norm_heads(T* x, const T* w, int64_t n, int64_t heads, int64_t d, int64
 #pragma omp parallel for num_threads(num_threads) if (n * heads * d >= 65536)
   for (int64_t i = 0; i < n * heads; ++i) {
     T* hr = x + (i / heads) * stride + (i % heads) * d;
-    float ss = 0.f;
-    for (int64_t j = 0; j < d; ++j) {
-      const float v = load(hr, j);
-      ss += v * v;
-    }
-    const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
-    for (int64_t j = 0; j < d; ++j) store(hr, j, load(hr, j) * r * load(w, j));
+    normalise(hr, hr, w, d, sum_squares(hr, d), eps);
   }
 }
 
