@@ -26,7 +26,9 @@ READY_CONSUMER = "~ready"
 # members older than the request TTL fall out by themselves, so a request whose status expired while queued
 # cannot hold its tenant's quota forever. `admit` takes a table: stream, group, prefix (the quota key
 # prefix), backlog, max_queued, tpm, asked (this request's tokens), ttl (ms), new (1: the request is not in
-# the stream yet, so the backlog it would join is the one counted); a limit of 0 is off.
+# the stream yet, so the backlog it would join is the one counted); a limit of 0 is off. A request that asks
+# for more tokens than a minute allows is refused in every minute, the first included: letting the first of
+# each minute through whatever its size made the cap a rate of requests, not of tokens.
 _QUOTA = (
     """
 local function queued_key(prefix, tenant) return prefix .. 'queued:' .. tenant end
@@ -68,7 +70,7 @@ local function admit(tenant, q)
     local key = q.prefix .. 'tpm:' .. tenant .. ':' .. minute
     local used = tonumber(redis.call('GET', key) or '0')
     local asked = tonumber(q.asked)
-    if used > 0 and used + asked > tpm then
+    if used + asked > tpm then
       return {-1, 'tenant_tokens_per_minute', 60 - math.floor(tonumber(now_ms) / 1000) % 60}
     end
     redis.call('INCRBY', key, asked)
