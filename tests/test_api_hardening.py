@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -667,3 +668,104 @@ def test_an_api_without_keys_on_a_public_address_refuses_to_start_unless_allowed
     assert "has no API keys: anyone who reaches it" in (tmp_path / "allowed.log").read_text()
     run(starts({"SPECSERVE_API_KEYS": "ops:tok-9"}, tmp_path / "keyed.log"))
     assert "no API keys" not in (tmp_path / "keyed.log").read_text()
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+def test_json_nested_past_the_limit_is_a_400_naming_the_field_on_every_route(valkey):
+    """One nesting limit for every JSON field, checked where a body is parsed: a template argument 300 deep
+    was a 500 (the wire's serializer stops at 255), and a schema 250-300 deep held the event loop for
+    seconds while it was validated."""
+    from specserve.queue.wire import MAX_JSON_DEPTH
+
+    deep = _nested(300)
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(MAX_JSON_DEPTH + 5)}}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+    async def main():
+        async with guarded_stack(valkey.url, None) as (base, _w, client):
+            answers = []
+            async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+                for path, body in (
+                    ("/v1/chat/completions", {**chat, "chat_template_kwargs": deep}),
+                    ("/v1/chat/completions", {**chat, "response_format": schema}),
+                    ("/v1/completions", {"model": "m", "prompt": "x", "extra": [deep]}),
+                    ("/v1/requests", {"id": "deep", "prompt": "x", "structured_outputs": {"json": deep}}),
+                ):
+                    started = time.monotonic()
+                    async with http.post(base + path, json=body) as r:
+                        answers.append((r.status, (await r.json())["error"], time.monotonic() - started))
+                # A body just within the limit is not refused for its depth.
+                within = {"id": "within", "prompt": "x", "structured_outputs": {"json": _nested(10)}}
+                within["structured_outputs"]["json"] = {"type": "object", "properties": _nested(20)}
+                async with http.post(base + "/v1/requests", json=within) as r:
+                    within_error = (await r.json()).get("error", {})
+            return answers, within_error, await client.r.exists(KEYS.req("deep"))
+
+    answers, within_error, queued = run(main())
+    fields = [error["param"] for _, error, _ in answers]
+    assert fields == ["chat_template_kwargs", "response_format", "extra", "structured_outputs"], answers
+    assert all(status == 400 and "nested deeper than" in e["message"] for status, e, _ in answers)
+    assert max(seconds for _, _, seconds in answers) < 5.0  # refused before anything walks it
+    assert "nested" not in str(within_error.get("message", ""))
+    assert queued == 0
+
+
+def test_a_raw_entry_nested_past_the_limit_fails_naming_the_field(valkey, tiny_model_dir):
+    from specserve.queue.wire import WireError, decode_body
+
+    chat = [{"role": "user", "content": "x"}]
+    raw = json.dumps({"messages": chat, "max_tokens": 2, "chat_template_kwargs": _nested(300)})
+    with pytest.raises(WireError) as e:
+        decode_body(raw)
+    assert e.value.field == "chat_template_kwargs"
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir) as (_worker, client):
+            await client.r.xadd(KEYS.requests, {"id": "deep-raw", "body": raw})
+            return await client.wait("deep-raw")
+
+    result = run(main())
+    assert result.status == "failed" and result.error_field == "chat_template_kwargs"
+
+
+def test_redis_down_is_a_503_with_retry_after_on_every_route(tmp_path):
+    """Redis unreachable: every route that needs it answers a retryable 503 naming the cause, never a 500
+    with a traceback."""
+    from specserve.queue.embedded import EmbeddedValkey
+
+    server = EmbeddedValkey(tmp_path / "valkey").start()
+    routes = [
+        ("POST", "/v1/requests", {"id": "r1", "prompt": "x"}),
+        ("GET", "/v1/requests/r1", None),
+        ("DELETE", "/v1/requests/r1", None),
+        ("POST", "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 1}),
+        ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/batches", None),
+    ]
+
+    async def main():
+        try:
+            async with guarded_stack(server.url, None) as (base, _w, _client):
+                async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+                    async with http.get(base + "/v1/models") as r:
+                        assert r.status == 200
+                    server.stop()
+                    answers = []
+                    for method, path, body in routes:
+                        async with http.request(method, base + path, json=body) as r:
+                            error = (await r.json())["error"]
+                            answers.append((path, r.status, r.headers.get("Retry-After"), error["code"]))
+                    return answers
+        finally:
+            if server.running:
+                server.stop()
+
+    for path, status, retry_after, code in run(main()):
+        assert (status, code) == (503, "redis_unavailable") and retry_after, path

@@ -587,3 +587,32 @@ def test_a_reply_stream_is_named_like_an_id(fields, field):
     with pytest.raises(WireError) as e:
         parse_body({"prompt": "x", **fields})
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("reply_stream", [False, True])
+def test_a_reply_key_of_another_type_fails_the_request_once_naming_reply_to(
+    valkey, tiny_model_dir, reply_stream
+):
+    """The reply stream's key holds a string: the final is written once, `failed` with error_field
+    reply_to, the entry is acknowledged, nothing is dead-lettered, and the key is left as it was. (The
+    finish script used to write the output entry, fail on the reply stream, and leave the entry pending for
+    another delivery, forever.)"""
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir, claim_timeout_s=0.3) as (_worker, client):
+            raw = aioredis.Redis.from_url(valkey.url)
+            try:
+                await raw.set(KEYS.reply("taken"), b"a string")
+                body = {"prompt": VALID[0], **GREEDY, "reply_to": "taken", "reply_stream": reply_stream}
+                await client.enqueue(body, "rt-0")
+                result = await client.wait("rt-0")
+                await wait_for(lambda: _no_pending(raw), timeout=10, what="the entry acknowledged")
+                await asyncio.sleep(1.0)  # a few reclaim periods: nothing runs it again
+                kept = await raw.get(KEYS.reply("taken"))
+                return result, await _finals(raw, "rt-0"), await _dead(raw), kept
+            finally:
+                await raw.aclose()
+
+    result, finals, dead, kept = run(main())
+    assert result.status == "failed" and result.error_field == "reply_to", result
+    assert finals == 1 and dead == [] and kept == b"a string"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 from valkey_helpers import TINY, run, service_stack, wait_for
 
 from specserve.queue.client import Limits
@@ -196,3 +197,32 @@ def test_priority_and_tenant_over_http(valkey, tiny_model_dir):
     assert openai_status == 200
     assert other[0] == 400 and other[1]["error"]["param"] == "tenant"
     assert bad[0] == 400 and bad[1]["error"]["param"] == "priority"
+
+
+def _raw(tenant: str, i: int) -> dict[str, bytes]:
+    body = {"prompt": f"tenant {tenant} asks {i}", "max_tokens": 24, **GREEDY, "tenant": tenant}
+    return {"id": f"{tenant}{i}".encode(), "body": orjson.dumps({**body, "reply_to": "order"})}
+
+
+@pytest.mark.parametrize("small_first", [False, True])
+def test_the_fair_share_holds_however_fast_entries_arrive(valkey, tiny_model_dir, small_first):
+    """A running worker with 2 slots; one pipeline lands a tenant's burst of 40 and another tenant's 4 (in
+    either order) at once. The order of arrival within the pipeline must not decide who runs: the small
+    tenant's 4 finish before the burst's 12th."""
+
+    async def main():
+        async with service_stack(
+            valkey.url, tiny_model_dir, engine_args={"max_num_seqs": 2}, fair_share=FairShare(quantum=256)
+        ) as (_worker, client):
+            groups = [("A", 40), ("B", 4)]
+            pipe = client.r.pipeline(transaction=False)
+            for tenant, n in reversed(groups) if small_first else groups:
+                for i in range(n):
+                    pipe.xadd(KEYS.requests, _raw(tenant, i))
+            await pipe.execute()
+            return [f["id"] for f in await _finish_order(client, 44)]
+
+    order = run(main(), timeout=300)
+    assert sorted(order) == sorted([f"A{i}" for i in range(40)] + [f"B{i}" for i in range(4)])
+    a_done = [x for x in order if x.startswith("A")]
+    assert max(order.index(f"B{i}") for i in range(4)) < order.index(a_done[11]), order

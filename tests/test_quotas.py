@@ -76,6 +76,7 @@ def test_tokens_per_minute_and_the_backlog_cap(valkey):
             await c.ensure_group()
             outcomes = []
             for rid, tenant, tokens in [
+                ("t0", "a", 101),  # more than a minute allows, even as the minute's first request
                 ("t1", "a", 60),
                 ("t2", "a", 60),
                 ("t3", "b", 60),
@@ -92,6 +93,8 @@ def test_tokens_per_minute_and_the_backlog_cap(valkey):
             return outcomes, await c.r.xlen(KEYS.requests)
 
     outcomes, queued = run(main())
+    assert outcomes[0][:2] == ("t0", "tenant_tokens_per_minute")
+    outcomes = outcomes[1:]
     assert outcomes[0][:2] == ("t1", "queued")
     assert outcomes[1][:2] == ("t2", "tenant_tokens_per_minute") and 1 <= outcomes[1][2] <= 60
     assert outcomes[2][:2] == ("t3", "queued")  # another tenant's minute is its own

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specserve.queue import scripts
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import Keys
-from specserve.queue.wire import OutputEntry
+from specserve.queue.wire import FAILED, OutputEntry
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,11 @@ class Publisher:
                 results = [0] * len(finals)
             delay = 0.02
             for f, ok in zip(finals, results):
+                if ok == scripts.REPLY_NOT_A_STREAM and f.reply is not None:
+                    # Nothing was written: finish it again as failed, naming the field, without the reply.
+                    self._finals.append(_reply_refused(f))
+                    self._wake.set()
+                    continue
                 self._expiring.discard(f.request_id)
                 self._reply_keys.pop(f.request_id, None)
                 if not f.done.done():
@@ -219,6 +224,15 @@ class Publisher:
         return (
             [r if isinstance(r, int) else 0 for r in results[len(results) - len(finals) :]] if finals else []
         )
+
+
+def _reply_refused(f: _Final) -> _Final:
+    """The final of a request whose reply stream's key holds another type: failed, naming reply_to; the
+    tokens already written stay in its output stream."""
+    error = f"the reply stream {f.reply.key} is a key of another type; nothing could be written to it"
+    entry = replace(f.entry, status=FAILED, finish_reason="error", error=error, error_field="reply_to")
+    hash_fields = {**f.hash_fields, "finish_reason": "error", "error": error, "error_field": "reply_to"}
+    return _Final(f.request_id, f.entry_id, entry, hash_fields, f.done, None)
 
 
 def _flat(fields: dict[str, str]) -> list[str]:

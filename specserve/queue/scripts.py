@@ -26,7 +26,9 @@ READY_CONSUMER = "~ready"
 # members older than the request TTL fall out by themselves, so a request whose status expired while queued
 # cannot hold its tenant's quota forever. `admit` takes a table: stream, group, prefix (the quota key
 # prefix), backlog, max_queued, tpm, asked (this request's tokens), ttl (ms), new (1: the request is not in
-# the stream yet, so the backlog it would join is the one counted); a limit of 0 is off.
+# the stream yet, so the backlog it would join is the one counted); a limit of 0 is off. A request that asks
+# for more tokens than a minute allows is refused in every minute, the first included: letting the first of
+# each minute through whatever its size made the cap a rate of requests, not of tokens.
 _QUOTA = (
     """
 local function queued_key(prefix, tenant) return prefix .. 'queued:' .. tenant end
@@ -68,7 +70,7 @@ local function admit(tenant, q)
     local key = q.prefix .. 'tpm:' .. tenant .. ':' .. minute
     local used = tonumber(redis.call('GET', key) or '0')
     local asked = tonumber(q.asked)
-    if used > 0 and used + asked > tpm then
+    if used + asked > tpm then
       return {-1, 'tenant_tokens_per_minute', 60 - math.floor(tonumber(now_ms) / 1000) % 60}
     end
     redis.call('INCRBY', key, asked)
@@ -144,22 +146,36 @@ return {'run', tostring(run), now_ms}
 """
 )
 
+# Whether a reply stream can take entries: a key someone made of another type would fail its XADD halfway
+# through a script, after the writes before it (Redis does not roll a script back).
+_REPLY_WRITABLE = """
+local function reply_writable(key)
+  local t = redis.call('TYPE', key).ok
+  return t == 'stream' or t == 'none'
+end
+"""
+
 # Final output entry, terminal status and XACK in one step, only while this consumer still owns the entry
 # (a worker that lost it to XAUTOCLAIM must not finish it). KEYS: output stream, status hash, requests stream,
 # and the request's reply stream if it has one. ARGV: group, consumer, entry id, ttl_ms, status, n, then n
 # output field/value pairs, m, then m reply field/value pairs, the reply stream's maxlen, then hash pairs.
+# Returns 1 when written, 0 when the entry is not this consumer's, and REPLY_NOT_A_STREAM, having written
+# nothing, when the reply stream's key holds another type.
+REPLY_NOT_A_STREAM = -1
 FINISH = (
     _NOW
+    + _REPLY_WRITABLE
     + """
 local p = redis.call('XPENDING', KEYS[3], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 local n = tonumber(ARGV[6])
+local at = 7 + 2 * n
+local m = tonumber(ARGV[at])
+if m > 0 and not reply_writable(KEYS[4]) then return -1 end
 local out = {}
 for i = 7, 6 + 2 * n do out[#out + 1] = ARGV[i] end
 redis.call('XADD', KEYS[1], '*', unpack(out))
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-local at = 7 + 2 * n
-local m = tonumber(ARGV[at])
 if m > 0 then
   local reply = {}
   for i = at + 1, at + 2 * m do reply[#reply + 1] = ARGV[i] end
@@ -180,27 +196,33 @@ return 1
 # those must not land between the new run's entries (a sampled rerun draws other tokens from the resume
 # point, so readers would see a sequence no run made). KEYS: output stream, status hash. ARGV: run, ttl_ms
 # (0: the stream's TTL is already set), reply stream key or '', reply maxlen, request id, then one entry after
-# another as a field count and that many field/value pairs. Returns how many entries were written.
-APPEND = """
+# another as a field count and that many field/value pairs. Returns how many entries were written. A reply
+# stream whose key holds another type gets nothing (FINISH then fails the request naming reply_to).
+APPEND = (
+    _REPLY_WRITABLE
+    + """
 if redis.call('HGET', KEYS[2], 'run') ~= ARGV[1] then return 0 end
+local reply = ARGV[3]
+if reply ~= '' and not reply_writable(reply) then reply = '' end
 local i, written = 6, 0
 while i <= #ARGV do
   local n = tonumber(ARGV[i])
   local f = {}
   for j = i + 1, i + 2 * n do f[#f + 1] = ARGV[j] end
   redis.call('XADD', KEYS[1], '*', unpack(f))
-  if ARGV[3] ~= '' then
-    redis.call('XADD', ARGV[3], 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], unpack(f))
+  if reply ~= '' then
+    redis.call('XADD', reply, 'MAXLEN', '~', ARGV[4], '*', 'id', ARGV[5], unpack(f))
   end
   written = written + 1
   i = i + 1 + 2 * n
 end
 if ARGV[2] ~= '0' then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  if ARGV[3] ~= '' then redis.call('PEXPIRE', ARGV[3], ARGV[2]) end
+  if reply ~= '' then redis.call('PEXPIRE', reply, ARGV[2]) end
 end
 return written
 """
+)
 
 # Keep in-flight entries fresh so no other worker's XAUTOCLAIM takes them; report those we no longer own.
 # KEYS: requests stream. ARGV: group, consumer, entry ids...

@@ -398,6 +398,35 @@ def reply_to_of(data: Any, strict: bool = False) -> str | None:
     return None
 
 
+# How deep any JSON value of a body may nest, the body itself being the first level. orjson parses 1,024
+# levels but writes only 255, and a schema hundreds of levels deep takes seconds to check: one limit, far
+# above any real schema or template argument, checked wherever a body is parsed.
+MAX_JSON_DEPTH = 64
+
+
+def too_deep(data: Any, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """The top-level field whose value nests deeper than `limit` levels (`body` if the body itself does)."""
+    stack: list[tuple[Any, int, str]] = [(data, 1, "body")]
+    while stack:
+        value, depth, name = stack.pop()
+        if not isinstance(value, dict | list):
+            continue
+        if depth > limit:
+            return name
+        if isinstance(value, list):
+            stack.extend((child, depth + 1, name) for child in value)
+        elif depth == 1:
+            stack.extend((child, depth + 1, str(key)) for key, child in value.items())
+        else:
+            stack.extend((child, depth + 1, name) for child in value.values())
+    return None
+
+
+def check_depth(data: Any, limit: int = MAX_JSON_DEPTH) -> None:
+    if (name := too_deep(data, limit)) is not None:
+        raise WireError(name, f"nested deeper than {limit} levels")
+
+
 def decode_body(
     raw: str | bytes, max_prompt_chars: int | None = None, max_body_chars: int | None = None
 ) -> RequestBody:
@@ -413,6 +442,7 @@ def decode_body(
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise WireError("body", f"not valid JSON: {e}") from None
+    check_depth(data)
     return parse_body(data, max_prompt_chars)
 
 

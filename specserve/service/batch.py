@@ -22,7 +22,7 @@ from aiohttp import web
 from specserve.queue import wire
 from specserve.queue.client import QuotaExceeded
 from specserve.service.gateway import Gateway
-from specserve.service.http import TENANT_KEY, ApiError, json_response, read_json
+from specserve.service.http import TENANT_KEY, ApiError, json_response, read_json, reject_deep
 from specserve.service.openai_api import completion_body, translate
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # endpoint -> chat
@@ -193,6 +193,7 @@ class BatchRoutes:
                     )
                 if not isinstance(line.get("body"), dict):
                     raise ApiError(400, "body: must be an object", "body")
+                reject_deep(line["body"])
                 body, meta = translate(self.gateway, {**line["body"], "stream": False}, ENDPOINTS[endpoint])
                 if meta["n"] != 1:  # a line's result is one wire request's
                     raise ApiError(400, "n: a batch line takes n = 1 (send n lines)", "n")

@@ -17,8 +17,11 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from redis.exceptions import OutOfMemoryError
+from redis.exceptions import BusyLoadingError, OutOfMemoryError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from specserve.queue.wire import MAX_JSON_DEPTH, too_deep
 from specserve.service.config import HttpLimits
 
 log = logging.getLogger(__name__)
@@ -126,7 +129,15 @@ async def read_json(request: web.Request) -> dict[str, Any]:
         raise ApiError(400, f"body: not valid JSON ({e})", "body") from None
     if not isinstance(data, dict):
         raise ApiError(400, "body: must be a JSON object", "body")
+    reject_deep(data)
     return data
+
+
+def reject_deep(data: Any) -> None:
+    """A 400 naming the field nested past the wire's limit, before anything walks it (a schema validator, the
+    wire's serializer)."""
+    if (field := too_deep(data)) is not None:
+        raise ApiError(400, f"{field}: nested deeper than {MAX_JSON_DEPTH} levels", field)
 
 
 @web.middleware
@@ -155,6 +166,19 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         )
         resp = err.response()
         resp.headers["Retry-After"] = "5"
+        return resp
+    except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
+        # The queue's Redis is away (down, restarting, loading its append-only file): nothing this route
+        # would have done happened, and the same call is worth making again shortly.
+        log.warning("Redis unavailable on %s %s: %s", request.method, request.path, e)
+        err = ApiError(
+            503,
+            "the queue's Redis is unavailable; nothing was done, retry later",
+            type="server_error",
+            code="redis_unavailable",
+        )
+        resp = err.response()
+        resp.headers["Retry-After"] = "2"
         return resp
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
