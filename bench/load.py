@@ -1,5 +1,5 @@
 """Model load: wall time and peak host memory per model and dtype, against the model's size in that dtype
-(issue 19: peak RSS during load <= 1.3x the model's own size).
+(target: peak RSS during load <= 1.3x the model's own size).
 
 Each load runs in a fresh process, twice: the first run lists the modules the load imports, the second
 imports them first (transformers' tokenizer and GGUF code: the same for any model), notes its RSS, builds the

@@ -1,4 +1,4 @@
-"""A mixture-of-experts decode step against a dense one with the same active parameters (issue 13).
+"""A mixture-of-experts decode step against a dense one with the same active parameters.
 
 Two random-weight Qwen3 models of one shape (hidden 1024, 8 layers, 16 query / 4 KV heads): a dense MLP of
 intermediate 2048, and a Qwen3-MoE MLP of 8 experts of intermediate 1024 with top-2 routing, so each token

@@ -1,4 +1,4 @@
-"""Prefix caching on chat traffic over shared long system prompts (issue 16).
+"""Prefix caching on chat traffic over shared long system prompts.
 
 A few long system prompts (~1.5k tokens each, from CPython's stdlib docs) with short questions behind them,
 arriving in waves (a wave is submitted whole and runs to completion before the next): the first wave of a

@@ -1,4 +1,4 @@
-"""Prefix-aware claiming with two workers on one machine (issue 16, part 3): routing on vs off.
+"""Prefix-aware claiming with two workers on one machine: routing on vs off.
 
 Two `specserve worker` processes (one core each) share an embedded valkey-server. Chat requests over a few
 long system prompts (~6k characters of CPython docs each, ~1.5k tokens) arrive in waves through the queue

@@ -1,4 +1,4 @@
-"""Weight-only int8/int4 (issue 15, item 2): speed at batch 1 and at 64 in flight, and perplexity.
+"""Weight-only int8/int4: speed at batch 1 and at 64 in flight, and perplexity.
 
 Speed, every mode in one process, runs in ABBA order, --rounds times (each mode's figure is the mean of its
 runs; on the 2-core cloud machines a dense batch-1 token took 15 ms one minute and 20 the next, so more

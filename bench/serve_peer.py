@@ -1,4 +1,4 @@
-"""The service against vLLM's OpenAI server through vLLM's own client, `vllm bench serve` (issue 19).
+"""The service against vLLM's OpenAI server through vLLM's own client, `vllm bench serve`.
 
 Both serve the demo model from the same HF directory in the same dtype, one after the other on this machine
 (never side by side: two servers would share the cores). The client is vLLM's benchmark (its `serve`

@@ -1,4 +1,4 @@
-"""A queue many teams share (issue 17): interactive latency while a Batch API job runs behind it, and the
+"""A queue many teams share: interactive latency while a Batch API job runs behind it, and the
 batch's own throughput against the same requests sent plainly.
 
     python bench/shared_queue.py [--model PATH] [--dtype auto] [--batch-lines 500] [--interactive 24]
@@ -13,7 +13,7 @@ client for files and batches and aiohttp for the interactive requests. Phases, o
 3. throughput: the first 64 W1 rows as a batch alone, against the same 64 rows as plain concurrent
    completions (ABBA); ratio batch/plain.
 
-Targets (issue 17): interactive p50 latency with the batch behind it <= 1.25x idle; batch throughput >= 0.9x
+Targets: interactive p50 latency with the batch behind it <= 1.25x idle; batch throughput >= 0.9x
 plain. Every figure is printed with the CPU (lscpu model and flags).
 """
 

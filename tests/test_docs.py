@@ -1,4 +1,4 @@
-"""The operator docs (issue 19, item 8) name only settings, metrics and OpenAI fields that exist, and cover
+"""The operator docs name only settings, metrics and OpenAI fields that exist, and cover
 every OpenAI field the API checks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded valkey-server's data at rest and its memory cap (issue 12): the AOF holds every prompt, so
+"""The embedded valkey-server's data at rest and its memory cap: the AOF holds every prompt, so
 its folder is the owner's alone, and a full server refuses writes instead of evicting queued work."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hugging Face model ids (issue 19): `org/name` resolves through huggingface_hub's cache, offline here
+"""Hugging Face model ids: `org/name` resolves through huggingface_hub's cache, offline here
 (HF_HUB_OFFLINE=1 against a cache directory laid out as the hub writes it), with a revision; an id that is not
 there, or a path that does not exist, is one line naming it, from the Python API and from the CLI."""
 

@@ -2,7 +2,8 @@
 field names and bodies, numbers out of range, entries far over the size limits, a duplicate id. One bad
 entry ends alone (failed with the field, or dead-lettered with a reason); its batch-mates run exactly once.
 
-Each case replays a red-team finding (issue 12: F1, F2, F3, F7) that lost or stalled requests before."""
+Each case replays a red-team finding (F1, F2, F3, F7 in docs/hardening.md) that lost or stalled
+requests before."""
 
 from __future__ import annotations
 

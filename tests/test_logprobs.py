@@ -1,4 +1,4 @@
-"""Token logprobs (issue 14): the target's log_softmax at each generated token, equal to HF transformers' on
+"""Token logprobs: the target's log_softmax at each generated token, equal to HF transformers' on
 the same tokens (fp32), the same with speculation on and off (n-gram, a draft model; greedy and sampled), cut
 with the tokens a stop string cuts, and refused out of range naming the field."""
 

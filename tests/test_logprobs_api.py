@@ -1,4 +1,4 @@
-"""Logprobs end to end (issue 14): the official openai client against a real `specserve serve` (tiny model,
+"""Logprobs end to end: the official openai client against a real `specserve serve` (tiny model,
 fp32, n-gram speculation on). Completions' legacy shape and chat's content list, whole and streamed, equal the
 engine's own values without speculation; the native status API and the wire carry them; bad values are a
 400 naming the field."""

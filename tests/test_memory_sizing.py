@@ -1,4 +1,4 @@
-"""KV cache sizing (issue 19): kv_cache_bytes when given; on CUDA vLLM's gpu_memory_utilization rule (the
+"""KV cache sizing: kv_cache_bytes when given; on CUDA vLLM's gpu_memory_utilization rule (the
 device is simulated: torch.cuda.mem_get_info is what the rule reads); on CPU a tenth of the memory limit;
 a max_model_len asked for that does not fit is an error naming both numbers, one taken from the model is
 lowered with a warning."""

@@ -1,4 +1,4 @@
-"""Issue 19, items 6 and 7: vLLM-named metrics scraped from a real stack's /metrics after real requests, an
+"""vLLM-named metrics scraped from a real stack's /metrics after real requests, an
 API-only process exporting no engine series, the access log and the periodic engine line."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Penalties and biases (issue 14, part 5): presence, frequency and repetition penalties, logit_bias,
+"""Penalties and biases: presence, frequency and repetition penalties, logit_bias,
 min_tokens and min_p. Greedy outputs equal HF transformers' generate with the same adjustments as logits
 processors (fp32, token for token), with speculation on and off: inside a speculative step each verify
 position counts the drafts accepted before it. Bad values are refused naming the field."""

@@ -1,4 +1,4 @@
-"""Automatic prefix caching (issue 16): full blocks named by a hash chained over their tokens are shared by
+"""Automatic prefix caching: full blocks named by a hash chained over their tokens are shared by
 later sequences with the same prefix, kept after their owners finish and evicted least recently freed first.
 
 The block manager is tested as a table of operations and as a property (hypothesis: a cache hit always

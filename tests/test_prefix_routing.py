@@ -1,4 +1,4 @@
-"""Prefix-aware claiming (issue 16, part 3) against a real valkey-server: the routing key, the PASS and
+"""Prefix-aware claiming against a real valkey-server: the routing key, the PASS and
 TAKEBACK scripts case by case, and two in-process workers on the tiny engine: requests behind a prompt one
 worker has run go to that worker (results unchanged), and come back to the reader within the wait when that
 worker does not claim them."""

@@ -1,4 +1,4 @@
-"""Priority bands and tenant fair share through a worker (issue 17, items 1-3): requests are XADDed to the one
+"""Priority bands and tenant fair share through a worker: requests are XADDed to the one
 stream, the worker sorts them into the ready queue and admits the best band first, rotating between tenants;
 finishing order is read off a producer's reply stream, where each final result lands as it is written."""
 

@@ -1,4 +1,4 @@
-"""Admission limits for a queue many teams share (issue 17, item 3): a global backlog cap and per-tenant
+"""Admission limits for a queue many teams share: a global backlog cap and per-tenant
 caps on queued requests and tokens per minute, checked atomically in Redis as a request is enqueued. Over a
 limit, HTTP answers 429 with Retry-After and an OpenAI-shaped error naming the limit; nothing is queued, and
 nobody else's requests are touched."""

@@ -1,4 +1,4 @@
-"""The ready queue (queue/ready.py, issue 17 items 1-3) on a real valkey-server: priority bands, deficit
+"""The ready queue (queue/ready.py) on a real valkey-server: priority bands, deficit
 round robin by tokens between a band's tenants, the oldest-every-Nth starvation bound, raw XADDs' limits, and
 the consumer group's pending list as the one record of who holds an entry (nothing lost in a crash)."""
 

@@ -83,7 +83,7 @@ def test_without_an_exporter_no_span_is_built_but_the_producers_trace_context_pa
 
 
 def test_queue_metrics_per_band_and_tenant() -> None:
-    """The shared queue's own metrics (issue 17, item 6): what waits in the ready queue, what was admitted and
+    """The shared queue's own metrics: what waits in the ready queue, what was admitted and
     what a limit refused, each by band or limit and tenant."""
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -1,4 +1,4 @@
-"""Tool calling (issue 14, item 2): the readers that take calls out of a choice's text, streamed and whole,
+"""Tool calling: the readers that take calls out of a choice's text, streamed and whole,
 the request's ToolPlan and its errors, and the forced-call schemas."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tool calling end to end (issue 14, item 2): the official openai client against a real `specserve serve`
+"""Tool calling end to end: the official openai client against a real `specserve serve`
 on a tiny model whose chat template renders tools as Qwen 2.5's does (Hermes-style <tool_call> tags), n-gram
 speculation on. Forced calls (a named function, `required`) are generated under their schemas, so even a
 random model's calls validate against the tools' parameters."""

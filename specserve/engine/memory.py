@@ -1,4 +1,4 @@
-"""How big the KV cache is, and how long a sequence may be (issue 19: no fixed 2 GiB, no silent cut).
+"""How big the KV cache is, and how long a sequence may be (no fixed 2 GiB, no silent cut).
 
 - `kv_cache_bytes` given: that.
 - CUDA: vLLM's rule, `gpu_memory_utilization` (default 0.9) of the device's memory, less what is already in

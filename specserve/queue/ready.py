@@ -1,4 +1,4 @@
-"""The ready queue: priority bands and per-tenant fair share in front of the workers (issue 17).
+"""The ready queue: priority bands and per-tenant fair share in front of the workers.
 
 Producers keep XADDing to the one request stream. A worker with room reads what is new and sorts it in
 (SORT_IN): the entry's pending ownership moves to the pseudo-consumer `~ready` (XCLAIM JUSTID: not a

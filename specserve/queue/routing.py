@@ -1,4 +1,4 @@
-"""Prefix-aware claiming (issue 16, part 3): a request goes first to a worker that already holds its prompt's
+"""Prefix-aware claiming: a request goes first to a worker that already holds its prompt's
 leading KV blocks, and waits for it a bounded few milliseconds before any worker may take it.
 
 Everything stays in the one request stream and its consumer group (the KEDA lag, reclaim, dead letters and

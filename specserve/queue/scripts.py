@@ -21,7 +21,7 @@ end
 # The pseudo-consumer that holds sorted-in entries while they wait in the ready queue (queue/ready.py).
 READY_CONSUMER = "~ready"
 
-# Admission limits (issue 17): a global backlog cap and, per tenant, a cap on queued requests and on tokens
+# Admission limits: a global backlog cap and, per tenant, a cap on queued requests and on tokens
 # asked for per minute. A tenant's queued requests are a sorted set (id -> enqueue time), not a counter:
 # members older than the request TTL fall out by themselves, so a request whose status expired while queued
 # cannot hold its tenant's quota forever. `admit` takes a table: stream, group, prefix (the quota key

@@ -1,4 +1,4 @@
-"""A Batch API job whose worker is SIGKILLed mid-batch (issue 17, item 5): its lines are ordinary queued
+"""A Batch API job whose worker is SIGKILLed mid-batch: its lines are ordinary queued
 requests, some running on the victim, some waiting in the ready queue under `~ready`, some not yet read; a
 rescuer worker takes them all over and the batch's output is what it would have been without the crash."""
 

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.chaos
 # Still running when the worker goes (it is frozen right after their first tokens), and, for the drain, well
 # past its 0.5 s grace period.
 # Long enough to outlast the drain's grace and the kill: the tiny model decodes a token in ~1-2.5 ms since
-# its 49,152-row head moved onto the float32 panel product, and at 300 tokens (CI, session 14), then at 900
+# its 49,152-row head moved onto the float32 panel product, and at 300 tokens (on CI), then at 900
 # (locally), the four once finished before the drain handed them back. 4 x 1,800 tokens fit the workers'
 # 4 MiB cache (8,192 tokens) beside the batches.
 LONG = {"max_tokens": 1800, "temperature": 0.0, "ignore_eos": True}
@@ -193,7 +193,7 @@ def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_mode
             cut_ids = await xadd_multi(r, cut_batch)
             if not set(cut_ids) <= set(await pending_of(r, "drainer")):
                 # On a loaded two-core machine the drain's first steps once outlasted the read's 2 s block
-                # (CI, session 11). Reading the batch under the worker's name leaves the server in the state
+                # (on CI). Reading the batch under the worker's name leaves the server in the state
                 # the cut-short read leaves it in: pending under "drainer", never seen by it.
                 await r.xreadgroup(KEYS.group, "drainer", {KEYS.requests: ">"}, count=len(cut_batch))
             drainer.thaw()
