@@ -18,8 +18,22 @@ from specserve.service import config as config_mod
 CONNECTION = {"redis_url", "prefix", "data_dir", "result_ttl"}
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own where it runs from a tree not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("specserve")
+    except PackageNotFoundError:
+        import specserve
+
+        return specserve.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description="Queue-native LLM serving over Redis Streams")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="embedded Redis (unless REDIS_URL) + worker + API, one process")
