@@ -34,7 +34,7 @@ class ApiSettings:
     max_prompt_chars: int = 200_000
     api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
-    model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
+    model_stale_s: float = 600.0  # how long the word of a worker that gives no ttl_s for it holds
     max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
     tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls out of text (service/tool_calls.py)
 
@@ -65,10 +65,17 @@ class WorkerConfig:
     routing: RoutingConfig = RoutingConfig()  # prefix-aware claiming (queue/routing.py)
     fair_share: FairShare = FairShare()  # the ready queue's bands and round robin (queue/ready.py)
     limits: Limits = Limits()  # the API's admission limits, applied to raw XADDs as they are sorted in
+    served_model_names: tuple[str, ...] = ()  # the model's names, primary first (none: the engine's)
 
     @property
     def heartbeat_s(self) -> float:
         return self.claim_timeout_s / 4
+
+    @property
+    def model_ttl_s(self) -> float:
+        """How long the worker's word that it serves its model holds (GET /v1/models): two heartbeats, so
+        one late heartbeat does not drop a live model, and a stopped worker's model is gone soon after."""
+        return 2 * self.heartbeat_s
 
     @property
     def reclaim_s(self) -> float:
@@ -102,6 +109,13 @@ class ServiceConfig:
         None,
         "HF model dir, GGUF file or Hugging Face id (org/name; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE apply) "
         "(default: demo SmolLM2-135M)",
+    )
+    served_model_name: str | None = _opt(
+        "SPECSERVE_SERVED_MODEL_NAME",
+        None,
+        "names clients give in `model` (vLLM's --served-model-name; several, space- or comma-separated: the "
+        "first names the model in /v1/models' first entry and metrics' model_name label; default: --model)",
+        nargs="+",
     )
     revision: str | None = _opt(
         "SPECSERVE_REVISION", None, "branch, tag or commit of a Hugging Face model id (default: main)"
@@ -359,6 +373,11 @@ class ServiceConfig:
                 kw[name] = getattr(self, name)
         return kw
 
+    def served_model_names(self) -> list[str]:
+        """The names the model is served under, primary first: --served-model-name, else --model."""
+        names = (self.served_model_name or "").replace(",", " ").split()
+        return names or ([self.model] if self.model else [])
+
     def keys_list(self) -> list[str]:
         keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
         if self.api_keys_file:
@@ -391,6 +410,7 @@ class ServiceConfig:
             routing=RoutingConfig(enabled=self.prefix_routing, wait_ms=self.prefix_routing_wait_ms),
             fair_share=FairShare(quantum=self.fair_share_quantum, oldest_every=self.oldest_every),
             limits=self.limits(),
+            served_model_names=tuple(self.served_model_names()),
         )
 
     def limits(self) -> Limits:
@@ -473,6 +493,8 @@ def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None)
             kw["type"] = kind
         if "choices" in meta:
             kw["choices"] = [c for c in meta["choices"] if c is not None]
+        if "nargs" in meta:
+            kw["nargs"] = meta["nargs"]
         parser.add_argument(_flag(f.name, meta), **kw)
 
 
@@ -484,7 +506,7 @@ def from_args(ns: argparse.Namespace | None = None, environ: dict[str, str] | No
         given = getattr(ns, f.name, None) if ns is not None else None
         env = f.metadata.get("env")
         if given is not None:
-            values[f.name] = given
+            values[f.name] = " ".join(given) if isinstance(given, list) else given
         elif env and environ.get(env):
             kind = _kind(f)
             try:

@@ -146,7 +146,7 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits())
     try:
         if with_api:
-            served = [cfg.model] if cfg.model else []
+            served = cfg.served_model_names()
             ready = (lambda: worker is not None and worker.ready) if with_worker else None
             api = Api(client, telemetry, cfg.api_settings(served), model_ready=ready)
             app = api.app(refresh_queue_stats=not with_worker)

@@ -149,13 +149,15 @@ class Runner:
         telemetry: Telemetry,
         clock: ServerClock,
         keys: Keys,
+        names: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.keys = keys
+        self.names = names or (engine.model_name,)  # the served model's names, primary first
         self.publisher = publisher
         self.telemetry = telemetry
         self.clock = clock
-        self.models = model_aliases(engine.model_name)
+        self.models = set().union(*(model_aliases(name) for name in self.names))
         self.preparing = 0  # requests being tokenized in a thread, not yet in the engine
         # A token's text for logprobs, decoded alone; a top-20 request decodes 21 a token, mostly the same few
         self._token_text = functools.lru_cache(maxsize=65_536)(lambda t: engine.tokenizer.decode([t]))
@@ -165,9 +167,7 @@ class Runner:
     def params(self, rid: str, body: RequestBody) -> tuple[SamplingParams, bool]:
         """The request's sampling parameters, and whether max_tokens is to fill the context."""
         if body.model is not None and body.model not in self.models:
-            raise WireError(
-                "model", f"unknown model {body.model!r}; this worker serves {self.engine.model_name!r}"
-            )
+            raise WireError("model", f"unknown model {body.model!r}; this worker serves {list(self.names)}")
         until_full = body.fills_context
         params = SamplingParams.from_dict(body.sampling_fields())
         limit = self.engine.max_model_len
