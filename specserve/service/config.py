@@ -234,6 +234,12 @@ class ServiceConfig:
     drain_timeout: float = _opt(
         "SPECSERVE_DRAIN_TIMEOUT", 30.0, "seconds to finish in-flight work on SIGTERM"
     )
+    metrics_prefix: str = _opt(
+        "SPECSERVE_METRICS_PREFIX",
+        "specserve",
+        "prefix of the metrics named as vLLM's (vllm: a vLLM dashboard reads them unedited)",
+        choices=["specserve", "vllm"],  # service/telemetry.py METRICS_PREFIXES
+    )
     otlp_endpoint: str | None = _opt("OTEL_EXPORTER_OTLP_ENDPOINT", None, "OTLP/HTTP endpoint for traces")
     # Beyond the chart's surface: tuning with sane defaults.
     data_dir: str = _opt("SPECSERVE_DATA_DIR", ".specserve/valkey", "embedded server's data folder")

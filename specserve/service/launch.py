@@ -139,7 +139,9 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     redis = connect(url)
     keys = Keys(cfg.prefix)
     # An API-only process has no engine: it exports no engine series rather than ones stuck at 0.
-    telemetry = Telemetry("specserve", cfg.otlp_endpoint, engine_metrics=with_worker)
+    telemetry = Telemetry(
+        "specserve", cfg.otlp_endpoint, engine_metrics=with_worker, metrics_prefix=cfg.metrics_prefix
+    )
     stats_task: asyncio.Task[None] | None = None
     worker = None
     runners: list[web.AppRunner] = []

@@ -28,7 +28,7 @@ from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
 from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError, model_aliases
 from specserve.service.outcome import Ending, Outcome
-from specserve.service.telemetry import Telemetry
+from specserve.service.telemetry import RequestPhases, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,17 @@ class RequestState:
     @property
     def deadline(self) -> float | None:
         return self.body.deadline
+
+    def phases(self, wall_now: float) -> RequestPhases | None:
+        """Queue, prefill and decode time of a request that made tokens (`wall_now`: the server's clock)."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        started = wall_now - (time.monotonic() - self.engine_start)  # the engine start on the server's clock
+        return RequestPhases(
+            queue=max(0.0, started - self.enqueued_ms / 1000),
+            prefill=max(0.0, self.first_token_at - self.engine_start),
+            decode=self.last_token_at - self.first_token_at,
+        )
 
 
 class Runner:
@@ -296,7 +307,10 @@ class Runner:
             async with contextlib.aclosing(started.deltas) as deltas:
                 async for d in deltas:
                     if d.token_ids:
-                        state.last_token_at = time.monotonic()
+                        arrived = time.monotonic()
+                        if state.last_token_at is not None:
+                            self.telemetry.inter_token(self.names[0], arrived - state.last_token_at)
+                        state.last_token_at = arrived
                         if state.first_token_at is None:
                             # A final-only request's one delta says when its first token really came.
                             state.first_token_at = d.first_token_time or state.last_token_at

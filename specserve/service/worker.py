@@ -44,7 +44,7 @@ from specserve.service.running import (
     Started,
     prompt_chars,
 )
-from specserve.service.telemetry import Telemetry, access_line, access_log
+from specserve.service.telemetry import Telemetry, access_line, access_log, cache_config_info
 
 log = logging.getLogger(__name__)
 FIRST = {"return_when": asyncio.FIRST_COMPLETED}
@@ -98,6 +98,7 @@ class Worker:
         self.runner = Runner(
             engine, self.publisher, self.telemetry, self.clock, keys, self.cfg.served_model_names
         )
+        self.telemetry.engine.cache_config = cache_config_info(engine)
         self.routing: PrefixRouting | None = None
         if self.cfg.routing.enabled:
             block_ms = self.consumer.cfg.block_ms
@@ -586,7 +587,10 @@ class Worker:
             if state.last_token_at is not None and n > 1:
                 tpot = (state.last_token_at - state.first_token_at) / (n - 1)
         reason = final.entry.finish_reason
-        self.telemetry.request_ended(self.runner.names[0], final.status, reason, usage, e2e, ttft, tpot)
+        phases = state.phases(now)
+        self.telemetry.request_ended(
+            self.runner.names[0], final.status, reason, usage, e2e, ttft, tpot, phases
+        )
         if self.cfg.access_log:
             self._detach(self._access_log(state.request_id, final, e2e))
         state.span.set_attribute("specserve.status", final.status)
