@@ -39,9 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="embedded Redis (unless REDIS_URL) + worker + API, one process")
     config_mod.add_arguments(serve)
     worker = sub.add_parser("worker", help="pull requests from Redis and run them on the engine")
-    config_mod.add_arguments(worker)
+    config_mod.add_arguments(worker, only=config_mod.read_by("worker"))
     api = sub.add_parser("api", help="the HTTP API alone (no engine)")
-    config_mod.add_arguments(api)
+    config_mod.add_arguments(api, only=config_mod.read_by("api"))
 
     enq = sub.add_parser("enqueue", help="add a request; print its id (or its result with --wait)")
     config_mod.add_arguments(enq, only=CONNECTION)

@@ -480,6 +480,53 @@ _ENGINE_KNOBS = (
 )
 
 
+# Who reads what: `serve` reads every setting; `worker` and `api` only theirs, and their --help lists only
+# those. The rest (the connection, bind address, limits both enforce, the model's names) both read.
+WORKER_ONLY = {
+    *_ENGINE_KNOBS,
+    "dtype",
+    "device",
+    "speculative_method",
+    "speculative_model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "health_port",
+    "drain_timeout",
+    "claim_timeout",
+    "max_deliveries",
+    "embedded_maxmemory",
+    "dead_letter_maxlen",
+    "dead_letter_ttl",
+    "fair_share_quantum",
+    "oldest_every",
+    "reply_maxlen",
+    "prefix_routing",
+    "prefix_routing_wait_ms",
+    "worker_name",
+    "access_log",
+    "log_stats_interval",
+    "metrics_prefix",  # an API alone exports no vLLM-named series
+}
+API_ONLY = {
+    "port",
+    "api_keys",
+    "api_keys_file",
+    "allow_unauthenticated",
+    "max_file_bytes",
+    "tool_call_parser",
+}
+
+
+def read_by(command: str) -> set[str]:
+    """The settings `command` (serve, worker or api) reads."""
+    names = {f.name for f in fields(ServiceConfig)}
+    if command == "worker":
+        return names - API_ONLY
+    if command == "api":
+        return names - WORKER_ONLY
+    return names
+
+
 def _kind(f) -> type:
     return f.metadata.get("kind") or type(f.default)
 
@@ -492,7 +539,13 @@ def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None)
         meta = dict(f.metadata)
         env = meta.get("env")
         kind = _kind(f)
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{meta['help']} [env {env}]"}
+        default = _default_text(f)
+        where = f"env {env}" if default == "unset" else f"env {env}; default {default}"
+        kw: dict[str, Any] = {
+            "dest": f.name,
+            "default": None,
+            "help": f"{meta['help']} [{where}]".replace("%", "%%"),
+        }
         if kind is bool:  # --x / --no-x: either way from the default (unset: the engine's)
             kw["action"] = argparse.BooleanOptionalAction
         elif kind in (int, float):
@@ -549,14 +602,15 @@ def markdown() -> str:
         " from specserve/service/config.py (ServiceConfig); tests/test_config_docs.py checks it is current."
         " Edit the fields there, not this file. -->",
         "",
-        "Every setting is a flag of `specserve serve`, `specserve worker` and `specserve api`, and an"
-        " environment variable (the Helm chart sets the variables). A flag wins over its variable, the"
+        "Every setting is a flag of `specserve serve` and an environment variable (the Helm chart sets the"
+        " variables); `specserve worker` and `specserve api` take the flags they read (`read by`, and their"
+        " `--help`). A flag wins over its variable, the"
         " variable over the default. `enqueue` and `status` take only the connection settings (REDIS_URL,"
         " SPECSERVE_PREFIX, SPECSERVE_DATA_DIR, SPECSERVE_RESULT_TTL). Boolean variables take"
         " 1/true/yes/on or 0/false/no/off. `--log-level` (DEBUG, INFO, ...) is a flag of `specserve` itself.",
         "",
-        "| flag | environment variable | default | meaning |",
-        "| --- | --- | --- | --- |",
+        "| flag | environment variable | default | meaning | read by |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for f in fields(ServiceConfig):
         meta = f.metadata
@@ -567,7 +621,8 @@ def markdown() -> str:
         choices = [c for c in meta.get("choices", []) if c is not None]
         if choices:
             meaning += " (one of " + ", ".join(f"`{c}`" for c in choices) + ")"
-        rows.append(f"| `{flag}` | `{meta['env']}` | `{_default_text(f)}` | {meaning} |")
+        readers = "api" if f.name in API_ONLY else "worker" if f.name in WORKER_ONLY else "worker, api"
+        rows.append(f"| `{flag}` | `{meta['env']}` | `{_default_text(f)}` | {meaning} | {readers} |")
     return "\n".join(rows) + "\n"
 
 
