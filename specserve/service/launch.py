@@ -49,8 +49,13 @@ async def resolve_redis(cfg: ServiceConfig, start_embedded: bool) -> tuple[str, 
     if url and await _reachable(url):
         return url, None
     if not start_embedded:
+        # The data dir is relative: run elsewhere, a `serve` that is up looks absent; say where we looked.
+        where = (Path(cfg.data_dir) / URL_FILE).resolve()
+        found = f"the embedded server in {where} does not answer" if url else f"there is no {where}"
         raise SystemExit(
-            "no REDIS_URL, and no embedded server running here (start one with `specserve serve`)"
+            f"error: no server found: REDIS_URL is unset and {found}. Pass --redis-url (REDIS_URL), or "
+            "--data-dir (SPECSERVE_DATA_DIR) naming the data dir of a running `specserve serve` (it is "
+            "relative to the directory that serve was started in), or start one with `specserve serve`"
         )
     server = EmbeddedValkey(cfg.data_dir, maxmemory=cfg.embedded_maxmemory)
     await asyncio.to_thread(server.start)
