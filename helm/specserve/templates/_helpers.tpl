@@ -225,8 +225,6 @@ so the password never appears in the rendered manifest.
   value: {{ include "specserve.redisURL" $ | quote }}
 - name: SPECSERVE_PREFIX
   value: {{ $.Values.prefix | quote }}
-- name: SPECSERVE_METRICS_PREFIX
-  value: {{ $.Values.metrics.prefix | quote }}
 - name: SPECSERVE_MAX_BACKLOG
   value: {{ int64 $.Values.queue.maxBacklog | quote }}
 - name: SPECSERVE_TENANT_MAX_QUEUED
