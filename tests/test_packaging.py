@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,26 @@ def test_version_falls_back_to_the_package_when_not_installed(monkeypatch: pytes
 
     monkeypatch.setattr(importlib.metadata, "version", not_installed)
     assert cli.version() == specserve.__version__
+
+
+def _make_plan(target: str, tmp: Path) -> str:
+    """What `make <target>` would run on a fresh checkout (`make -n`: nothing is installed)."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("no make here")
+    for name in ("Makefile", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp / name)
+    proc = subprocess.run([make, "-n", target], cwd=tmp, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_make_serve_installs_the_runtime_and_make_test_the_dev_extras_on_top(tmp_path: Path) -> None:
+    serve = _make_plan("serve", tmp_path)
+    assert "[dev]" not in serve  # no pytest, ruff or Helm SDK to run the service
+    # Triton (the gpu extra) only where torch sees CUDA
+    assert "torch.cuda.is_available()" in serve and '-e ".[gpu]"' in serve and "pip install -e .;" in serve
+    assert serve.rstrip().endswith("specserve.service.cli serve")
+    test = _make_plan("test", tmp_path)
+    assert test.index("pip install -e .;") < test.index('pip install -e ".[dev]"')
+    assert test.rstrip().endswith("pytest -q")
