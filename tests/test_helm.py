@@ -1282,5 +1282,6 @@ def test_alerts_and_dashboard_follow_the_metrics_prefix() -> None:
     exprs += [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     refs = {ref for e in exprs for ref in re.findall(r"\b(vllm:[a-z0-9_:]+|specserve[:_][a-z0-9_:]+)", e)}
     assert "vllm:kv_cache_usage_perc" in refs and "vllm:time_to_first_token_seconds_bucket" in refs
+    assert dashboard["description"].startswith("specserve: ")  # the product's name stays where it is prose
     assert not {r for r in refs if r.startswith("specserve:")}
     assert refs - exported == set()
