@@ -11,7 +11,10 @@ if TYPE_CHECKING:
     from specserve.engine.llm import LLM
     from specserve.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "__version__"]
+# The installed distribution's metadata says the version (service/cli.py `--version`); this is what a source
+# tree run without installing reports, and pyproject.toml's `version` must match it (tests/test_packaging.py).
+__version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:

@@ -137,3 +137,36 @@ def test_bad_batch_requests_name_their_field(valkey, tiny_model_dir):
         "endpoint": (400, "endpoint"),
         "purpose": (400, "purpose"),
     }
+
+
+def test_list_files_shows_the_callers_files_newest_first(valkey, tiny_model_dir):
+    async def main():
+        async with guarded_stack(valkey.url, tiny_model_dir, api_keys=["a:tok-a", "b:tok-b"]) as (
+            base,
+            _w,
+            _c,
+        ):
+            oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="tok-a", max_retries=0)
+            other = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="tok-b", max_retries=0)
+            mine = [
+                (await oai.files.create(file=(f"{i}.jsonl", io.BytesIO(b"{}\n")), purpose="batch")).id
+                for i in range(3)
+            ]
+            theirs = await other.files.create(file=("b.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+            listed = [f.id for f in (await oai.files.list()).data]
+            oldest_first = [f.id for f in (await oai.files.list(order="asc")).data]
+            first = await oai.files.list(limit=2)
+            rest = await oai.files.list(after=first.data[-1].id)
+            outputs = (await oai.files.list(purpose="batch_output")).data
+            await oai.files.delete(mine[1])
+            after_delete = [f.id for f in (await oai.files.list()).data]
+            their_list = [f.id for f in (await other.files.list()).data]
+            return mine, theirs.id, listed, oldest_first, first, rest, outputs, after_delete, their_list
+
+    mine, theirs, listed, oldest_first, first, rest, outputs, after_delete, their_list = run(main())
+    assert sorted(listed) == sorted(mine) and theirs not in listed
+    assert oldest_first == list(reversed(listed))
+    assert first.has_more and [f.id for f in first.data] + [f.id for f in rest.data] == listed
+    assert outputs == []
+    assert after_delete == [i for i in listed if i != mine[1]]
+    assert their_list == [theirs]

@@ -43,3 +43,22 @@ def test_an_unsupported_model_is_one_line_and_a_nonzero_exit(tmp_path):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in out.stderr
     assert "GPT2LMHeadModel" in errors[0] and "Qwen3ForCausalLM" in errors[0]
+
+
+def test_enqueue_from_another_directory_names_data_dir_and_redis_url(tmp_path):
+    """`serve` keeps its embedded server's URL under a data dir relative to where it ran; an `enqueue` run
+    elsewhere finds nothing there, and says where it looked and how to point it at the server."""
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, REDIS_URL="", PYTHONPATH=str(repo))
+    env.pop("SPECSERVE_DATA_DIR", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "specserve.service.cli", "enqueue", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "--data-dir" in out.stderr and "REDIS_URL" in out.stderr
+    assert str(tmp_path.resolve() / ".specserve" / "valkey" / "url") in out.stderr

@@ -39,3 +39,17 @@ def test_the_module_prints_it() -> None:
         check=True,
     )
     assert out.stdout == markdown()
+
+
+def test_the_wire_format_states_prefix_routings_defaults_as_the_code_has_them() -> None:
+    import re
+
+    from specserve.queue.routing import RoutingConfig
+
+    text = (DOC.parent / "wire-format.md").read_text()
+    state = "On" if RoutingConfig.enabled else "Off"
+    assert f"{state} by default (`SPECSERVE_PREFIX_ROUTING`" in text
+    (wait,) = re.findall(r"`SPECSERVE_PREFIX_ROUTING_WAIT_MS`, default (\d+)", text)
+    assert int(wait) == RoutingConfig.wait_ms
+    (row,) = [line for line in markdown().splitlines() if "| `SPECSERVE_PREFIX_ROUTING` |" in line]
+    assert f"| `{'on' if RoutingConfig.enabled else 'off'}` |" in row

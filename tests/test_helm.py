@@ -62,6 +62,20 @@ EXTRA_VALUES: dict[str, dict[str, Any]] = {
         "worker": {"pdb": {"enabled": False}},
     },
     "model-image-copy": {"model": {"source": "initContainer", "path": "/models/llama"}},
+    # a vLLM user's settings: the engine's flags by their vLLM names, vLLM's metric names, a suffixed tag
+    "vllm-flags": {
+        "image": {"tag": "0.2.0-cuda"},
+        "model": {"path": "Qwen/Qwen3-8B", "servedModelName": ["qwen3", "qwen"]},
+        "engine": {
+            "maxModelLen": 8192,
+            "quantization": "int8",
+            "tensorParallelSize": 2,
+            "toolCallParser": "hermes",
+            "speculative": {"method": "ngram", "numTokens": 3, "promptLookupMax": 4},
+        },
+        "worker": {"gpu": {"count": 2}, "cacheSizeLimit": "40Gi"},
+        "metrics": {"prefix": "vllm", "prometheusRule": {"enabled": True}, "dashboard": {"enabled": True}},
+    },
 }
 VALUE_SETS = ["default", *CI_VALUES, *EXTRA_VALUES]
 RELEASE = "rel"
@@ -699,13 +713,13 @@ def test_service_monitors_select_services_with_the_named_ports() -> None:
     assert find(rendered("default"), "ServiceMonitor") == []
 
 
-def exported_metric_names() -> set[str]:
+def exported_metric_names(metrics_prefix: str = "specserve") -> set[str]:
     """Every sample name a worker's /metrics can hold, from a real Telemetry after one finished request."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from specserve.service.telemetry import Telemetry
 
-    telemetry = Telemetry()
+    telemetry = Telemetry(metrics_prefix=metrics_prefix)
     try:
         telemetry.engine.model_name = "m"
         usage = {"prompt_tokens": 3, "completion_tokens": 4}
@@ -1004,6 +1018,13 @@ def test_bundled_valkey_command_line_runs_and_exposes_what_keda_reads(tmp_path: 
         {"prefix": "has space"},
         {"api": {"auth": {"keys": ["a,b"]}}},
         {"metrics": {"serviceMonitor": {"interval": "soon"}}},
+        {"metrics": {"prefix": "sglang"}},
+        {"engine": {"maxModelLen": 0}},
+        {"engine": {"quantization": "fp8"}},
+        {"engine": {"tensorParallelSize": 0}},
+        {"engine": {"toolCallParser": "mistral"}},
+        {"model": {"servedModelName": "qwen"}},
+        {"model": {"servedModelName": ["two words"]}},
     ],
 )
 def test_schema_refuses_invalid_values(bad: dict[str, Any]) -> None:
@@ -1174,3 +1195,93 @@ def test_queue_limits_and_fair_share_reach_the_api_and_the_workers_config() -> N
     assert default.max_backlog == 0 and default.scheduling_policy == "priority"
     assert default.engine_kwargs()["background_tokens"] == 1  # the chart's value
     assert default.worker_config().fair_share.oldest_every == 8
+
+
+# --- the engine's settings by vLLM's names ----------------------------------------------------------------
+
+
+def test_vllm_flags_reach_the_workers_and_the_apis_config() -> None:
+    docs = rendered("vllm-flags")
+    worker = from_args(environ=kubelet_env(container(deployment(docs, "worker"), "worker")))
+    kwargs = worker.engine_kwargs()
+    assert kwargs["max_model_len"] == 8192 and kwargs["quantization"] == "int8"
+    assert kwargs["tensor_parallel_size"] == 2
+    assert worker.speculative_config() == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 4,
+    }
+    assert worker.served_model_names() == ["qwen3", "qwen"]
+    assert worker.worker_config().served_model_names == ("qwen3", "qwen")
+    assert worker.metrics_prefix == "vllm"
+    api = from_args(environ=kubelet_env(container(deployment(docs, "api"), "api")))
+    assert api.tool_call_parser == "hermes"
+    # the API learns the names from live workers (so a stopped worker's model leaves /v1/models), not from env
+    assert api.served_model_names() == []
+    default = from_args(environ=kubelet_env(container(deployment(rendered("default"), "worker"), "worker")))
+    assert default.metrics_prefix == "specserve" and default.max_model_len is None
+    assert default.quantization is None and default.served_model_names() == []
+
+
+def test_a_tensor_parallel_size_other_than_the_gpu_count_is_refused() -> None:
+    message = helm_error({"engine": {"tensorParallelSize": 2}})
+    assert "engine.tensorParallelSize" in message and "worker.gpu.count" in message
+    cpu = {"engine": {"tensorParallelSize": 2, "device": "cpu"}, "worker": {"gpu": {"count": 0}}}
+    ranks = from_args(environ=kubelet_env(container(deployment(tuple(render(cpu)), "worker"), "worker")))
+    assert ranks.tensor_parallel_size == 2  # CPU ranks share the pod's cores
+
+
+@pytest.mark.parametrize("tag", ["0.2.0", "0.2.0-cuda", "0.2.0-cpu"])
+def test_an_image_tag_gets_its_variant_suffix_once(tag: str) -> None:
+    docs = tuple(render({"image": {"tag": tag}}))
+    assert container(deployment(docs, "worker"), "worker")["image"] == "specserve:0.2.0-cuda"
+    assert container(deployment(docs, "api"), "api")["image"] == "specserve:0.2.0-cpu"
+
+
+def notes(values: dict[str, Any]) -> str:
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    (text,) = [text for name, text in out.items() if name.endswith("NOTES.txt")]
+    return text
+
+
+@pytest.mark.parametrize(
+    "model, cache, warned",
+    [
+        ("Qwen/Qwen2.5-7B-Instruct", None, True),  # ~15 GB of bf16 weights, the default 10Gi cache
+        ("meta-llama/Llama-3.1-70B-Instruct", "100Gi", True),
+        ("Qwen/Qwen2.5-7B-Instruct", "20Gi", False),
+        ("Qwen/Qwen3-0.6B", None, False),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "500Mi", False),
+        ("acme/house-model", None, False),  # no size in the name: nothing to say
+    ],
+)
+def test_notes_warn_when_a_hugging_face_model_will_not_fit_the_cache(
+    model: str, cache: str | None, warned: bool
+) -> None:
+    values: dict[str, Any] = {"model": {"path": model}}
+    if cache is not None:
+        values["worker"] = {"cacheSizeLimit": cache}
+    text = notes(values)
+    assert ("worker.cacheSizeLimit" in text) == warned, text
+    if warned:
+        assert model in text
+
+
+def test_notes_do_not_take_a_mounted_path_for_a_hugging_face_id() -> None:
+    values = {"model": {"source": "pvc", "path": "/models/Qwen2.5-72B", "pvc": {"claimName": "m"}}}
+    assert "cacheSizeLimit" not in notes(values)
+
+
+def test_alerts_and_dashboard_follow_the_metrics_prefix() -> None:
+    docs = rendered("vllm-flags")
+    exported = exported_metric_names("vllm") | KUBE_STATE_METRICS
+    rule = one(docs, "PrometheusRule")
+    exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
+    dashboard = json.loads(one(docs, "ConfigMap")["data"]["specserve.json"])
+    exprs += [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    refs = {ref for e in exprs for ref in re.findall(r"\b(vllm:[a-z0-9_:]+|specserve[:_][a-z0-9_:]+)", e)}
+    assert "vllm:kv_cache_usage_perc" in refs and "vllm:time_to_first_token_seconds_bucket" in refs
+    assert dashboard["description"].startswith("specserve: ")  # the product's name stays where it is prose
+    assert not {r for r in refs if r.startswith("specserve:")}
+    assert refs - exported == set()

@@ -85,6 +85,81 @@ def test_worker_exports_vllms_names_with_model_name_after_real_requests(valkey, 
     assert value(page, "specserve_time_to_first_token_seconds_count") == 2
 
 
+# vLLM v1's metric names (vllm/v1/metrics/loggers.py) that a vLLM dashboard reads, as a scrape shows them:
+# counters with their _total, histograms by their _count.
+VLLM_NAMES = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:time_to_first_token_seconds_count",
+    "vllm:time_per_output_token_seconds_count",
+    "vllm:inter_token_latency_seconds_count",
+    "vllm:e2e_request_latency_seconds_count",
+    "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_decode_time_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "vllm:request_prompt_tokens_count",
+    "vllm:request_generation_tokens_count",
+]
+
+
+def test_metrics_prefix_vllm_exports_vllms_exact_names(valkey, tiny_model_dir):
+    parser = cfg_mod.argparse.ArgumentParser()
+    cfg_mod.add_arguments(parser)
+    cfg = cfg_mod.from_args(parser.parse_args(["--metrics-prefix", "vllm"]), environ={})
+    assert cfg.metrics_prefix == "vllm"
+    assert cfg_mod.from_args(None, environ={"SPECSERVE_METRICS_PREFIX": "vllm"}).metrics_prefix == "vllm"
+    with pytest.raises(ValueError, match="SPECSERVE_METRICS_PREFIX"):
+        cfg_mod.from_args(None, environ={"SPECSERVE_METRICS_PREFIX": "sglang"})
+
+    async def main():
+        telemetry = Telemetry(metrics_prefix=cfg.metrics_prefix)
+        async with service_stack(valkey.url, tiny_model_dir, prefix="vllmnames", telemetry=telemetry) as (
+            worker,
+            client,
+        ):
+            body = {"prompt": "one two three", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            results = [await client.wait((await client.enqueue(body)).id) for _ in range(2)]
+            await worker._refresh_stats()
+            return worker, results, telemetry.metrics_text().decode()
+
+    worker, results, text = run(main())
+    page = samples(text)
+    names = {name for name, _ in page}
+    assert [n for n in VLLM_NAMES if n not in names] == []
+    assert not {n for n in names if n.startswith("specserve:")}  # the prefix is vLLM's alone
+    m = {"model_name": worker.engine.model_name}
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert value(page, f"vllm:request_{phase}_time_seconds_count", **m) == 2, phase
+    # inference is prefill and decode together, request by request
+    total = value(page, "vllm:request_inference_time_seconds_sum", **m)
+    parts = value(page, "vllm:request_prefill_time_seconds_sum", **m)
+    parts += value(page, "vllm:request_decode_time_seconds_sum", **m)
+    assert total == pytest.approx(parts)
+    # one gap between each two outputs of a request: at most completion_tokens - 1 a request (fewer where a
+    # step hands over several tokens)
+    gaps = value(page, "vllm:inter_token_latency_seconds_count", **m)
+    assert 2 <= gaps <= sum(r.usage["completion_tokens"] - 1 for r in results)
+    info = next(labels for name, labels in page if name == "vllm:cache_config_info")
+    info = dict(info)
+    llm = worker.engine.engine
+    assert info["block_size"] == str(llm.config.block_size)
+    assert info["num_gpu_blocks"] == str(llm.block_manager.num_blocks)
+    assert info["cache_dtype"] == "float32"
+    assert value(page, "vllm:cache_config_info", **info) == 1
+
+
 def test_spec_decode_counters_count_the_draft_tokens_requests_report(valkey, tiny_model_dir):
     spec = SPEC
     params = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}

@@ -250,3 +250,38 @@ def test_the_worker_and_api_defaults_are_the_services():
         cfg_mod.ApiSettings().max_body_bytes,
         cfg_mod.ApiSettings().max_prompt_chars,
     )
+
+
+def _options(command: str) -> dict[str, str]:
+    """`specserve <command> --help`'s options: flag -> its help text."""
+    from specserve.service.cli import _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return {a.option_strings[0]: a.help for a in sub._actions if a.option_strings and a.dest != "help"}
+
+
+def test_worker_and_api_help_lists_only_the_flags_each_reads_with_defaults() -> None:
+    worker, api, serve = _options("worker"), _options("api"), _options("serve")
+    assert {"--port", "--api-keys", "--tool-call-parser", "--max-file-bytes"}.isdisjoint(worker)
+    assert {"--max-num-seqs", "--dtype", "--health-port", "--prefix-routing", "--log-stats-interval"} <= set(
+        worker
+    )
+    assert {"--max-num-seqs", "--dtype", "--health-port", "--speculative-method"}.isdisjoint(api)
+    assert {"--port", "--api-keys", "--tool-call-parser", "--redis-url", "--served-model-name"} <= set(api)
+    assert set(worker) | set(api) == set(serve)  # serve runs both
+    assert "default 8000" in api["--port"] and "env SPECSERVE_PORT" in api["--port"]
+    assert "default ngram" in worker["--speculative-method"]
+    assert "default engine's" in worker["--max-num-seqs"]
+    assert "default off" in worker["--access-log"]
+    # every flag a subcommand takes is one its process reads, by the one list in service/config.py
+    for command, flags in (("worker", worker), ("api", api)):
+        assert {f"--{name.replace('_', '-')}" for name in cfg_mod.read_by(command)} == set(flags)
+
+
+def test_the_worker_refuses_an_api_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from specserve.service.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["worker", "--port", "9000"])
+    assert caught.value.code == 2 and "--port" in capsys.readouterr().err

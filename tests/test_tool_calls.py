@@ -153,6 +153,26 @@ def test_finish_reason_is_tool_calls_only_for_an_answer_that_ended_by_itself():
     assert finish_reason("stop", 0) == "stop"
 
 
+def test_finish_reason_is_tool_calls_for_a_forced_call_complete_when_max_tokens_cut_it():
+    """The grammar of a forced call ends with its JSON: max_tokens that runs out right after it (before the
+    end-of-sequence token) cut nothing of the call."""
+    whole, cut = '{"city": "Oslo"}', '{"city": "Os'
+    for text, want in ((whole, "tool_calls"), (cut, "length")):
+        reader = NamedCallReader("get_weather")
+        _content, calls = read_whole(reader, text)
+        assert finish_reason("length", len(calls), reader) == want, text
+    array = '[{"name": "get_time", "parameters": {}}]'
+    for text, want in ((array, "tool_calls"), (array[:-1], "length"), (array + " ", "tool_calls")):
+        reader = RequiredCallsReader()
+        _content, calls = read_whole(reader, text)
+        assert finish_reason("length", len(calls), reader) == want, text
+    # tool_choice auto reads free text, which may always go on: cut short, it stays `length`
+    reader = HermesReader(None)
+    _content, calls = read_whole(reader, '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    assert calls and finish_reason("length", len(calls), reader) == "length"
+    assert finish_reason("stop", len(calls), reader) == "tool_calls"
+
+
 def test_required_schema_accepts_calls_of_the_tools_only():
     schema = required_schema([WEATHER, TIME], parallel=True)
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Oslo"}}], schema)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import orjson
@@ -310,7 +311,9 @@ class StreamConsumer:
         workers = len(consumers) - len(ready_held)
         return QueueStats(undelivered + held, int(g["pending"]) - held, lag, workers, waiting)
 
-    async def register_model(self, model: str, info: dict) -> None:
-        """Advertise the served model so APIs can list and check it (GET /v1/models)."""
-        info = {**info, "worker": self.name, "seen": time.time()}
-        await self.r.hset(self.keys.models, model, orjson.dumps(info).decode())
+    async def register_models(self, names: Sequence[str], info: dict, ttl_s: float) -> None:
+        """Advertise the served model under each of its names so APIs can list and check it (GET
+        /v1/models) for the next `ttl_s` seconds; a worker that stops refreshing it stops vouching for it."""
+        info = {**info, "worker": self.name, "seen": time.time(), "ttl_s": ttl_s}
+        value = orjson.dumps(info).decode()
+        await self.r.hset(self.keys.models, mapping=dict.fromkeys(names, value))

@@ -28,6 +28,7 @@ from specserve.service.openai_api import completion_body, translate
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # endpoint -> chat
 WINDOW_S = {"24h": 86400}
 LIVE = ("validating", "in_progress", "finalizing", "cancelling")
+MAX_FILES_LISTED = 10_000  # OpenAI's largest `limit` for GET /v1/files, and its default
 # The band batch lines run in (plus a line's own priority): behind interactive requests, whose default is 0.
 BATCH_PRIORITY = 10
 
@@ -45,14 +46,21 @@ class BatchRoutes:
     def _file_key(self, file_id: str) -> str:
         return f"{self.keys.prefix}:file:{file_id}"
 
+    def _files_key(self, request: web.Request) -> str:
+        """A tenant's file ids by creation time (GET /v1/files); the files themselves expire on their own."""
+        return f"{self.keys.prefix}:files:{request.get(TENANT_KEY) or '-'}"
+
     async def _put_file(self, request: web.Request, data: bytes, filename: str, purpose: str) -> dict:
         file_id = "file-" + uuid.uuid4().hex
         meta = {"id": file_id, "bytes": len(data), "created_at": int(time.time()), "filename": filename}
         meta |= {"purpose": purpose, "tenant": request.get(TENANT_KEY) or ""}
-        key = self._file_key(file_id)
+        key, index, now = self._file_key(file_id), self._files_key(request), time.time()
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(key, mapping={"meta": orjson.dumps(meta).decode(), "data": data})
         pipe.pexpire(key, self.client.ttl_ms)
+        pipe.zadd(index, {file_id: now})
+        pipe.zremrangebyscore(index, "-inf", now - self.client.ttl_ms / 1000)  # files expired by now
+        pipe.pexpire(index, self.client.ttl_ms)
         await pipe.execute()
         return meta
 
@@ -107,8 +115,36 @@ class BatchRoutes:
     async def delete_file(self, request: web.Request) -> web.Response:
         file_id = request.match_info["id"]
         await self._file(request, file_id)
-        await self.r.delete(self._file_key(file_id))
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self._file_key(file_id))
+        pipe.zrem(self._files_key(request), file_id)
+        await pipe.execute()
         return json_response({"id": file_id, "object": "file", "deleted": True})
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        """The caller's files, newest first (OpenAI's `purpose`, `limit`, `order` and `after`)."""
+        query = request.query
+        try:
+            limit = min(MAX_FILES_LISTED, max(1, int(query.get("limit", str(MAX_FILES_LISTED)))))
+        except ValueError:
+            raise ApiError(400, "limit: must be an integer", "limit") from None
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, "order: one of ['asc', 'desc']", "order")
+        index = self._files_key(request)
+        ids = await (self.r.zrevrange if order == "desc" else self.r.zrange)(index, 0, -1)
+        if (after := query.get("after")) in ids:
+            ids = ids[ids.index(after) + 1 :]
+        pipe = self.r.pipeline(transaction=False)
+        for file_id in ids:
+            pipe.hget(self._file_key(file_id), "meta")
+        metas = [orjson.loads(raw) for raw in await pipe.execute() if raw]
+        purpose = query.get("purpose")
+        files = [self._file_object(m) for m in metas if purpose is None or m["purpose"] == purpose]
+        page = files[:limit]
+        body = {"object": "list", "data": page, "has_more": len(files) > limit}
+        body |= {"first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}
+        return json_response(body)
 
     # ---- batches --------------------------------------------------------------------------------------
 
@@ -334,6 +370,7 @@ def _jsonl(rows: list[dict]) -> bytes:
 def add_routes(app: web.Application, gateway: Gateway, max_file_bytes: int) -> None:
     routes = BatchRoutes(gateway, max_file_bytes)
     app.router.add_post("/v1/files", routes.create_file)
+    app.router.add_get("/v1/files", routes.list_files)
     app.router.add_get("/v1/files/{id}", routes.get_file)
     app.router.add_get("/v1/files/{id}/content", routes.file_content)
     app.router.add_delete("/v1/files/{id}", routes.delete_file)

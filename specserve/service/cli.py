@@ -18,16 +18,30 @@ from specserve.service import config as config_mod
 CONNECTION = {"redis_url", "prefix", "data_dir", "result_ttl"}
 
 
+def version() -> str:
+    """The installed distribution's version; the package's own where it runs from a tree not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("specserve")
+    except PackageNotFoundError:
+        import specserve
+
+        return specserve.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve", description="Queue-native LLM serving over Redis Streams")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="embedded Redis (unless REDIS_URL) + worker + API, one process")
     config_mod.add_arguments(serve)
     worker = sub.add_parser("worker", help="pull requests from Redis and run them on the engine")
-    config_mod.add_arguments(worker)
+    config_mod.add_arguments(worker, only=config_mod.read_by("worker"))
     api = sub.add_parser("api", help="the HTTP API alone (no engine)")
-    config_mod.add_arguments(api)
+    config_mod.add_arguments(api, only=config_mod.read_by("api"))
 
     enq = sub.add_parser("enqueue", help="add a request; print its id (or its result with --wait)")
     config_mod.add_arguments(enq, only=CONNECTION)

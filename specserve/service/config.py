@@ -34,7 +34,7 @@ class ApiSettings:
     max_prompt_chars: int = 200_000
     api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
-    model_stale_s: float = 600.0  # a worker not seen for this long no longer vouches for its model
+    model_stale_s: float = 600.0  # how long the word of a worker that gives no ttl_s for it holds
     max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
     tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls out of text (service/tool_calls.py)
 
@@ -65,10 +65,17 @@ class WorkerConfig:
     routing: RoutingConfig = RoutingConfig()  # prefix-aware claiming (queue/routing.py)
     fair_share: FairShare = FairShare()  # the ready queue's bands and round robin (queue/ready.py)
     limits: Limits = Limits()  # the API's admission limits, applied to raw XADDs as they are sorted in
+    served_model_names: tuple[str, ...] = ()  # the model's names, primary first (none: the engine's)
 
     @property
     def heartbeat_s(self) -> float:
         return self.claim_timeout_s / 4
+
+    @property
+    def model_ttl_s(self) -> float:
+        """How long the worker's word that it serves its model holds (GET /v1/models): two heartbeats, so
+        one late heartbeat does not drop a live model, and a stopped worker's model is gone soon after."""
+        return 2 * self.heartbeat_s
 
     @property
     def reclaim_s(self) -> float:
@@ -102,6 +109,13 @@ class ServiceConfig:
         None,
         "HF model dir, GGUF file or Hugging Face id (org/name; HF_TOKEN, HF_HOME, HF_HUB_OFFLINE apply) "
         "(default: demo SmolLM2-135M)",
+    )
+    served_model_name: str | None = _opt(
+        "SPECSERVE_SERVED_MODEL_NAME",
+        None,
+        "names clients give in `model` (vLLM's --served-model-name; several, space- or comma-separated: the "
+        "first names the model in /v1/models' first entry and metrics' model_name label; default: --model)",
+        nargs="+",
     )
     revision: str | None = _opt(
         "SPECSERVE_REVISION", None, "branch, tag or commit of a Hugging Face model id (default: main)"
@@ -219,6 +233,12 @@ class ServiceConfig:
     )
     drain_timeout: float = _opt(
         "SPECSERVE_DRAIN_TIMEOUT", 30.0, "seconds to finish in-flight work on SIGTERM"
+    )
+    metrics_prefix: str = _opt(
+        "SPECSERVE_METRICS_PREFIX",
+        "specserve",
+        "prefix of the metrics named as vLLM's (vllm: a vLLM dashboard reads them unedited)",
+        choices=["specserve", "vllm"],  # service/telemetry.py METRICS_PREFIXES
     )
     otlp_endpoint: str | None = _opt("OTEL_EXPORTER_OTLP_ENDPOINT", None, "OTLP/HTTP endpoint for traces")
     # Beyond the chart's surface: tuning with sane defaults.
@@ -359,6 +379,11 @@ class ServiceConfig:
                 kw[name] = getattr(self, name)
         return kw
 
+    def served_model_names(self) -> list[str]:
+        """The names the model is served under, primary first: --served-model-name, else --model."""
+        names = (self.served_model_name or "").replace(",", " ").split()
+        return names or ([self.model] if self.model else [])
+
     def keys_list(self) -> list[str]:
         keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
         if self.api_keys_file:
@@ -391,6 +416,7 @@ class ServiceConfig:
             routing=RoutingConfig(enabled=self.prefix_routing, wait_ms=self.prefix_routing_wait_ms),
             fair_share=FairShare(quantum=self.fair_share_quantum, oldest_every=self.oldest_every),
             limits=self.limits(),
+            served_model_names=tuple(self.served_model_names()),
         )
 
     def limits(self) -> Limits:
@@ -454,6 +480,53 @@ _ENGINE_KNOBS = (
 )
 
 
+# Who reads what: `serve` reads every setting; `worker` and `api` only theirs, and their --help lists only
+# those. The rest (the connection, bind address, limits both enforce, the model's names) both read.
+WORKER_ONLY = {
+    *_ENGINE_KNOBS,
+    "dtype",
+    "device",
+    "speculative_method",
+    "speculative_model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "health_port",
+    "drain_timeout",
+    "claim_timeout",
+    "max_deliveries",
+    "embedded_maxmemory",
+    "dead_letter_maxlen",
+    "dead_letter_ttl",
+    "fair_share_quantum",
+    "oldest_every",
+    "reply_maxlen",
+    "prefix_routing",
+    "prefix_routing_wait_ms",
+    "worker_name",
+    "access_log",
+    "log_stats_interval",
+    "metrics_prefix",  # an API alone exports no vLLM-named series
+}
+API_ONLY = {
+    "port",
+    "api_keys",
+    "api_keys_file",
+    "allow_unauthenticated",
+    "max_file_bytes",
+    "tool_call_parser",
+}
+
+
+def read_by(command: str) -> set[str]:
+    """The settings `command` (serve, worker or api) reads."""
+    names = {f.name for f in fields(ServiceConfig)}
+    if command == "worker":
+        return names - API_ONLY
+    if command == "api":
+        return names - WORKER_ONLY
+    return names
+
+
 def _kind(f) -> type:
     return f.metadata.get("kind") or type(f.default)
 
@@ -466,13 +539,21 @@ def add_arguments(parser: argparse.ArgumentParser, only: set[str] | None = None)
         meta = dict(f.metadata)
         env = meta.get("env")
         kind = _kind(f)
-        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": f"{meta['help']} [env {env}]"}
+        default = _default_text(f)
+        where = f"env {env}" if default == "unset" else f"env {env}; default {default}"
+        kw: dict[str, Any] = {
+            "dest": f.name,
+            "default": None,
+            "help": f"{meta['help']} [{where}]".replace("%", "%%"),
+        }
         if kind is bool:  # --x / --no-x: either way from the default (unset: the engine's)
             kw["action"] = argparse.BooleanOptionalAction
         elif kind in (int, float):
             kw["type"] = kind
         if "choices" in meta:
             kw["choices"] = [c for c in meta["choices"] if c is not None]
+        if "nargs" in meta:
+            kw["nargs"] = meta["nargs"]
         parser.add_argument(_flag(f.name, meta), **kw)
 
 
@@ -484,7 +565,7 @@ def from_args(ns: argparse.Namespace | None = None, environ: dict[str, str] | No
         given = getattr(ns, f.name, None) if ns is not None else None
         env = f.metadata.get("env")
         if given is not None:
-            values[f.name] = given
+            values[f.name] = " ".join(given) if isinstance(given, list) else given
         elif env and environ.get(env):
             kind = _kind(f)
             try:
@@ -521,14 +602,15 @@ def markdown() -> str:
         " from specserve/service/config.py (ServiceConfig); tests/test_config_docs.py checks it is current."
         " Edit the fields there, not this file. -->",
         "",
-        "Every setting is a flag of `specserve serve`, `specserve worker` and `specserve api`, and an"
-        " environment variable (the Helm chart sets the variables). A flag wins over its variable, the"
+        "Every setting is a flag of `specserve serve` and an environment variable (the Helm chart sets the"
+        " variables); `specserve worker` and `specserve api` take the flags they read (`read by`, and their"
+        " `--help`). A flag wins over its variable, the"
         " variable over the default. `enqueue` and `status` take only the connection settings (REDIS_URL,"
         " SPECSERVE_PREFIX, SPECSERVE_DATA_DIR, SPECSERVE_RESULT_TTL). Boolean variables take"
         " 1/true/yes/on or 0/false/no/off. `--log-level` (DEBUG, INFO, ...) is a flag of `specserve` itself.",
         "",
-        "| flag | environment variable | default | meaning |",
-        "| --- | --- | --- | --- |",
+        "| flag | environment variable | default | meaning | read by |",
+        "| --- | --- | --- | --- | --- |",
     ]
     for f in fields(ServiceConfig):
         meta = f.metadata
@@ -539,7 +621,8 @@ def markdown() -> str:
         choices = [c for c in meta.get("choices", []) if c is not None]
         if choices:
             meaning += " (one of " + ", ".join(f"`{c}`" for c in choices) + ")"
-        rows.append(f"| `{flag}` | `{meta['env']}` | `{_default_text(f)}` | {meaning} |")
+        readers = "api" if f.name in API_ONLY else "worker" if f.name in WORKER_ONLY else "worker, api"
+        rows.append(f"| `{flag}` | `{meta['env']}` | `{_default_text(f)}` | {meaning} | {readers} |")
     return "\n".join(rows) + "\n"
 
 

@@ -81,7 +81,9 @@ class Gateway:
         models: dict[str, dict[str, Any]] = {}
         for name, info in raw.items():
             data = orjson.loads(info)
-            if now - float(data.get("seen", 0)) < self.settings.model_stale_s:
+            # a worker's word holds for the ttl_s it gave (a couple of its heartbeats)
+            ttl = float(data.pop("ttl_s", self.settings.model_stale_s))
+            if now - float(data.get("seen", 0)) < ttl:
                 models[name] = data
         for name in self.settings.served_models:
             models.setdefault(name, {})

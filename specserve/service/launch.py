@@ -49,8 +49,13 @@ async def resolve_redis(cfg: ServiceConfig, start_embedded: bool) -> tuple[str, 
     if url and await _reachable(url):
         return url, None
     if not start_embedded:
+        # The data dir is relative: run elsewhere, a `serve` that is up looks absent; say where we looked.
+        where = (Path(cfg.data_dir) / URL_FILE).resolve()
+        found = f"the embedded server in {where} does not answer" if url else f"there is no {where}"
         raise SystemExit(
-            "no REDIS_URL, and no embedded server running here (start one with `specserve serve`)"
+            f"error: no server found: REDIS_URL is unset and {found}. Pass --redis-url (REDIS_URL), or "
+            "--data-dir (SPECSERVE_DATA_DIR) naming the data dir of a running `specserve serve` (it is "
+            "relative to the directory that serve was started in), or start one with `specserve serve`"
         )
     server = EmbeddedValkey(cfg.data_dir, maxmemory=cfg.embedded_maxmemory)
     await asyncio.to_thread(server.start)
@@ -139,14 +144,16 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     redis = connect(url)
     keys = Keys(cfg.prefix)
     # An API-only process has no engine: it exports no engine series rather than ones stuck at 0.
-    telemetry = Telemetry("specserve", cfg.otlp_endpoint, engine_metrics=with_worker)
+    telemetry = Telemetry(
+        "specserve", cfg.otlp_endpoint, engine_metrics=with_worker, metrics_prefix=cfg.metrics_prefix
+    )
     stats_task: asyncio.Task[None] | None = None
     worker = None
     runners: list[web.AppRunner] = []
     client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits())
     try:
         if with_api:
-            served = [cfg.model] if cfg.model else []
+            served = cfg.served_model_names()
             ready = (lambda: worker is not None and worker.ready) if with_worker else None
             api = Api(client, telemetry, cfg.api_settings(served), model_ready=ready)
             app = api.app(refresh_queue_stats=not with_worker)

@@ -361,7 +361,7 @@ def completion_body(
                 message["content"], calls = read_whole(reader, r.text)
                 if calls:
                     message["tool_calls"] = calls
-                reason = finish_reason(reason, len(calls))
+                reason = finish_reason(reason, len(calls), reader)
             choice = {"index": index, "message": message, "logprobs": logprobs}
         else:
             choice = {"index": index, "text": r.text, "logprobs": logprobs}
@@ -631,9 +631,7 @@ class OpenAIRoutes:
                     await sse_send(resp, e.body())
             else:
                 reason = d.final.finish_reason
-                await sse_send(
-                    resp, chunk(index, None, finish_reason(reason, calls[index]) if reader else reason)
-                )
+                await sse_send(resp, chunk(index, None, finish_reason(reason, calls[index], reader)))
 
         if chat:
             for index in range(len(choices)):

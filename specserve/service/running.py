@@ -28,7 +28,7 @@ from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
 from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError, model_aliases
 from specserve.service.outcome import Ending, Outcome
-from specserve.service.telemetry import Telemetry
+from specserve.service.telemetry import RequestPhases, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,17 @@ class RequestState:
     def deadline(self) -> float | None:
         return self.body.deadline
 
+    def phases(self, wall_now: float) -> RequestPhases | None:
+        """Queue, prefill and decode time of a request that made tokens (`wall_now`: the server's clock)."""
+        if self.first_token_at is None or self.last_token_at is None:
+            return None
+        started = wall_now - (time.monotonic() - self.engine_start)  # the engine start on the server's clock
+        return RequestPhases(
+            queue=max(0.0, started - self.enqueued_ms / 1000),
+            prefill=max(0.0, self.first_token_at - self.engine_start),
+            decode=self.last_token_at - self.first_token_at,
+        )
+
 
 class Runner:
     """Hands requests to the engine and drives their output to the publisher."""
@@ -149,13 +160,15 @@ class Runner:
         telemetry: Telemetry,
         clock: ServerClock,
         keys: Keys,
+        names: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.keys = keys
+        self.names = names or (engine.model_name,)  # the served model's names, primary first
         self.publisher = publisher
         self.telemetry = telemetry
         self.clock = clock
-        self.models = model_aliases(engine.model_name)
+        self.models = set().union(*(model_aliases(name) for name in self.names))
         self.preparing = 0  # requests being tokenized in a thread, not yet in the engine
         # A token's text for logprobs, decoded alone; a top-20 request decodes 21 a token, mostly the same few
         self._token_text = functools.lru_cache(maxsize=65_536)(lambda t: engine.tokenizer.decode([t]))
@@ -165,9 +178,7 @@ class Runner:
     def params(self, rid: str, body: RequestBody) -> tuple[SamplingParams, bool]:
         """The request's sampling parameters, and whether max_tokens is to fill the context."""
         if body.model is not None and body.model not in self.models:
-            raise WireError(
-                "model", f"unknown model {body.model!r}; this worker serves {self.engine.model_name!r}"
-            )
+            raise WireError("model", f"unknown model {body.model!r}; this worker serves {list(self.names)}")
         until_full = body.fills_context
         params = SamplingParams.from_dict(body.sampling_fields())
         limit = self.engine.max_model_len
@@ -296,7 +307,10 @@ class Runner:
             async with contextlib.aclosing(started.deltas) as deltas:
                 async for d in deltas:
                     if d.token_ids:
-                        state.last_token_at = time.monotonic()
+                        arrived = time.monotonic()
+                        if state.last_token_at is not None:
+                            self.telemetry.inter_token(self.names[0], arrived - state.last_token_at)
+                        state.last_token_at = arrived
                         if state.first_token_at is None:
                             # A final-only request's one delta says when its first token really came.
                             state.first_token_at = d.first_token_time or state.last_token_at

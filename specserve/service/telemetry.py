@@ -6,12 +6,16 @@ do not collide; nothing is installed globally.
 Metric names. Where a metric means what one of vLLM's means (vllm/v1/metrics/loggers.py and
 vllm/v1/spec_decode/metrics.py in vllm-project/vllm), it carries vLLM's exact name with our prefix in place
 of theirs: `vllm:num_requests_running` is `specserve:num_requests_running`, with the same `model_name`
-label, the same `finished_reason` label on request_success and the same latency buckets. So a vLLM
-dashboard or alert works here after one textual substitution of the prefix, and nobody has to learn which of
-our names means which of theirs. These are prometheus_client metrics in this Telemetry's registry because
-OpenTelemetry instrument names cannot hold the `:`. vLLM metrics we do not mirror: the prefix-cache ones
-(there is no prefix cache), `spec_decode_num_drafts` (EngineStats counts draft tokens, not drafts), and
-`request_queue_time_seconds` (theirs is time waiting inside the engine; our queue is Redis, see below).
+label, the same `finished_reason` label on request_success and the same latency buckets. With
+`--metrics-prefix vllm` the prefix is theirs too, so a vLLM dashboard or alert works here unedited; with
+ours it works after one textual substitution, and nobody has to learn which of our names means which of
+theirs. These are prometheus_client metrics in this Telemetry's registry because OpenTelemetry instrument
+names cannot hold the `:`. The request phases are vLLM's with our queue in theirs: request_queue_time is
+enqueue (into Redis) to the engine starting the request, prefill is from there to the first token, decode
+from the first token to the last, inference the two together. `gpu_cache_usage_perc` is vLLM's older name
+of `kv_cache_usage_perc`, kept for the dashboards that still read it; `cache_config_info` carries the KV
+cache's settings as labels (num_gpu_blocks is the pool's blocks on whatever device holds it). vLLM metrics
+we do not mirror: `spec_decode_num_drafts` (EngineStats counts draft tokens, not drafts).
 
 The `specserve_*` names (OpenTelemetry instruments) stay as they were for whoever charts them, and carry
 what vLLM has no word for: the Redis queue (depth, pending, oldest waiting entry's age, dead letters, time
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("specserve.access")
 stats_log = logging.getLogger("specserve.stats")
 PREFIX = "specserve:"  # stands where vLLM's "vllm:" does
+METRICS_PREFIXES = ("specserve", "vllm")  # --metrics-prefix: ours, or vLLM's for its dashboards unedited
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 PER_TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -92,10 +97,24 @@ class EngineGauges:
     routing_passed: int = 0
     routing_received: int = 0
     routing_taken_back: int = 0
+    cache_config: dict[str, str] = field(default_factory=dict)  # cache_config_info's labels (set at start)
 
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True)
+class RequestPhases:
+    """Where a finished request's time went, in seconds (vLLM's request_*_time_seconds)."""
+
+    queue: float  # enqueue to the engine starting it
+    prefill: float  # engine start to the first token
+    decode: float  # first token to the last
+
+    @property
+    def inference(self) -> float:
+        return self.prefill + self.decode
 
 
 @dataclass
@@ -116,21 +135,27 @@ class _EngineCollector(Collector):
         g = self.t.engine
         if not g.model_name:
             return
-        label = [g.model_name]
+        label, prefix = [g.model_name], self.t.prefix
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            m = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m = GaugeMetricFamily(prefix + name, doc, labels=["model_name"])
             m.add_metric(label, value)
             return m
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m = CounterMetricFamily(prefix + name, doc, labels=["model_name"])
             m.add_metric(label, value)
             return m
 
         yield gauge("num_requests_running", "Number of requests in model execution batches.", g.num_running)
         yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", g.num_waiting)
         yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
+        yield gauge("gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.", g.kv_usage)
+        if g.cache_config:
+            doc = "Information of the LLMEngine CacheConfig"
+            info = GaugeMetricFamily(prefix + "cache_config_info", doc, labels=[*g.cache_config])
+            info.add_metric(list(g.cache_config.values()), 1)
+            yield info
         preempted = "Cumulative number of preemption from the engine."
         yield counter("num_preemptions", preempted, g.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", g.draft_proposed)
@@ -139,6 +164,20 @@ class _EngineCollector(Collector):
         yield counter("prefix_cache_queries", queries, g.prefix_cache_queries)
         hits = "Prefix cache hits, in terms of number of cached tokens."
         yield counter("prefix_cache_hits", hits, g.prefix_cache_hits)
+
+
+def cache_config_info(engine: Any) -> dict[str, str]:
+    """vLLM's cache_config_info labels for an AsyncLLMEngine: the KV cache's layout, size and reuse."""
+    llm = engine.engine
+    config = llm.config
+    return {
+        "block_size": str(config.block_size),
+        "cache_dtype": str(llm.dtype).removeprefix("torch."),
+        "enable_prefix_caching": str(config.enable_prefix_caching),
+        "gpu_memory_utilization": str(config.gpu_memory_utilization),
+        "num_gpu_blocks": str(llm.block_manager.num_blocks),
+        "num_cpu_blocks": "0",  # nothing is swapped out to host memory
+    }
 
 
 def build_resource(default_service_name: str) -> Resource:
@@ -155,8 +194,13 @@ class Telemetry:
     engine: EngineGauges = field(default_factory=EngineGauges)
     queue: QueueStats = field(default_factory=lambda: QueueStats(0, 0, 0.0, 0))
     engine_metrics: bool = True  # False in an API-only process: it has no engine to report on
+    metrics_prefix: str = PREFIX.rstrip(":")  # of the vLLM-named series: ours, or "vllm" (METRICS_PREFIXES)
 
     def __post_init__(self) -> None:
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            known = list(METRICS_PREFIXES)
+            raise ValueError(f"metrics_prefix: {self.metrics_prefix!r} is not one of {known}")
+        self.prefix = self.metrics_prefix + ":"
         self.totals = Totals()
         self.resource = resource = build_resource(self.service_name)
         self.registry = CollectorRegistry(auto_describe=True)
@@ -268,22 +312,22 @@ class Telemetry:
             lambda: self.engine.routing_taken_back,
         )
         self.registry.register(_EngineCollector(self))
-        reg, model = self.registry, ["model_name"]
+        reg, model, prefix = self.registry, ["model_name"], self.prefix
         self.vllm_prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Number of prefill tokens processed.", model, registry=reg
+            prefix + "prompt_tokens", "Number of prefill tokens processed.", model, registry=reg
         )
         self.vllm_generation_tokens = Counter(
-            PREFIX + "generation_tokens", "Number of generation tokens processed.", model, registry=reg
+            prefix + "generation_tokens", "Number of generation tokens processed.", model, registry=reg
         )
         self.vllm_request_success = Counter(
-            PREFIX + "request_success",
+            prefix + "request_success",
             "Count of successfully processed requests.",
             [*model, "finished_reason"],
             registry=reg,
         )
 
         def vhist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, model, registry=reg, buckets=buckets)
+            return Histogram(prefix + name, doc, model, registry=reg, buckets=buckets)
 
         self.vllm_ttft = vhist(
             "time_to_first_token_seconds", "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS
@@ -304,6 +348,19 @@ class Telemetry:
         self.vllm_generation_len = vhist(
             "request_generation_tokens", "Number of generation tokens processed.", TOKEN_COUNT_BUCKETS
         )
+        self.vllm_itl = vhist(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", VLLM_TPOT_BUCKETS
+        )
+        phase = "Histogram of time spent in {} phase for request."
+        self.vllm_phases = {
+            name: vhist(f"request_{name}_time_seconds", phase.format(doc), VLLM_REQUEST_LATENCY_BUCKETS)
+            for name, doc in (
+                ("queue", "WAITING"),
+                ("prefill", "PREFILL"),
+                ("decode", "DECODE"),
+                ("inference", "RUNNING"),
+            )
+        }
 
     def request_ended(
         self,
@@ -314,6 +371,7 @@ class Telemetry:
         e2e: float,
         ttft: float | None,
         tpot: float | None,
+        phases: RequestPhases | None = None,
     ) -> None:
         """One request that ran is over (its final entry written): every per-request series at once."""
         self.requests.add(1, {"status": status})
@@ -338,6 +396,19 @@ class Telemetry:
             self.vllm_tpot.labels(model_name).observe(tpot)
         self.vllm_prompt_len.labels(model_name).observe(prompt)
         self.vllm_generation_len.labels(model_name).observe(generated)
+        if phases is not None:
+            for name, seconds in (
+                ("queue", phases.queue),
+                ("prefill", phases.prefill),
+                ("decode", phases.decode),
+                ("inference", phases.inference),
+            ):
+                self.vllm_phases[name].labels(model_name).observe(seconds)
+
+    def inter_token(self, model_name: str, seconds: float) -> None:
+        """Time between two of a request's outputs (one engine step's tokens: several with speculation)."""
+        if self.engine_metrics:
+            self.vllm_itl.labels(model_name).observe(seconds)
 
     def _add_otlp(self, endpoint: str) -> bool:
         try:

@@ -78,6 +78,11 @@ class OutputReader(ABC):
     @abstractmethod
     def finish(self) -> list[Event]: ...
 
+    def complete(self) -> bool:
+        """Whether the output read so far is whole calls and nothing after them may follow: true only for
+        forced calls, whose grammar ends where their JSON does (free text may always go on)."""
+        return False
+
     def _call(self, name: str, arguments: str) -> list[Event]:
         if self.max_calls is not None and self.calls >= self.max_calls:
             return []
@@ -260,6 +265,7 @@ class NamedCallReader(OutputReader):
         super().__init__(1)
         self.name = name
         self._id: str | None = None
+        self._arguments = ""
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
@@ -268,11 +274,19 @@ class NamedCallReader(OutputReader):
             self.calls = 1
             events.append(CallStart(0, self._id, self.name))
         if text:
+            self._arguments += text
             events.append(CallArguments(0, text))
         return events
 
     def finish(self) -> list[Event]:
         return self.feed("") if self._id is None else []
+
+    def complete(self) -> bool:
+        try:
+            json.loads(self._arguments)
+        except ValueError:
+            return False
+        return True
 
 
 class RequiredCallsReader(OutputReader):
@@ -309,6 +323,9 @@ class RequiredCallsReader(OutputReader):
     def finish(self) -> list[Event]:
         rest = self._buffer if not self.calls else self._buffer[self._pos :]
         return [Text(rest)] if rest.strip() not in ("", "]") else []
+
+    def complete(self) -> bool:
+        return self.calls > 0 and self._buffer[self._pos :].strip() == "]"
 
 
 def read_whole(reader: OutputReader, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -347,10 +364,13 @@ def delta_tool_calls(events: list[Event]) -> list[dict[str, Any]]:
     return out
 
 
-def finish_reason(reason: str | None, calls: int) -> str | None:
-    """OpenAI's `tool_calls` for an answer that ended by itself with calls; an answer cut short keeps
-    `length` (its last call may be incomplete)."""
-    return "tool_calls" if calls and reason == "stop" else reason
+def finish_reason(reason: str | None, calls: int, reader: OutputReader | None = None) -> str | None:
+    """OpenAI's `tool_calls` for an answer that ended by itself with calls, or whose forced calls were
+    complete when max_tokens cut it (the end of the JSON is the end of the answer: only the end-of-sequence
+    token was left); an answer cut short otherwise keeps `length` (its last call may be incomplete)."""
+    if calls and (reason == "stop" or (reason == "length" and reader is not None and reader.complete())):
+        return "tool_calls"
+    return reason
 
 
 # ---- the request ------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from specserve.service.running import (
     Started,
     prompt_chars,
 )
-from specserve.service.telemetry import Telemetry, access_line, access_log
+from specserve.service.telemetry import Telemetry, access_line, access_log, cache_config_info
 
 log = logging.getLogger(__name__)
 FIRST = {"return_when": asyncio.FIRST_COMPLETED}
@@ -95,7 +95,10 @@ class Worker:
         )
         self._ready_waiting = 0  # entries in the ready queue, as the last take saw it
         self.clock = ServerClock()
-        self.runner = Runner(engine, self.publisher, self.telemetry, self.clock, keys)
+        self.runner = Runner(
+            engine, self.publisher, self.telemetry, self.clock, keys, self.cfg.served_model_names
+        )
+        self.telemetry.engine.cache_config = cache_config_info(engine)
         self.routing: PrefixRouting | None = None
         if self.cfg.routing.enabled:
             block_ms = self.consumer.cfg.block_ms
@@ -142,7 +145,7 @@ class Worker:
             load_s = self.cfg.routing.load_every_ms / 1000
             self._background.append(spawn(self._every(load_s, self._publish_load), name="load"))
         self.started = True
-        log.info("worker %s serving %s from %s", self.name, self.engine.model_name, self.keys.requests)
+        log.info("worker %s serving %s from %s", self.name, self.runner.names[0], self.keys.requests)
 
     @property
     def ready(self) -> bool:
@@ -584,7 +587,10 @@ class Worker:
             if state.last_token_at is not None and n > 1:
                 tpot = (state.last_token_at - state.first_token_at) / (n - 1)
         reason = final.entry.finish_reason
-        self.telemetry.request_ended(self.engine.model_name, final.status, reason, usage, e2e, ttft, tpot)
+        phases = state.phases(now)
+        self.telemetry.request_ended(
+            self.runner.names[0], final.status, reason, usage, e2e, ttft, tpot, phases
+        )
         if self.cfg.access_log:
             self._detach(self._access_log(state.request_id, final, e2e))
         state.span.set_attribute("specserve.status", final.status)
@@ -650,9 +656,8 @@ class Worker:
         await self.routing.router.publish_load(len(self.inflight) + self._admitting, room)
 
     async def _register(self) -> None:
-        await self.consumer.register_model(
-            self.engine.model_name, {"max_model_len": self.engine.max_model_len}
-        )
+        info = {"max_model_len": self.engine.max_model_len, "root": self.engine.model_name}
+        await self.consumer.register_models(self.runner.names, info, self.cfg.model_ttl_s)
 
     async def _poll_cancellations(self) -> None:
         live = [state for state in self.inflight.values() if state.ending is None]
@@ -676,7 +681,7 @@ class Worker:
         g.num_preemptions, g.last_batch_size = s.num_preemptions, s.last_batch_size
         g.draft_proposed, g.draft_accepted = s.draft_proposed, s.draft_accepted
         g.prefix_cache_queries, g.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
-        g.model_name = self.engine.model_name
+        g.model_name = self.runner.names[0]
         if (routing := self.routing) is not None:
             g.routing_passed, g.routing_received = routing.passed, routing.received
             g.routing_taken_back = routing.taken_back

@@ -52,9 +52,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "specserve.requestStream" -}}{{ .Values.prefix }}:requests{{- end }}
 {{- define "specserve.consumerGroup" -}}{{ .Values.prefix }}:workers{{- end }}
 
-{{/* Images. The variant suffix keeps one repository for the CUDA and the CPU build of the same version. */}}
+{{/* Images. The variant suffix keeps one repository for the CUDA and the CPU build of the same version; a tag
+given with its suffix already (`0.2.0-cuda`) is the version, so the suffix is not doubled. */}}
 {{- define "specserve.imageTag" -}}
-{{- default .Chart.AppVersion .Values.image.tag }}
+{{- default .Chart.AppVersion .Values.image.tag | trimSuffix "-cuda" | trimSuffix "-cpu" }}
 {{- end }}
 
 {{- define "specserve.repository" -}}
@@ -76,6 +77,39 @@ app.kubernetes.io/component: {{ .component }}
 {{- $repo := default (include "specserve.repository" .) .Values.api.image.repository }}
 {{- $tag := default (printf "%s-cpu" (include "specserve.imageTag" .)) .Values.api.image.tag }}
 {{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{/* Ranks of one worker: engine.tensorParallelSize, else one a GPU where there are several; "" = one. */}}
+{{- define "specserve.tensorParallelSize" -}}
+{{- if not (kindIs "invalid" .Values.engine.tensorParallelSize) }}
+{{- int64 .Values.engine.tensorParallelSize }}
+{{- else if gt (int .Values.worker.gpu.count) 1 }}
+{{- int64 .Values.worker.gpu.count }}
+{{- end }}
+{{- end }}
+
+{{/* A Kubernetes quantity ("10Gi", "500M", "1e9") in bytes, as a float. */}}
+{{- define "specserve.bytes" -}}
+{{- $q := toString . }}
+{{- $units := dict "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 }}
+{{- $unit := regexFind "(Ki|Mi|Gi|Ti|k|M|G|T)$" $q }}
+{{- mulf (float64 (trimSuffix $unit $q)) (default 1.0 (get $units $unit)) }}
+{{- end }}
+
+{{/*
+Bytes of bf16 weights a Hugging Face id's name says it has ("Qwen/Qwen2.5-7B-Instruct": 7e9 parameters, two
+bytes each, a tenth more for the tokenizer and the download's temporary copy); "" where the name says no size.
+*/}}
+{{- define "specserve.hfModelBytes" -}}
+{{- $path := .Values.model.path }}
+{{- if and (eq .Values.model.source "image") (regexMatch "^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9._-]+$" $path) }}
+{{- $size := regexFind "[0-9]+(\\.[0-9]+)?[BbMm]([^A-Za-z]|$)" (base $path) }}
+{{- if $size }}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]+)?" $size }}
+{{- $scale := ternary 1000000000.0 1000000.0 (regexMatch "^[0-9.]+[Bb]" $size) }}
+{{- mulf (float64 $number) $scale 2.2 }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "specserve.device" -}}
@@ -308,6 +342,10 @@ them, so `helm template`, `install` and `upgrade` all refuse an inconsistent rel
 {{- if not .Values.engine.speculative.model }}
 {{- fail "engine.speculative.method=draft_model needs engine.speculative.model" }}
 {{- end }}
+{{- end }}
+{{- $tp := .Values.engine.tensorParallelSize }}
+{{- if and (not (kindIs "invalid" $tp)) (gt (int .Values.worker.gpu.count) 0) (ne (int $tp) (int .Values.worker.gpu.count)) }}
+{{- fail (printf "engine.tensorParallelSize (%v) must equal worker.gpu.count (%v) on GPU workers: one GPU a rank" $tp .Values.worker.gpu.count) }}
 {{- end }}
 {{- if and (eq (include "specserve.device" .) "cuda") (eq (int .Values.worker.gpu.count) 0) }}
 {{- fail "engine.device=cuda needs worker.gpu.count > 0" }}
