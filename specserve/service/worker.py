@@ -29,7 +29,7 @@ from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_fore
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
-from specserve.queue.ready import ReadyQueue
+from specserve.queue.ready import Admission, ReadyQueue
 from specserve.queue.routing import Router
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
@@ -324,15 +324,16 @@ class Worker:
             if isinstance(verdict, Exception):
                 log.warning("entry %s could not be sorted in (%s); running it now", e.entry_id, verdict)
                 direct.append(e)
-            elif verdict.verdict == "ready":
+            elif verdict.verdict is Admission.READY:
                 self._ready_waiting += 1
-            elif verdict.verdict == "refused":
-                limit = verdict.detail
+            elif verdict.verdict is Admission.REFUSED:
+                limit = verdict.limit or ""
                 self.telemetry.refused.add(1, {"limit": limit, "tenant": body.tenant or ""})
                 refusals[e.entry_id] = WireError(limit, REFUSED_TEXT.get(limit, "limit reached"))
                 direct.append(e)
-            elif verdict.verdict == "direct":
+            elif verdict.verdict is Admission.DIRECT:
                 direct.append(e)
+            # NOTMINE: it moved on before this sort (a retry's); whoever holds it settles it
         if direct:
             await self._admit(direct, refusals=refusals)
 
@@ -478,9 +479,9 @@ class Worker:
             error = "the deadline passed before it started"
             self._finish_unstarted(e, unstarted(wire.EXPIRED, error, "deadline"))
         elif v is ClaimVerdict.DEAD:
-            reason = f"delivered {claim.detail} times without finishing"
+            reason = f"delivered {claim.deliveries} times without finishing"
             log.warning("request %s: %s; moving it to %s", rid, reason, self.keys.dead)
-            self._detach(self._dead(e, reason, int(claim.detail)))
+            self._detach(self._dead(e, reason, claim.deliveries))
         # NOTMINE: another worker took it meanwhile; it is theirs
 
     # ---- running --------------------------------------------------------------------------------------
