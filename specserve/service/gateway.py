@@ -184,7 +184,7 @@ class Gateway:
                     async for d in stream:
                         queue.put_nowait(d)
                 queue.put_nowait(end)
-            except Exception as e:  # handed to the reader, raised there
+            except Exception as e:  # the stream's error (Redis gone, say) is its reader's, raised there
                 queue.put_nowait(e)
 
         async def tick() -> None:

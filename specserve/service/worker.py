@@ -197,7 +197,7 @@ class Worker:
                     await self.consumer.handback(entry.request_id, entry.entry_id)
             except TRANSIENT_ERRORS:
                 raise
-            except Exception as err:
+            except Exception as err:  # one entry's broken key (a script's error) must not stop the drain
                 log.exception("entry %s could not be handed back", entry.entry_id)
                 await self.consumer.dead_letter(entry, f"could not be handed back: {err}")
                 await self.consumer.ack_mine(entry.entry_id)
@@ -213,7 +213,7 @@ class Worker:
             except TRANSIENT_ERRORS as e:
                 self.redis_ok = False
                 log.debug("%s: redis unavailable (%s)", getattr(fn, "__name__", fn), e)
-            except Exception:
+            except Exception:  # a failed round (an error reply, a bug) must not end the job: the next tries
                 log.exception("%s failed", getattr(fn, "__name__", fn))
 
     def _detach(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -287,7 +287,7 @@ class Worker:
 
     def _band_of(self, e: RequestEntry) -> tuple[str, str]:
         """A taken entry's band and tenant, for the admitted counter (its body is decoded again to run)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(orjson.JSONDecodeError):
             data = orjson.loads(e.raw_body)
             return str(wire.priority_of(data)), wire.tenant_of(data) or ""
         return "0", ""
@@ -416,7 +416,7 @@ class Worker:
                     self._on_claim(e, body, claim, begun)
                     if claim.verdict is ClaimVerdict.RUN and e.entry_id in route_keys:
                         started_keys.append(route_keys[e.entry_id])
-                except Exception as err:
+                except Exception as err:  # its claim's error or its start's ends this entry, not the batch
                     log.exception("entry %s (request %s) could not be taken", e.entry_id, e.request_id)
                     if begun is not None:
                         self._detach(self.runner.abort(begun))
@@ -516,7 +516,7 @@ class Worker:
             try:
                 shown = await self._shown(state) if early is None else None
                 started = early or await self.runner.begin(state.request_id, state.body, shown)
-            except Exception as err:
+            except Exception as err:  # a bad parameter or an engine that refuses fails this request alone
                 field = err.field if isinstance(err, (InvalidParameter, WireError)) else None
                 if field is None:  # the engine refused it for a reason of its own (e.g. it has failed)
                     log.exception("request %s could not start", state.request_id)
