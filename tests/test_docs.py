@@ -11,8 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specserve.queue.keys import Keys
-from specserve.service import openai_api
 from specserve.service.config import ServiceConfig
+from specserve.service.openai import protocol as openai_api
 from specserve.service.telemetry import Telemetry
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

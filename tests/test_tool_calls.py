@@ -10,7 +10,7 @@ import pytest
 
 from specserve.service import config
 from specserve.service.http import ApiError
-from specserve.service.tool_calls import (
+from specserve.service.openai.tool_calls import (
     TOOL_PARSERS,
     CallStart,
     HermesReader,

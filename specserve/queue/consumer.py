@@ -58,16 +58,31 @@ class ClaimVerdict(enum.Enum):
 @dataclass(frozen=True)
 class Claim:
     verdict: ClaimVerdict
-    detail: str  # run: the run number; dead: the delivery count; duplicate/done: the current status
     now_ms: int  # the server's clock
+    run: int = 0  # RUN: the run number (1 for a first run, more for a rerun); 0 otherwise
+    deliveries: int = 0  # DEAD: how often the entry was delivered
+    status: str | None = None  # DUPLICATE, DONE: the request's status (None: it has none)
+
+    @classmethod
+    def of_reply(cls, reply: list[str]) -> Claim:
+        verdict, detail, now_ms = ClaimVerdict(reply[0]), str(reply[1]), int(reply[2])
+        if verdict is ClaimVerdict.RUN:
+            return cls(verdict, now_ms, run=int(detail))
+        if verdict is ClaimVerdict.DEAD:
+            return cls(verdict, now_ms, deliveries=int(detail))
+        if verdict in (ClaimVerdict.DUPLICATE, ClaimVerdict.DONE):
+            return cls(verdict, now_ms, status=detail or None)
+        return cls(verdict, now_ms)
 
     @property
-    def run(self) -> int:
-        return int(self.detail) if self.verdict is ClaimVerdict.RUN else 0
-
-
-def _claim(reply: list[str]) -> Claim:
-    return Claim(ClaimVerdict(reply[0]), str(reply[1]), int(reply[2]))
+    def detail(self) -> str:
+        """The CLAIM script's second value as it answers it: the run number, the delivery count or the
+        status, by verdict ('' for the others)."""
+        if self.verdict is ClaimVerdict.RUN:
+            return str(self.run)
+        if self.verdict is ClaimVerdict.DEAD:
+            return str(self.deliveries)
+        return self.status or ""
 
 
 @dataclass
@@ -203,7 +218,7 @@ class StreamConsumer:
         for r in replies:
             if isinstance(r, TRANSIENT_ERRORS):  # the server's state, not the entry's: retry the batch
                 raise r
-        return [r if isinstance(r, Exception) else _claim(r) for r in replies]
+        return [r if isinstance(r, Exception) else Claim.of_reply(r) for r in replies]
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of our in-flight entries; returns those another worker has taken."""

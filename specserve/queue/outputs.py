@@ -143,6 +143,6 @@ def _entry(key: str, eid: str, fields: list[str]) -> OutputEntry | None:
     is skipped (and logged) instead of failing, again and again, the XREAD that serves every subscriber."""
     try:
         return OutputEntry.from_fields(fields_dict(fields))
-    except Exception as e:
+    except (ValueError, TypeError) as e:  # int() of a non-number, JSON that does not parse, a wrong type
         log.warning("output reader: skipping unreadable entry %s of %s (%s)", eid, key, e)
         return None

@@ -131,7 +131,7 @@ class Publisher:
                 delay = min(1.0, delay * 2)
                 self._wake.set()
                 continue
-            except Exception:
+            except Exception:  # an error reply (OOM, a wrong-type key) must not end the loop all writes go by
                 # Not the server being away: retrying would fail the same way. The finals report failure, so
                 # their entries stay pending and another delivery runs them again.
                 log.exception("output flush failed; dropping %d outputs", len(deltas) + len(finals))

@@ -28,6 +28,7 @@ entry, scored by its enqueue time), `turn` (admissions counter). A request witho
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,10 +52,29 @@ class FairShare:
     sort_ahead: int = 4096
 
 
+class Admission(enum.StrEnum):
+    """SORT_IN's answer for an entry just read (its values are the script's words)."""
+
+    READY = "ready"  # sorted into the ready queue: a take admits it
+    REFUSED = "refused"  # a raw XADD over one of its tenant's limits: end it failed, naming the limit
+    DIRECT = "direct"  # a duplicate or finished id: claim it now, and the claim settles it
+    NOTMINE = "notmine"  # no longer pending with this worker (a retry after it moved): leave it
+
+
 @dataclass(frozen=True)
 class Sorted:
-    verdict: str  # ready | refused (a limit: detail names it) | direct (claim it now) | notmine
-    detail: str = ""
+    verdict: Admission
+    tenant: str | None = None  # READY: the tenant it waits under (None: no tenant)
+    limit: str | None = None  # REFUSED: the limit that refused it (max_backlog, tenant_max_queued, ...)
+
+    @classmethod
+    def of_reply(cls, reply: list[Any]) -> Sorted:
+        verdict, detail = Admission(str(reply[0])), str(reply[1])
+        if verdict is Admission.READY:
+            return cls(verdict, tenant=detail or None)
+        if verdict is Admission.REFUSED:
+            return cls(verdict, limit=detail)
+        return cls(verdict)
 
 
 def cost_of(body: RequestBody, default_max_tokens: int) -> int:
@@ -279,7 +299,7 @@ class ReadyQueue:
         for r in replies:
             if isinstance(r, TRANSIENT_ERRORS):
                 raise r
-        return [r if isinstance(r, Exception) else Sorted(str(r[0]), str(r[1])) for r in replies]
+        return [r if isinstance(r, Exception) else Sorted.of_reply(r) for r in replies]
 
     async def take(self, n: int, better_than: int | None = None) -> Taken:
         """Up to n entries for this worker, best band first, fair between tenants (see the module's doc);

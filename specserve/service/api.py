@@ -19,7 +19,7 @@ from redis.exceptions import OutOfMemoryError
 from specserve.queue.client import QueueClient, new_request_id
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import valid_request_id
-from specserve.service import batch, openai_api
+from specserve.service import batch
 from specserve.service.config import ApiSettings
 from specserve.service.gateway import Gateway, deadline_after
 from specserve.service.http import (
@@ -34,6 +34,7 @@ from specserve.service.http import (
     sse_send,
     sse_start,
 )
+from specserve.service.openai import routes as openai_routes
 from specserve.service.telemetry import METRICS_CONTENT_TYPE, Telemetry
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Api:
         app.router.add_get("/v1/requests/{id}", self.get_request)
         app.router.add_get("/v1/requests/{id}/stream", self.stream_request)
         app.router.add_delete("/v1/requests/{id}", self.delete_request)
-        openai_api.add_routes(app, self.gateway)
+        openai_routes.add_routes(app, self.gateway)
         batch.add_routes(app, self.gateway, self.settings.max_file_bytes)
         add_health_routes(app, self.telemetry, self.readiness)
         app.on_startup.append(self._ensure_group)

@@ -23,7 +23,8 @@ from specserve.queue import wire
 from specserve.queue.client import QuotaExceeded
 from specserve.service.gateway import Gateway
 from specserve.service.http import TENANT_KEY, ApiError, json_response, read_json, reject_deep
-from specserve.service.openai_api import completion_body, translate
+from specserve.service.openai.protocol import translate
+from specserve.service.openai.responses import completion_body
 
 ENDPOINTS = {"/v1/chat/completions": True, "/v1/completions": False}  # endpoint -> chat
 WINDOW_S = {"24h": 86400}
@@ -230,8 +231,8 @@ class BatchRoutes:
                 if not isinstance(line.get("body"), dict):
                     raise ApiError(400, "body: must be an object", "body")
                 reject_deep(line["body"])
-                body, meta = translate(self.gateway, {**line["body"], "stream": False}, ENDPOINTS[endpoint])
-                if meta["n"] != 1:  # a line's result is one wire request's
+                body, req = translate(self.gateway, {**line["body"], "stream": False}, ENDPOINTS[endpoint])
+                if req.n != 1:  # a line's result is one wire request's
                     raise ApiError(400, "n: a batch line takes n = 1 (send n lines)", "n")
                 await self.gateway.check_model(body.model)
                 rid = self.gateway.redis_id(request, f"{batch_id}-{n}")

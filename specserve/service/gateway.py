@@ -1,5 +1,5 @@
 """The API's one way into the queue, shared by the native routes (service/api.py) and the OpenAI routes
-(service/openai_api.py): request validation, the `timeout` rule, model names, tenants, enqueue and reading
+(service/openai/): request validation, the `timeout` rule, model names, tenants, enqueue and reading
 a request's output.
 
 A body is validated here once, as the worker will read it (wire.parse_body, then SamplingParams), so a bad
@@ -186,7 +186,7 @@ class Gateway:
                     async for d in stream:
                         queue.put_nowait(d)
                 queue.put_nowait(end)
-            except Exception as e:  # handed to the reader, raised there
+            except Exception as e:  # the stream's error (Redis gone, say) is its reader's, raised there
                 queue.put_nowait(e)
 
         async def tick() -> None:

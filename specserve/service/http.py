@@ -180,7 +180,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         resp = err.response()
         resp.headers["Retry-After"] = "2"
         return resp
-    except Exception:
+    except Exception:  # any handler's bug: the client gets a JSON 500, the server keeps serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal error").response()
 

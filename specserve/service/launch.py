@@ -188,5 +188,5 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
         await client.aclose()
         telemetry.shutdown()
         if server is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # a server that fails to stop must not block the exit
                 await asyncio.to_thread(server.stop)

@@ -88,6 +88,6 @@ class PrefixRouting:
                     await admit(entries)
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception:  # a bad reply or one entry's error must not stop this worker taking passes
                 log.exception("reading passed requests failed")
                 await asyncio.sleep(0.5)

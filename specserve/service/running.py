@@ -335,7 +335,7 @@ class Runner:
                         entry.prompt_logprobs = None if base else self.wire_prompt_logprobs(d)
                         self.publisher.push(rid, entry, reply_key)
                         text_offset += len(d.text)
-        except Exception as err:
+        except Exception as err:  # whatever the engine raises fails this request, not the worker's others
             log.exception("request %s failed in the engine", rid)
             error = str(err) or type(err).__name__
         phase.end()

@@ -29,7 +29,7 @@ from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_fore
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
-from specserve.queue.ready import ReadyQueue
+from specserve.queue.ready import Admission, ReadyQueue
 from specserve.queue.routing import Router
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
@@ -200,7 +200,7 @@ class Worker:
                     await self.consumer.handback(entry.request_id, entry.entry_id)
             except TRANSIENT_ERRORS:
                 raise
-            except Exception as err:
+            except Exception as err:  # one entry's broken key (a script's error) must not stop the drain
                 log.exception("entry %s could not be handed back", entry.entry_id)
                 await self.consumer.dead_letter(entry, f"could not be handed back: {err}")
                 await self.consumer.ack_mine(entry.entry_id)
@@ -216,7 +216,7 @@ class Worker:
             except TRANSIENT_ERRORS as e:
                 self.redis_ok = False
                 log.debug("%s: redis unavailable (%s)", getattr(fn, "__name__", fn), e)
-            except Exception:
+            except Exception:  # a failed round (an error reply, a bug) must not end the job: the next tries
                 log.exception("%s failed", getattr(fn, "__name__", fn))
 
     def _detach(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -290,7 +290,7 @@ class Worker:
 
     def _band_of(self, e: RequestEntry) -> tuple[str, str]:
         """A taken entry's band and tenant, for the admitted counter (its body is decoded again to run)."""
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(orjson.JSONDecodeError):
             data = orjson.loads(e.raw_body)
             return str(wire.priority_of(data)), wire.tenant_of(data) or ""
         return "0", ""
@@ -327,15 +327,16 @@ class Worker:
             if isinstance(verdict, Exception):
                 log.warning("entry %s could not be sorted in (%s); running it now", e.entry_id, verdict)
                 direct.append(e)
-            elif verdict.verdict == "ready":
+            elif verdict.verdict is Admission.READY:
                 self._ready_waiting += 1
-            elif verdict.verdict == "refused":
-                limit = verdict.detail
+            elif verdict.verdict is Admission.REFUSED:
+                limit = verdict.limit or ""
                 self.telemetry.refused.add(1, {"limit": limit, "tenant": body.tenant or ""})
                 refusals[e.entry_id] = WireError(limit, REFUSED_TEXT.get(limit, "limit reached"))
                 direct.append(e)
-            elif verdict.verdict == "direct":
+            elif verdict.verdict is Admission.DIRECT:
                 direct.append(e)
+            # NOTMINE: it moved on before this sort (a retry's); whoever holds it settles it
         if direct:
             await self._admit(direct, refusals=refusals)
 
@@ -418,7 +419,7 @@ class Worker:
                     self._on_claim(e, body, claim, begun)
                     if claim.verdict is ClaimVerdict.RUN and e.entry_id in route_keys:
                         started_keys.append(route_keys[e.entry_id])
-                except Exception as err:
+                except Exception as err:  # its claim's error or its start's ends this entry, not the batch
                     log.exception("entry %s (request %s) could not be taken", e.entry_id, e.request_id)
                     if begun is not None:
                         self._detach(self.runner.abort(begun))
@@ -481,9 +482,9 @@ class Worker:
             error = "the deadline passed before it started"
             self._finish_unstarted(e, unstarted(wire.EXPIRED, error, "deadline"))
         elif v is ClaimVerdict.DEAD:
-            reason = f"delivered {claim.detail} times without finishing"
+            reason = f"delivered {claim.deliveries} times without finishing"
             log.warning("request %s: %s; moving it to %s", rid, reason, self.keys.dead)
-            self._detach(self._dead(e, reason, int(claim.detail)))
+            self._detach(self._dead(e, reason, claim.deliveries))
         # NOTMINE: another worker took it meanwhile; it is theirs
 
     # ---- running --------------------------------------------------------------------------------------
@@ -518,7 +519,7 @@ class Worker:
             try:
                 shown = await self._shown(state) if early is None else None
                 started = early or await self.runner.begin(state.request_id, state.body, shown)
-            except Exception as err:
+            except Exception as err:  # a bad parameter or an engine that refuses fails this request alone
                 field = err.field if isinstance(err, (InvalidParameter, WireError)) else None
                 if field is None:  # the engine refused it for a reason of its own (e.g. it has failed)
                     log.exception("request %s could not start", state.request_id)
