@@ -36,11 +36,11 @@ class ApiSettings:
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
     model_stale_s: float = 600.0  # how long the word of a worker that gives no ttl_s for it holds
     max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
-    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls out of text (service/openai/tool_calls.py)
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls out of text (openai/tool_calls.py)
 
 
 _LIMITS, _API, _QUEUE = HttpLimits(), ApiSettings(), ConsumerConfig()
-# service/openai/tool_calls.py TOOL_PARSERS' names (that module imports the HTTP layer, which imports this one)
+# openai/tool_calls.py TOOL_PARSERS' names (that module imports the HTTP layer, which imports this one)
 TOOL_CALL_PARSERS = ["hermes", "llama3_json"]
 
 
