@@ -120,3 +120,59 @@ def test_requests_a_worker_takes_leave_their_tenants_queue(valkey, tiny_model_di
             return statuses
 
     assert run(main()) == [202] * 5
+
+
+def test_n_choices_over_a_quota_are_refused_whole_and_none_is_queued(valkey):
+    """n > 1 is all or nothing: 3 choices against a cap of 2 queued are one 429 and no entry, where the
+    first two used to be queued and run on with nobody reading them; 2 choices go in together."""
+
+    async def main():
+        async with (
+            _limited(valkey, None, Limits(tenant_max_queued=2), served_models=["m"]) as (base, _w, client),
+            aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
+        ):
+            body = {"model": "m", "prompt": "x", "max_tokens": 4, "stream": True}
+            async with http.post(
+                f"{base}/v1/completions", json={**body, "n": 3}, headers=_auth("tok-a")
+            ) as r:
+                refused = (r.status, (await r.json())["error"]["param"])
+            queued_after_refusal = await client.r.xlen(KEYS.requests)
+            http_timeout = aiohttp.ClientTimeout(
+                total=2
+            )  # no worker: the stream waits, only its start counts
+            try:
+                async with http.post(
+                    f"{base}/v1/completions",
+                    json={**body, "n": 2},
+                    headers=_auth("tok-a"),
+                    timeout=http_timeout,
+                ) as r:
+                    await r.content.read(1)
+            except TimeoutError:
+                pass
+            return refused, queued_after_refusal, await client.r.xlen(KEYS.requests)
+
+    refused, queued_after_refusal, queued = run(main())
+    assert refused == (429, "tenant_max_queued")
+    assert queued_after_refusal == 0
+    assert queued == 2  # both choices of the n = 2 call, together
+
+
+def test_enqueue_all_adds_none_when_one_would_pass_a_limit(valkey):
+    async def main():
+        async with QueueClient(connect(valkey.url), KEYS, limits=Limits(max_backlog=3)) as c:
+            await c.ensure_group()
+            await c.enqueue({"prompt": "x"}, "first")
+            try:
+                await c.enqueue_all([({"prompt": "x"}, f"c{i}") for i in range(3)])
+            except QuotaExceeded as e:
+                refused = e.limit
+            fitted = await c.enqueue_all(
+                [({"prompt": "x"}, f"d{i}") for i in range(2)] + [({"prompt": "y"}, "first")]
+            )
+            return refused, [(e.id, e.created) for e in fitted], await c.r.xlen(KEYS.requests)
+
+    refused, fitted, queued = run(main())
+    assert refused == "max_backlog"
+    assert fitted == [("d0", True), ("d1", True), ("first", False)]  # a known id is left as it is
+    assert queued == 3

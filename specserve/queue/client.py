@@ -116,38 +116,58 @@ class QueueClient:
         recorded with it (the API's key owner, else the body's own `tenant`; see cancel), and the limits
         are checked for it, `tokens` being what it asks for (QuotaExceeded: nothing was added). The id is
         used as given: the API qualifies ids with their tenant itself (docs/wire-format.md, Tenants)."""
-        if request_id is None:
-            request_id = new_request_id()
-        elif not valid_request_id(request_id):
-            raise WireError("id", "must be 1-200 characters of letters, digits, '_', '.', ':' or '-'")
-        parsed = body if isinstance(body, RequestBody) else parse_body(body)
+        (result,) = await self.enqueue_all([(body, request_id)], traceparent, tracestate, tenant, tokens)
+        return result
+
+    async def enqueue_all(
+        self,
+        requests: list[tuple[dict[str, Any] | RequestBody, str | None]],
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        tenant: str | None = None,
+        tokens: int = 0,
+    ) -> list[Enqueued]:
+        """Add requests of one tenant together, all or none: the limits are checked for all of them at once
+        (`tokens` each), and QuotaExceeded means none was added. Ids already known are left as they are."""
+        ids: list[str] = []
+        args: list[str] = []
+        for body, request_id in requests:
+            if request_id is None:
+                request_id = new_request_id()
+            elif not valid_request_id(request_id):
+                raise WireError("id", "must be 1-200 characters of letters, digits, '_', '.', ':' or '-'")
+            parsed = body if isinstance(body, RequestBody) else parse_body(body)
+            tenant = tenant or parsed.tenant
+            ids.append(request_id)
+            args += [request_id, parsed.to_json()]
         if not self._group_ready:
             await self.ensure_group()
-        created, detail, *rest = await self.fast.execute(
+        reply = await self.fast.execute(
             "EVAL",
             scripts.ENQUEUE,
-            2,
+            1 + len(ids),
             self.keys.requests,
-            self.keys.req(request_id),
-            request_id,
-            parsed.to_json(),
+            *(self.keys.req(i) for i in ids),
             self.ttl_ms,
             traceparent or "",
             tracestate or "",
             self.keys.group,
-            tenant or parsed.tenant or "",
+            tenant or "",
             self.keys.quota,
             self.limits.max_backlog,
             self.limits.tenant_max_queued,
             self.limits.tenant_tokens_per_minute,
             tokens,
+            *args,
             retries=2,  # idempotent by id, so a retry after a lost connection adds nothing twice
         )
-        if created == -1:
-            raise QuotaExceeded(str(detail), int(rest[0]) if rest else 1)
-        if created:
-            return Enqueued(request_id, True, "queued", detail)
-        return Enqueued(request_id, False, detail)
+        if reply and reply[0] == -1:
+            _, limit, *rest = reply
+            raise QuotaExceeded(str(limit), int(rest[0]) if rest else 1)
+        return [
+            Enqueued(i, True, "queued", detail) if created else Enqueued(i, False, detail)
+            for i, (created, detail) in zip(ids, reply)
+        ]
 
     async def info(self, request_id: str) -> dict[str, str]:
         """The raw status hash ({} when unknown or expired)."""

@@ -26,7 +26,8 @@ READY_CONSUMER = "~ready"
 # members older than the request TTL fall out by themselves, so a request whose status expired while queued
 # cannot hold its tenant's quota forever. `admit` takes a table: stream, group, prefix (the quota key
 # prefix), backlog, max_queued, tpm, asked (this request's tokens), ttl (ms), new (1: the request is not in
-# the stream yet, so the backlog it would join is the one counted); a limit of 0 is off. A request that asks
+# the stream yet, so the backlog it would join is the one counted), count (requests admitted together, all or
+# none: default 1); a limit of 0 is off. A request that asks
 # for more tokens than a minute allows is refused in every minute, the first included: letting the first of
 # each minute through whatever its size made the cap a rate of requests, not of tokens.
 _QUOTA = (
@@ -55,21 +56,22 @@ local function backlog(stream, group)
   return n
 end
 local function admit(tenant, q)
+  local adding = q.count or 1
   local cap = tonumber(q.backlog or '0')
-  if cap > 0 and backlog(q.stream, q.group) >= cap + 1 - q.new then return {-1, 'max_backlog', 1} end
+  if cap > 0 and backlog(q.stream, q.group) + adding * q.new > cap then return {-1, 'max_backlog', 1} end
   if tenant == '' then return nil end
   local max_queued = tonumber(q.max_queued or '0')
   if max_queued > 0 then
     local key = queued_key(q.prefix, tenant)
     redis.call('ZREMRANGEBYSCORE', key, '-inf', tonumber(now_ms) - tonumber(q.ttl))
-    if redis.call('ZCARD', key) >= max_queued then return {-1, 'tenant_max_queued', 1} end
+    if redis.call('ZCARD', key) + adding > max_queued then return {-1, 'tenant_max_queued', 1} end
   end
   local tpm = tonumber(q.tpm or '0')
   if tpm > 0 then
     local minute = math.floor(tonumber(now_ms) / 60000)
     local key = q.prefix .. 'tpm:' .. tenant .. ':' .. minute
     local used = tonumber(redis.call('GET', key) or '0')
-    local asked = tonumber(q.asked)
+    local asked = tonumber(q.asked) * adding
     if used + asked > tpm then
       return {-1, 'tenant_tokens_per_minute', 60 - math.floor(tonumber(now_ms) / 1000) % 60}
     end
@@ -81,40 +83,49 @@ end
 """
 )
 
-# KEYS: requests stream, status hash. ARGV: id, body, ttl_ms, traceparent, tracestate, workers' group, tenant
-# ('' for none: recorded in the status hash, so that only its own key reads or cancels the request), then the
-# quota arguments: quota key prefix, max backlog, tenant max queued, tenant tokens per minute, this request's
-# tokens (see _QUOTA). The status hash's `admitted` mark tells a worker the limits were checked here (a raw
-# XADD's are checked as a worker sorts it in, queue/ready.py). Returns {1, entry id} when added, {0, current
-# status} when the id is already known (idempotent enqueue), {-1, limit, retry after s} when a limit refuses
-# it (nothing added). A missing stream means the server lost its data (restart without persistence, flush) and
-# with it the group: XADD alone would bring the stream back without one, so recreate it here (from id 0, as
-# workers do). Clients cache that the group exists, and XADD never reports NOGROUP, so only this check
-# notices.
+# Requests added together, all or none (the choices of one n > 1 request). KEYS: requests stream, then each
+# request's status hash. ARGV: ttl_ms, traceparent, tracestate, workers' group, tenant ('' for none: recorded
+# in the status hash, so that only its own key reads or cancels the request), then the quota arguments: quota
+# key prefix, max backlog, tenant max queued, tenant tokens per minute, each request's tokens (see _QUOTA);
+# then each request's id and body. The status hash's `admitted` mark tells a worker the limits were checked
+# here (a raw XADD's are checked as a worker sorts it in, queue/ready.py). Returns {-1, limit, retry after s}
+# when a limit refuses them (nothing added), else one reply per request: {1, entry id} when added, {0,
+# current status} when its id is already known (idempotent enqueue). A missing stream means the server lost
+# its data (restart without persistence, flush) and with it the group: XADD alone would bring the stream back
+# without one, so recreate it here (from id 0, as workers do). Clients cache that the group exists, and XADD
+# never reports NOGROUP, so only this check notices.
 ENQUEUE = (
     _NOW
     + _QUOTA
     + """
-local existing = redis.call('HGET', KEYS[2], 'status')
-if existing then return {0, existing} end
-if redis.call('EXISTS', KEYS[1]) == 0 then
-  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[6], '0', 'MKSTREAM')
+local out, fresh = {}, {}
+for i = 2, #KEYS do
+  local existing = redis.call('HGET', KEYS[i], 'status')
+  if existing then out[i - 1] = {0, existing} else fresh[#fresh + 1] = i end
 end
-local tenant = ARGV[7] or ''
-local q = {stream = KEYS[1], group = ARGV[6], prefix = ARGV[8], backlog = ARGV[9], max_queued = ARGV[10],
-  tpm = ARGV[11], asked = ARGV[12], ttl = ARGV[3], new = 1}
+if #fresh == 0 then return out end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('XGROUP', 'CREATE', KEYS[1], ARGV[4], '0', 'MKSTREAM')
+end
+local tenant = ARGV[5]
+local q = {stream = KEYS[1], group = ARGV[4], prefix = ARGV[6], backlog = ARGV[7], max_queued = ARGV[8],
+  tpm = ARGV[9], asked = ARGV[10], ttl = ARGV[1], new = 1, count = #fresh}
 local refused = admit(tenant, q)
 if refused then return refused end
-local f = {'id', ARGV[1], 'body', ARGV[2]}
-if ARGV[4] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[4] end
-if ARGV[5] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[5] end
-local eid = redis.call('XADD', KEYS[1], '*', unpack(f))
-local h = {'status', 'queued', 'entry', eid, 'created', now_ms, 'admitted', '1'}
-if ARGV[7] and ARGV[7] ~= '' then h[#h + 1] = 'tenant'; h[#h + 1] = ARGV[7] end
-redis.call('HSET', KEYS[2], unpack(h))
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
-if tenant ~= '' then queued(ARGV[8], tenant, ARGV[1], now_ms, ARGV[3]) end
-return {1, eid}
+for _, i in ipairs(fresh) do
+  local id, body = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
+  local f = {'id', id, 'body', body}
+  if ARGV[2] ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = ARGV[2] end
+  if ARGV[3] ~= '' then f[#f + 1] = 'tracestate'; f[#f + 1] = ARGV[3] end
+  local eid = redis.call('XADD', KEYS[1], '*', unpack(f))
+  local h = {'status', 'queued', 'entry', eid, 'created', now_ms, 'admitted', '1'}
+  if tenant ~= '' then h[#h + 1] = 'tenant'; h[#h + 1] = tenant end
+  redis.call('HSET', KEYS[i], unpack(h))
+  redis.call('PEXPIRE', KEYS[i], ARGV[1])
+  if tenant ~= '' then queued(ARGV[6], tenant, id, now_ms, ARGV[1]) end
+  out[i - 1] = {1, eid}
+end
+return out
 """
 )
 

@@ -128,28 +128,37 @@ class Gateway:
 
     async def enqueue(self, request: web.Request, body: RequestBody, request_id: str) -> Enqueued:
         """`request_id` is the id in Redis (see redis_id)."""
-        await self.check_model(body.model)
+        (result,) = await self.enqueue_all(request, [body], [request_id])
+        return result
+
+    async def enqueue_all(
+        self, request: web.Request, bodies: list[RequestBody], request_ids: list[str]
+    ) -> list[Enqueued]:
+        """Requests of one client call (the choices of n > 1), all or none: a limit that refuses one refuses
+        them all, so no choice runs on that nobody will read."""
+        for body in bodies:
+            await self.check_model(body.model)
         key_tenant = request.get(TENANT_KEY)
         if key_tenant is not None:  # the key decides whose share and quotas a request counts against
-            if body.tenant not in (None, key_tenant):
+            if any(body.tenant not in (None, key_tenant) for body in bodies):
                 raise ApiError(400, "tenant: set by the API key; give this key's tenant or none", "tenant")
-            body.tenant = key_tenant
+            for body in bodies:
+                body.tenant = key_tenant
         parent = Telemetry.extract(request.headers.get("traceparent"), request.headers.get("tracestate"))
         with self.telemetry.tracer.start_as_current_span("enqueue", context=parent) as span:
             carrier = Telemetry.inject(trace.set_span_in_context(span))
             try:
-                result = await self.client.enqueue(
-                    body,
-                    request_id,
+                results = await self.client.enqueue_all(
+                    list(zip(bodies, request_ids)),
                     carrier.get("traceparent"),
                     carrier.get("tracestate"),
-                    tenant=body.tenant,
-                    tokens=await self._tokens_asked(body),
+                    tenant=bodies[0].tenant,
+                    tokens=await self._tokens_asked(bodies[0]),
                 )
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
             except QuotaExceeded as e:
-                self.telemetry.refused.add(1, {"limit": e.limit, "tenant": body.tenant or ""})
+                self.telemetry.refused.add(1, {"limit": e.limit, "tenant": bodies[0].tenant or ""})
                 raise ApiError(
                     429,
                     f"{e.limit}: {LIMIT_TEXT[e.limit]}; retry after {e.retry_after} s",
@@ -158,8 +167,8 @@ class Gateway:
                     code="rate_limit_exceeded",
                     headers={"Retry-After": str(e.retry_after)},
                 ) from None
-            span.set_attribute("specserve.request_id", result.id)
-        return result
+            span.set_attribute("specserve.request_id", ",".join(r.id for r in results))
+        return results
 
     async def _tokens_asked(self, body: RequestBody) -> int:
         """What a request counts against its tenant's tokens per minute: the output it asks for. `max_tokens:

@@ -136,8 +136,7 @@ class OpenAIServing:
             waiting = [asyncio.create_task(self.gateway.client.wait(r)) for r in rids]
             results = asyncio.gather(*waiting)
             try:
-                for b, r in zip(bodies, rids):
-                    await self.gateway.enqueue(request, b, r)
+                await self.gateway.enqueue_all(request, bodies, rids)
                 got = await self._while_wanted(request, rids, results, body.deadline)
             finally:
                 results.cancel()
@@ -150,8 +149,7 @@ class OpenAIServing:
             for result in got:
                 raise_for(result)
             return self._whole(req, list(got))
-        for b, r in zip(bodies, rids):
-            await self.gateway.enqueue(request, b, r)
+        await self.gateway.enqueue_all(request, bodies, rids)
         # No keep-alive comments: OpenAI and vLLM send none, and clients written against them choke on them
         # (vLLM's bench client strips each read before splitting on blank lines, so a comment swallows the
         # data: message glued after it).
