@@ -84,12 +84,12 @@ def test_without_an_exporter_no_span_is_built_but_the_producers_trace_context_pa
 
 def test_queue_metrics_per_band_and_tenant() -> None:
     """The shared queue's own metrics: what waits in the ready queue, what was admitted and
-    what a limit refused, each by band or limit and tenant."""
+    what a limit refused, each by band or limit and tenant (named, as the operator allowed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from specserve.queue.consumer import QueueStats
 
-    telemetry = Telemetry()
+    telemetry = Telemetry(tenant_names=True)
     try:
         telemetry.queue = QueueStats(3, 0, 0.5, 1, {(0, "a"): 2, (10, ""): 1})
         telemetry.admitted.add(1, {"band": "0", "tenant": "a"})
@@ -109,3 +109,23 @@ def test_queue_metrics_per_band_and_tenant() -> None:
     assert samples[("specserve_queue_waiting", (("band", "10"), ("tenant", "")))] == 1
     assert samples[("specserve_admitted_total", (("band", "0"), ("tenant", "a")))] == 1
     assert samples[("specserve_refused_total", (("limit", "tenant_max_queued"), ("tenant", "b")))] == 2
+
+
+def test_metrics_name_no_tenant_unless_the_operator_allows_it() -> None:
+    """/metrics takes no key: by default a tenant shows as a digest of its name, which tells tenants apart
+    without telling anyone who they are."""
+    from specserve.queue.consumer import QueueStats
+
+    telemetry = Telemetry()
+    try:
+        telemetry.queue = QueueStats(3, 0, 0.5, 1, {(0, "acme-secret-customer"): 2, (10, ""): 1})
+        telemetry.refused.add(
+            1, {"limit": "tenant_max_queued", "tenant": telemetry.tenant_label("acme-secret-customer")}
+        )
+        text = telemetry.metrics_text().decode()
+    finally:
+        telemetry.shutdown()
+    assert "acme-secret-customer" not in text
+    digest = telemetry.tenant_label("acme-secret-customer")
+    assert digest.startswith("t-") and digest == Telemetry().tenant_label("acme-secret-customer")
+    assert f'tenant="{digest}"' in text and telemetry.tenant_label(None) == ""

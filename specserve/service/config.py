@@ -240,6 +240,11 @@ class ServiceConfig:
         "prefix of the metrics named as vLLM's (vllm: a vLLM dashboard reads them unedited)",
         choices=["specserve", "vllm"],  # service/telemetry.py METRICS_PREFIXES
     )
+    metrics_tenant_names: bool = _opt(
+        "SPECSERVE_METRICS_TENANT_NAMES",
+        False,
+        "label the queue's metrics with tenants' names (off: a digest of each, since /metrics takes no key)",
+    )
     otlp_endpoint: str | None = _opt("OTEL_EXPORTER_OTLP_ENDPOINT", None, "OTLP/HTTP endpoint for traces")
     # Beyond the chart's surface: tuning with sane defaults.
     data_dir: str = _opt("SPECSERVE_DATA_DIR", ".specserve/valkey", "embedded server's data folder")

@@ -158,7 +158,9 @@ class Gateway:
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
             except QuotaExceeded as e:
-                self.telemetry.refused.add(1, {"limit": e.limit, "tenant": bodies[0].tenant or ""})
+                self.telemetry.refused.add(
+                    1, {"limit": e.limit, "tenant": self.telemetry.tenant_label(bodies[0].tenant)}
+                )
                 raise ApiError(
                     429,
                     f"{e.limit}: {LIMIT_TEXT[e.limit]}; retry after {e.retry_after} s",

@@ -145,7 +145,11 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     keys = Keys(cfg.prefix)
     # An API-only process has no engine: it exports no engine series rather than ones stuck at 0.
     telemetry = Telemetry(
-        "specserve", cfg.otlp_endpoint, engine_metrics=with_worker, metrics_prefix=cfg.metrics_prefix
+        "specserve",
+        cfg.otlp_endpoint,
+        engine_metrics=with_worker,
+        metrics_prefix=cfg.metrics_prefix,
+        tenant_names=cfg.metrics_tenant_names,
     )
     stats_task: asyncio.Task[None] | None = None
     worker = None

@@ -31,6 +31,7 @@ when a request ends, so their rates trail the tokens by a request's duration.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -195,6 +196,8 @@ class Telemetry:
     queue: QueueStats = field(default_factory=lambda: QueueStats(0, 0, 0.0, 0))
     engine_metrics: bool = True  # False in an API-only process: it has no engine to report on
     metrics_prefix: str = PREFIX.rstrip(":")  # of the vLLM-named series: ours, or "vllm" (METRICS_PREFIXES)
+    # /metrics is read without a key: tenants appear there as digests of their names unless this says so
+    tenant_names: bool = False
 
     def __post_init__(self) -> None:
         if self.metrics_prefix not in METRICS_PREFIXES:
@@ -266,7 +269,7 @@ class Telemetry:
 
     def _waiting_by_band(self, _options: Any) -> list[Observation]:
         return [
-            Observation(n, {"band": str(band), "tenant": tenant})
+            Observation(n, {"band": str(band), "tenant": self.tenant_label(tenant)})
             for (band, tenant), n in self.queue.waiting.items()
         ]
 
@@ -409,6 +412,13 @@ class Telemetry:
         """Time between two of a request's outputs (one engine step's tokens: several with speculation)."""
         if self.engine_metrics:
             self.vllm_itl.labels(model_name).observe(seconds)
+
+    def tenant_label(self, tenant: str | None) -> str:
+        """A tenant as the metrics show it: '' for none; else its name where the operator allows it, or a
+        digest that tells tenants apart without naming them to whoever can read /metrics."""
+        if not tenant or self.tenant_names:
+            return tenant or ""
+        return "t-" + hashlib.sha256(tenant.encode()).hexdigest()[:12]
 
     def _add_otlp(self, endpoint: str) -> bool:
         try:

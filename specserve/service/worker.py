@@ -264,7 +264,9 @@ class Worker:
             if taken.entries:
                 for e in taken.entries:
                     band, tenant = self._band_of(e)
-                    self.telemetry.admitted.add(1, {"band": band, "tenant": tenant})
+                    self.telemetry.admitted.add(
+                        1, {"band": band, "tenant": self.telemetry.tenant_label(tenant)}
+                    )
                 await self._admit(taken.entries, fresh=True)
                 return
         if room > 0 and not self._ready_waiting:
@@ -331,7 +333,9 @@ class Worker:
                 self._ready_waiting += 1
             elif verdict.verdict is Admission.REFUSED:
                 limit = verdict.limit or ""
-                self.telemetry.refused.add(1, {"limit": limit, "tenant": body.tenant or ""})
+                self.telemetry.refused.add(
+                    1, {"limit": limit, "tenant": self.telemetry.tenant_label(body.tenant)}
+                )
                 refusals[e.entry_id] = WireError(limit, REFUSED_TEXT.get(limit, "limit reached"))
                 direct.append(e)
             elif verdict.verdict is Admission.DIRECT:
