@@ -176,3 +176,40 @@ def test_enqueue_all_adds_none_when_one_would_pass_a_limit(valkey):
     assert refused == "max_backlog"
     assert fitted == [("d0", True), ("d1", True), ("first", False)]  # a known id is left as it is
     assert queued == 3
+
+
+def test_a_keys_priority_floor_holds_on_every_route(valkey):
+    """A key may not put its requests ahead of everyone's: `tenant@N:token` (or the floor for every key)
+    bounds how urgent a priority its requests may ask for; within it, anything goes."""
+
+    async def main():
+        keys = ["team-a@0:tok-a", "team-b:tok-b", "team-c@-50:tok-c"]
+        async with (
+            guarded_stack(valkey.url, None, api_keys=keys, key_priority_floor=-10, served_models=["m"]) as (
+                base,
+                _w,
+                client,
+            ),
+            aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
+        ):
+            answers = {}
+            for token, priority in (
+                ("tok-a", -1),
+                ("tok-a", 0),
+                ("tok-b", -11),
+                ("tok-b", -10),
+                ("tok-c", -50),
+            ):
+                body = {"id": f"{token}{priority}", "prompt": "x", "priority": priority}
+                async with http.post(f"{base}/v1/requests", json=body, headers=_auth(token)) as r:
+                    answers[(token, priority)] = (r.status, (await r.json()).get("error", {}).get("param"))
+            chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "priority": -3}
+            async with http.post(f"{base}/v1/chat/completions", json=chat, headers=_auth("tok-a")) as r:
+                answers["chat"] = (r.status, (await r.json())["error"]["param"])
+            return answers, await client.r.xlen(KEYS.requests)
+
+    answers, queued = run(main())
+    assert answers[("tok-a", -1)] == (400, "priority") and answers[("tok-a", 0)][0] == 202
+    assert answers[("tok-b", -11)] == (400, "priority") and answers[("tok-b", -10)][0] == 202
+    assert answers[("tok-c", -50)][0] == 202 and answers["chat"] == (400, "priority")
+    assert queued == 3

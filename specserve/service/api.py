@@ -54,7 +54,7 @@ class Api:
         self.telemetry = telemetry
         self.settings = settings or ApiSettings()
         self.model_ready = model_ready  # in-process worker (serve): its model is loaded
-        self.keys = parse_api_keys(self.settings.api_keys)
+        self.keys = parse_api_keys(self.settings.api_keys, self.settings.key_priority_floor)
         self.gateway = Gateway(client, telemetry, self.settings)
         self._stats_task: asyncio.Task[None] | None = None
 

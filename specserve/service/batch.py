@@ -236,6 +236,7 @@ class BatchRoutes:
                     raise ApiError(400, "n: a batch line takes n = 1 (send n lines)", "n")
                 await self.gateway.check_model(body.model)
                 rid = self.gateway.redis_id(request, f"{batch_id}-{n}")
+                self.gateway.check_priority(request, body)
                 body.priority = min(wire.MAX_PRIORITY, body.priority + BATCH_PRIORITY)
                 body.tenant = request.get(TENANT_KEY) or body.tenant
                 await self.client.enqueue(body, rid, tenant=body.tenant)

@@ -33,6 +33,7 @@ class ApiSettings:
     max_body_bytes: int = 1 << 20
     max_prompt_chars: int = 200_000
     api_keys: list[str] = field(default_factory=list)  # `name:token` or bare tokens (http.parse_api_keys)
+    key_priority_floor: int | None = None  # the most urgent priority a key may ask for, unless its own says
     served_models: list[str] = field(default_factory=list)  # names this API answers for besides live workers'
     model_stale_s: float = 600.0  # how long the word of a worker that gives no ttl_s for it holds
     max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
@@ -226,6 +227,13 @@ class ServiceConfig:
     api_keys_file: str | None = _opt(
         "SPECSERVE_API_KEYS_FILE", None, "file with one bearer token a line (`tenant:token` or a bare token)"
     )
+    key_priority_floor: int | None = _opt(
+        "SPECSERVE_KEY_PRIORITY_FLOOR",
+        None,
+        "the most urgent priority a request made with an API key may ask for (lower runs sooner; a key entry "
+        "`tenant@N:token` sets its own; unset: any)",
+        kind=int,
+    )
     allow_unauthenticated: bool = _opt(
         "SPECSERVE_ALLOW_UNAUTHENTICATED",
         False,
@@ -401,6 +409,7 @@ class ServiceConfig:
             max_body_bytes=self.max_body_bytes,
             max_prompt_chars=self.max_prompt_chars,
             api_keys=self.keys_list(),
+            key_priority_floor=self.key_priority_floor,
             served_models=served_models,
             max_file_bytes=self.max_file_bytes,
             tool_call_parser=self.tool_call_parser,

@@ -23,7 +23,7 @@ from specserve.engine.sampling_params import InvalidParameter, SamplingParams
 from specserve.queue.client import Enqueued, QueueClient, QuotaExceeded
 from specserve.queue.wire import Delta, RequestBody, WireError, model_aliases, parse_body
 from specserve.service.config import ApiSettings
-from specserve.service.http import TENANT_KEY, ApiError
+from specserve.service.http import PRIORITY_FLOOR_KEY, TENANT_KEY, ApiError
 from specserve.service.telemetry import Telemetry
 
 KEEPALIVE_S = 15.0  # a stream with nothing new for this long gets a keep-alive
@@ -126,6 +126,16 @@ class Gateway:
 
     # ---- the queue ------------------------------------------------------------------------------------
 
+    @staticmethod
+    def check_priority(request: web.Request, body: RequestBody) -> None:
+        """A key with a priority floor may not ask to run sooner than it: otherwise any key could put its
+        requests ahead of every other tenant's."""
+        floor = request.get(PRIORITY_FLOOR_KEY)
+        if floor is not None and body.priority < floor:
+            raise ApiError(
+                400, f"priority: this API key may ask for {floor} or more (lower runs sooner)", "priority"
+            )
+
     async def enqueue(self, request: web.Request, body: RequestBody, request_id: str) -> Enqueued:
         """`request_id` is the id in Redis (see redis_id)."""
         (result,) = await self.enqueue_all(request, [body], [request_id])
@@ -138,6 +148,7 @@ class Gateway:
         them all, so no choice runs on that nobody will read."""
         for body in bodies:
             await self.check_model(body.model)
+            self.check_priority(request, body)
         key_tenant = request.get(TENANT_KEY)
         if key_tenant is not None:  # the key decides whose share and quotas a request counts against
             if any(body.tenant not in (None, key_tenant) for body in bodies):

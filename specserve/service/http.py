@@ -31,6 +31,8 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 BODY_TIMEOUT_KEY = web.AppKey("body_timeout_s", float)
 TENANT_KEY = web.RequestKey("tenant", str)  # set by auth_middleware when keys are configured
+# The most urgent `priority` the request's key may ask for (lower runs sooner), where its key has a floor
+PRIORITY_FLOOR_KEY = web.RequestKey("priority_floor", int)
 # nginx's code for "the client closed the connection before the answer": not the server's failure, so it
 # must not count as a 5xx (nobody receives this response; it exists for the metrics and the access log).
 CLIENT_CLOSED = 499
@@ -189,25 +191,38 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 class ApiKey:
     tenant: str  # who owns the requests made with this key; recorded in Redis (the token never is)
     token: bytes
+    priority_floor: int | None = None  # the most urgent priority its requests may ask for (None: any)
 
 
-def parse_api_keys(entries: Iterable[str]) -> list[ApiKey]:
+def parse_api_keys(entries: Iterable[str], priority_floor: int | None = None) -> list[ApiKey]:
     """Key entries are `name:token` (several tokens may share a name: rotation) or a bare `token`, whose
-    tenant is named after a hash of it. A bare token must not contain ':' (it would read as name:token)."""
+    tenant is named after a hash of it. A bare token must not contain ':' (it would read as name:token).
+    `name@N:token` gives that key a priority floor N of its own: its requests may ask for priority N or
+    more (lower runs sooner); other keys get `priority_floor`."""
     keys: list[ApiKey] = []
     seen: set[str] = set()
     for n, entry in enumerate(entries, 1):
         name, sep, token = entry.partition(":")
+        floor = priority_floor
         if not sep:
             name, token = "key-" + hashlib.sha256(entry.encode()).hexdigest()[:16], entry
-        elif not _TENANT_NAME.match(name):
-            raise ValueError(f"API key {n}: a tenant name is 1-64 letters, digits, '_' or '-'")
+        else:
+            name, at, own = name.partition("@")
+            if at:
+                try:
+                    floor = int(own)
+                except ValueError:
+                    raise ValueError(
+                        f"API key {n} ({name}): the priority floor after '@' is an integer"
+                    ) from None
+            if not _TENANT_NAME.match(name):
+                raise ValueError(f"API key {n}: a tenant name is 1-64 letters, digits, '_' or '-'")
         if not token:
             raise ValueError(f"API key {n} ({name}): empty token")
         if token in seen:
             raise ValueError(f"API key {n} ({name}): the same token is listed twice")
         seen.add(token)
-        keys.append(ApiKey(name, token.encode()))
+        keys.append(ApiKey(name, token.encode(), floor))
     return keys
 
 
@@ -221,7 +236,7 @@ def auth_middleware(keys: list[ApiKey]):
             scheme, _, token = header.partition(" ")
             given = token.encode()
             # Compare against every key, always, so timing does not tell which one (or which prefix) matched.
-            matches = [k.tenant for k in keys if hmac.compare_digest(given, k.token)]
+            matches = [k for k in keys if hmac.compare_digest(given, k.token)]
             if scheme.lower() != "bearer" or not matches:
                 err = ApiError(
                     401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
@@ -229,7 +244,9 @@ def auth_middleware(keys: list[ApiKey]):
                 resp = err.response()
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 return resp
-            request[TENANT_KEY] = matches[0]
+            request[TENANT_KEY] = matches[0].tenant
+            if matches[0].priority_floor is not None:
+                request[PRIORITY_FLOOR_KEY] = matches[0].priority_floor
         return await handler(request)
 
     return check
