@@ -670,6 +670,41 @@ def test_an_api_without_keys_on_a_public_address_refuses_to_start_unless_allowed
     assert "no API keys" not in (tmp_path / "keyed.log").read_text()
 
 
+def test_an_api_without_keys_refuses_a_redis_that_keyed_apis_served(valkey, tmp_path):
+    """Tenants' requests are private to their keys: an API without keys, on the same Redis, would hand them
+    to anyone who reaches it. It refuses to start there unless told something else guards it."""
+    port = free_port()
+    env = {"REDIS_URL": valkey.url, "SPECSERVE_HOST": "127.0.0.1", "SPECSERVE_PORT": str(port)}
+    env |= {"SPECSERVE_API_KEYS_FILE": "", "SPECSERVE_ALLOW_UNAUTHENTICATED": ""}
+
+    async def starts(extra: dict[str, str], log: Path) -> None:
+        proc = spawn_cli(["api"], {**env, **extra}, log)
+        try:
+
+            async def up() -> bool:
+                assert proc.poll() is None, log.read_text()
+                try:
+                    async with (
+                        aiohttp.ClientSession() as http,
+                        http.get(f"http://127.0.0.1:{port}/healthz") as r,
+                    ):
+                        return r.status == 200
+                except aiohttp.ClientConnectionError:
+                    return False
+
+            await wait_for(up, timeout=60, what="the API to start")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+    run(starts({"SPECSERVE_API_KEYS": ""}, tmp_path / "before.log"))  # nothing keyed yet: starts
+    run(starts({"SPECSERVE_API_KEYS": "team-a:tok-a"}, tmp_path / "keyed.log"))
+    refused = spawn_cli(["api"], {**env, "SPECSERVE_API_KEYS": ""}, tmp_path / "refused.log")
+    assert refused.wait(60) != 0
+    assert "holds requests made with API keys" in (tmp_path / "refused.log").read_text()
+    run(starts({"SPECSERVE_API_KEYS": "", "SPECSERVE_ALLOW_UNAUTHENTICATED": "1"}, tmp_path / "allowed.log"))
+
+
 def _nested(depth: int) -> dict:
     value: dict = {}
     for _ in range(depth - 1):

@@ -40,6 +40,12 @@ class Keys:
         """Hash: served model name -> JSON info refreshed by live workers."""
         return f"{self.prefix}:models"
 
+    @property
+    def keyed(self) -> str:
+        """String: set by an API with keys, so that one without keys does not serve their tenants' requests
+        to anyone unless told to."""
+        return f"{self.prefix}:keyed"
+
     def req(self, request_id: str) -> str:
         """Status hash of one request."""
         return f"{self.prefix}:req:{request_id}"

@@ -10,8 +10,10 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from specserve.queue.client import QueueClient
 from specserve.queue.connection import TRANSIENT_ERRORS, connect
@@ -135,6 +137,23 @@ def check_api_exposure(cfg: ServiceConfig) -> None:
     )
 
 
+async def guard_tenant_data(redis: Any, keys: Keys, cfg: ServiceConfig) -> None:
+    """An API with keys marks its Redis; one without keys refuses a marked Redis (it would hand every
+    tenant's requests to whoever reaches it) unless --allow-unauthenticated says something else guards it."""
+    try:
+        if cfg.keys_list():
+            await redis.set(keys.keyed, "1")
+        elif await redis.exists(keys.keyed) and not cfg.allow_unauthenticated:
+            raise SystemExit(
+                f"error: this Redis holds requests made with API keys ({keys.keyed} is set): an API without "
+                "keys would serve them to anyone who reaches it. Set SPECSERVE_API_KEYS (or "
+                "SPECSERVE_API_KEYS_FILE), or pass --allow-unauthenticated "
+                "(SPECSERVE_ALLOW_UNAUTHENTICATED=1) if something in front of it authenticates clients."
+            )
+    except RedisError as e:  # Redis away at start: routes answer 503 until it is back; checked next start
+        log.warning("could not check %s (%s)", keys.keyed, e)
+
+
 async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     """serve = both; `api` and `worker` one each. Returns after a drained shutdown on SIGTERM/SIGINT."""
     if with_api:
@@ -157,6 +176,7 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits())
     try:
         if with_api:
+            await guard_tenant_data(redis, keys, cfg)
             served = cfg.served_model_names()
             ready = (lambda: worker is not None and worker.ready) if with_worker else None
             api = Api(client, telemetry, cfg.api_settings(served), model_ready=ready)
