@@ -114,7 +114,7 @@ def prompts(n: int, seed: int = 7) -> list[list[dict[str, str]]]:
 
 def run_config(llm, chats, max_tokens: int, batch: int, schema: bool, spec: str) -> dict:
     from specserve import SamplingParams
-    from specserve.engine.sampling_params import StructuredOutputsParams
+    from specserve.engine.grammar import StructuredOutputsParams
 
     so = StructuredOutputsParams(json=SCHEMA) if schema else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, speculation=spec, structured_outputs=so)

@@ -12,7 +12,7 @@ import pytest
 from valkey_helpers import api_stack, run
 
 from specserve import LLM
-from specserve.engine.sampling_params import InvalidParameter
+from specserve.engine.errors import InvalidParameter
 from specserve.models.chat_templates import GEMMA3
 from specserve.models.loader import load_tokenizer
 from specserve.queue.wire import RequestBody, WireError, parse_body

@@ -12,8 +12,8 @@ from specserve import LLM, SamplingParams
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.config import EngineConfig
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.errors import InvalidParameter
 from specserve.engine.llm_engine import LLMEngine
-from specserve.engine.sampling_params import InvalidParameter
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 SHAPES = ["llama_gqa_tied", "llama3_untied", "qwen2_bias", "llama_hd64", "mistral"]

@@ -375,7 +375,7 @@ def test_fuzz_random_bytes_in_mixed_batches_never_cost_a_valid_neighbour(valkey,
 def test_every_number_is_bounded_before_it_is_used(fields):
     """Non-finite, huge and negative values of every numeric field are refused at the wire or by
     SamplingParams, naming the field (the worker and the API both call these)."""
-    from specserve.engine.sampling_params import InvalidParameter
+    from specserve.engine.errors import InvalidParameter
     from specserve.queue.wire import WireError, parse_body
 
     (name,) = fields

@@ -10,7 +10,7 @@ from conftest import MAX_TOKENS, PROMPTS
 from test_speculative import spec_configs
 
 from specserve import LLM, SamplingParams
-from specserve.engine.sampling_params import InvalidParameter
+from specserve.engine.errors import InvalidParameter
 from specserve.models.loader import load_tokenizer
 
 TOP = 5

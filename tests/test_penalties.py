@@ -16,8 +16,8 @@ from transformers.generation.logits_process import (
 )
 
 from specserve import LLM, SamplingParams
+from specserve.engine.errors import InvalidParameter
 from specserve.engine.sampler import RowParams, probabilities
-from specserve.engine.sampling_params import InvalidParameter
 from specserve.models.loader import load_tokenizer
 
 ADJUSTED = {

@@ -9,7 +9,7 @@ import pytest
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.sampling_params import SamplingParams
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import Scheduler, StepBudget
 from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.engine.static_scheduler import StaticScheduler
 from specserve.engine.step import NOTHING, Accepted
@@ -394,3 +394,20 @@ def test_prefill_beside_decode_must_be_a_non_negative_integer():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="prefill_tokens_beside_decode"):
             EngineConfig(prefill_tokens_beside_decode=bad)
+
+
+def test_step_budget_grants_within_every_limit_and_is_charged_for_it():
+    budget = StepBudget(tokens=10, slots=2, prefill=6, background=3, best=0)
+    urgent, batch = make_seq(1, 8), make_seq(2, 8)
+    batch.priority = 1
+    assert not budget.is_background(urgent) and budget.is_background(batch)
+    assert budget.grant(urgent, 8, prefill=True) == 6  # the prefill share
+    assert budget.grant(urgent, 1, prefill=False) == 1  # a decode draws on tokens alone
+    assert budget.grant(batch, 8, prefill=True) == 3  # the background share
+    assert budget.lookahead(urgent, 1, 4) == 4 and budget.lookahead(batch, 1, 4) == 0
+    assert budget.lookahead(urgent, 8, 4) == 2  # lookahead slots come out of the step's tokens
+    budget.spend(urgent, 1, 4, prefill=False)
+    budget.admit(batch, 3)
+    assert (budget.tokens, budget.slots, budget.prefill, budget.background) == (2, 1, 3, 0)
+    assert budget.grant(batch, 8, prefill=False) == 0  # its share is spent: it pauses this step
+    assert budget.grant(urgent, 8, prefill=True) == 2

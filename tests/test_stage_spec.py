@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from specserve.engine.config import EngineConfig
+from specserve.engine.errors import InvalidParameter
 from specserve.engine.sampler import RowParams
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.engine.step import Accepted, DraftBatch, ScheduledSeq, SchedulerOutput
 from specserve.spec.config import SpeculativeConfig

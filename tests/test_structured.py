@@ -12,8 +12,10 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from specserve.engine.errors import InvalidParameter
+from specserve.engine.grammar import StructuredOutputsParams
 from specserve.engine.sampler import RowParams
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams, StructuredOutputsParams
+from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, ScheduledSeq, SchedulerOutput
 from specserve.engine.structured import StructuredOutputs

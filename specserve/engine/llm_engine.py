@@ -29,6 +29,7 @@ from specserve.engine.cpu_tuning import (
     return_freed_memory_at_once,
 )
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.errors import InvalidParameter
 from specserve.engine.logprobs import record_prompt_logprobs, with_logprobs
 from specserve.engine.memory import (
     activation_reserve_bytes,
@@ -42,7 +43,7 @@ from specserve.engine.outputs import StepDelta
 from specserve.engine.parallel import ModelSpec, ParallelRunner, RankGroup, build_model
 from specserve.engine.penalties import adjust_logits
 from specserve.engine.sampler import RowParams, sample
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence
 from specserve.engine.static_scheduler import StaticScheduler

@@ -6,52 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-
-class InvalidParameter(ValueError):
-    """A request field is wrong; `field` names it so an API can answer 4xx with the culprit."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-
-@dataclass(frozen=True)
-class StructuredOutputsParams:
-    """vLLM's structured_outputs: exactly one constraint. Checked when made (the grammar is built without a
-    tokenizer, by engine/structured.py), so a bad schema, regex or grammar is an InvalidParameter naming
-    `structured_outputs.<kind>` at the API, before anything is queued."""
-
-    json: str | dict[str, Any] | None = None  # a JSON schema (object or its text)
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None  # EBNF (GBNF)
-    json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
-    structural_tag: str | dict[str, Any] | None = None  # xgrammar's structural tag (JSON)
-
-    def __post_init__(self) -> None:
-        from specserve.engine.structured import check_constraint
-
-        check_constraint(self)
-
-    @property
-    def kind(self) -> str:
-        """The one constraint set (json, regex, choice, grammar, json_object or structural_tag)."""
-        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
-
-    @classmethod
-    def from_dict(cls, body: Any) -> StructuredOutputsParams:
-        if not isinstance(body, dict):
-            raise InvalidParameter("structured_outputs", "must be an object")
-        known = {f.name for f in fields(cls)}
-        for key in body:
-            if key not in known:
-                raise InvalidParameter(f"structured_outputs.{key}", "unknown field")
-        return cls(**body)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
+from specserve.engine.errors import InvalidParameter
+from specserve.engine.grammar import StructuredOutputsParams
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
@@ -77,7 +33,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # "auto": the engine decides k per step; "off": never speculate; an int: that many draft tokens.
     speculation: str | int = "auto"
-    # Constrained decoding (engine/structured.py); the wire sends it as a dict, made a StructuredOutputsParams
+    # Constrained decoding (engine/grammar.py checks it, engine/structured.py applies it); the wire sends it
+    # as a dict, made a StructuredOutputsParams
     structured_outputs: StructuredOutputsParams | None = None
     # Log-probabilities of the generated tokens and of this many most likely tokens at each position (vLLM's
     # logprobs); None: none. Values are the target's (engine/sampler.py token_logprobs says which).

@@ -10,6 +10,9 @@ computed again); the prompt blocks a step will fill are named when it is planned
 blocks its committed tokens fill, for later sequences; a
 preempted sequence's blocks become evictable cache, so its recompute often finds them.
 
+A step's limits (its tokens, the slots left for admissions, and the two shares below) are one StepBudget,
+made when the step is planned, which grants each sequence its tokens and is charged for them.
+
 With prefill_tokens_beside_decode set, a step in which some running sequence decodes computes at most that
 many prompt tokens (running prompts' chunks first, then admissions); the rest wait for the next step, so
 arrivals' prefill stretches no decode step by more than that (_prefill_share says why).
@@ -26,6 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 from specserve.blockmgr import BlockManager
 from specserve.engine.sequence import SeqStatus, Sequence
@@ -48,6 +52,56 @@ BACKGROUND_LINGER_S = 0.25
 
 # Given the running sequences, how many draft tokens each decoding one may propose this step (seq_id -> k).
 LookaheadPolicy = Callable[[list[Sequence]], dict[int, int]]
+
+
+@dataclass(slots=True)
+class StepBudget:
+    """What one step may still hand out, and the one place its limits are applied and spent (vLLM v1's
+    token_budget, with this scheduler's other three beside it):
+
+        tokens      query tokens and lookahead slots of the whole step (max_num_batched_tokens)
+        slots       sequences that may still be admitted (max_num_seqs less those running; a step that
+                    preempted admits nobody, so its victims' slots are never handed out again in it)
+        prefill     prompt tokens left beside decoding sequences (Scheduler._prefill_share); None: no bound
+        background  tokens left to the sequences of a worse band than `best` (Scheduler._background_share);
+                    None: everyone present is of one band and nobody is held back
+    """
+
+    tokens: int
+    slots: int
+    prefill: int | None = None
+    background: int | None = None
+    best: int = 0
+
+    def is_background(self, seq: Sequence) -> bool:
+        return self.background is not None and seq.priority > self.best
+
+    def grant(self, seq: Sequence, wanted: int, prefill: bool) -> int:
+        """Of `wanted` tokens (a prefill chunk, or 1 when decoding), how many `seq` may compute this step;
+        0 when a share it draws on is spent."""
+        n = min(wanted, self.tokens)
+        if self.is_background(seq):
+            n = min(n, self.background)
+        if prefill and self.prefill is not None:
+            n = min(n, self.prefill)
+        return n
+
+    def lookahead(self, seq: Sequence, n: int, wanted: int) -> int:
+        """KV slots for draft tokens past `n` computed ones: from the step's tokens, never for background."""
+        return 0 if self.is_background(seq) else min(wanted, self.tokens - n)
+
+    def spend(self, seq: Sequence, n: int, k: int, prefill: bool) -> None:
+        """`n` tokens computed and `k` lookahead slots given to a running sequence."""
+        self.tokens -= n + k
+        if self.is_background(seq):
+            self.background -= n
+        if prefill and self.prefill is not None:
+            self.prefill -= n
+
+    def admit(self, seq: Sequence, n: int) -> None:
+        """A waiting sequence admitted with its first `n` prompt tokens."""
+        self.slots -= 1
+        self.spend(seq, n, 0, prefill=True)
 
 
 class Scheduler:
@@ -77,14 +131,12 @@ class Scheduler:
         self.lookahead = lookahead
         self.by_priority = policy == "priority"
         # Priority policy: tokens per step that sequences of a worse band than the best one present share
-        # (see _background_plan); the rest of them pause, holding their KV, while better work runs.
+        # (see _background_share); the rest of them pause, holding their KV, while better work runs.
         self.background_tokens = background_tokens
         # ... and keep sharing for this long after the better work has left (see _background_share)
         self.background_linger_s = BACKGROUND_LINGER_S if background_linger_s is None else background_linger_s
         self.prefill_tokens_beside_decode = prefill_tokens_beside_decode
-        self._prefill_left: int | None = None  # this step's prefill tokens left; None: no bound
         self._clock = clock
-        self._background_left: int | None = None  # this step's share left; None: no better work present
         self._best = 0  # the best band present, while a share applies
         self._best_seen: float | None = None  # when a better band than the worst present was last seen
         self._turn = 0  # rotates which background sequences get the share
@@ -116,13 +168,22 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         displaced = self._displace_for_waiting() if self.by_priority else []
-        self._background_left = self._background_share() if self.by_priority else None
-        self._prefill_left = self._prefill_share()
-        scheduled, preempted, budget = self._schedule_running(self.max_num_batched_tokens)
+        budget = self._step_budget()
+        scheduled, preempted = self._schedule_running(budget)
         if not preempted:  # memory is short: admitting now would only preempt again next step
             # nor is one displaced this step taken back in it (the room was made for the better one)
             scheduled += self._schedule_waiting(budget, stop_at={s.seq_id for s in displaced})
         return SchedulerOutput(tuple(scheduled), tuple(displaced + preempted))
+
+    def _step_budget(self) -> StepBudget:
+        background = self._background_share() if self.by_priority else None  # rotates the background turn
+        return StepBudget(
+            tokens=self.max_num_batched_tokens,
+            slots=self.max_num_seqs - len(self.running),
+            prefill=self._prefill_share(),
+            background=background,
+            best=self._best,
+        )
 
     def _displace_for_waiting(self) -> list[Sequence]:
         """Priority policy: order the running sequences by rank (the last is the first to go), then preempt
@@ -183,29 +244,22 @@ class Scheduler:
             return None
         return cap
 
-    def _schedule_running(self, budget: int) -> tuple[list[ScheduledSeq], list[Sequence], int]:
+    def _schedule_running(self, budget: StepBudget) -> tuple[list[ScheduledSeq], list[Sequence]]:
         ks = self.lookahead(self.running) if self.lookahead is not None and self.running else {}
         scheduled: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget.tokens > 0:
             seq = self.running[i]
-            background = self._background_left is not None and seq.priority > self._best
-            if background and not self._background_left:
-                i += 1  # paused this step, its KV kept
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if seq.wants_prompt_rows:
-                n = min(n, PROMPT_LOGPROBS_CHUNK)
-            if background:
-                n = min(n, self._background_left)
             prefill = not seq.in_decode
-            if prefill and self._prefill_left is not None:
-                if not self._prefill_left:
-                    i += 1  # the step's prefill share is spent: this chunk waits, its KV kept
-                    continue
-                n = min(n, self._prefill_left)
-            k = min(ks.get(seq.seq_id, 0), budget - n) if ks and seq.in_decode and not background else 0
+            wanted = seq.num_tokens - seq.num_computed_tokens
+            if seq.wants_prompt_rows:
+                wanted = min(wanted, PROMPT_LOGPROBS_CHUNK)
+            n = budget.grant(seq, wanted, prefill)
+            if not n:
+                i += 1  # a share it draws on is spent: paused this step, its KV kept
+                continue
+            k = budget.lookahead(seq, n, ks.get(seq.seq_id, 0)) if seq.in_decode else 0
             if k and not self._allocate(seq, n + k):
                 k = 0  # speculation yields to memory before anyone is preempted
             while not self._allocate(seq, n + k):
@@ -218,35 +272,26 @@ class Scheduler:
                 break  # it preempted itself: nobody behind it can run either
             scheduled.append(ScheduledSeq(seq, n, k, seq.num_computed_tokens + n == seq.num_tokens))
             self._name_scheduled(seq, n)
-            budget -= n + k
-            if background:
-                self._background_left -= n
-            if prefill and self._prefill_left is not None:
-                self._prefill_left -= n
+            budget.spend(seq, n, k, prefill)
             i += 1
-        return scheduled, preempted, budget
+        return scheduled, preempted
 
-    def _schedule_waiting(self, budget: int, stop_at: set[int] = frozenset()) -> list[ScheduledSeq]:
+    def _schedule_waiting(self, budget: StepBudget, stop_at: set[int] = frozenset()) -> list[ScheduledSeq]:
         scheduled = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget.tokens > 0 and budget.slots > 0:
             seq = self.waiting[0]
             if seq.seq_id in stop_at:
                 break
-            background = self._background_left is not None and seq.priority > self._best
-            if background:
-                if not self._background_left:
-                    break  # the share is spent: background admissions wait for a step with room
-                budget = min(budget, self._background_left)
-            if self._prefill_left is not None:
-                if not self._prefill_left:
-                    break
-                budget = min(budget, self._prefill_left)
+            # before the prefix lookup, which touches the cache: admissions wait for a step with room
+            room = budget.grant(seq, budget.tokens, prefill=True)
+            if not room:
+                break
             # prompt logprobs need every prompt position computed: no prefix cache hit then
             cached = self.bm.allocate_prefix(seq.seq_id, [] if seq.wants_prompt_rows else seq.token_ids)
             seq.num_computed_tokens = cached
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget, PROMPT_LOGPROBS_CHUNK if seq.wants_prompt_rows else budget)
-            if (not self.chunked and remaining > budget) or not self._allocate(seq, n):
+            n = min(remaining, room, PROMPT_LOGPROBS_CHUNK if seq.wants_prompt_rows else room)
+            if (not self.chunked and remaining > room) or not self._allocate(seq, n):
                 self.bm.free(seq.seq_id)  # the cached blocks go back, still cached
                 seq.num_computed_tokens = 0
                 break  # FIFO: a later, smaller request does not jump the queue
@@ -259,11 +304,7 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, 0, n == remaining))
             self._name_scheduled(seq, n)
-            budget -= n
-            if background:
-                self._background_left -= n
-            if self._prefill_left is not None:
-                self._prefill_left -= n
+            budget.admit(seq, n)
         return scheduled
 
     def _name_scheduled(self, seq: Sequence, n: int) -> None:

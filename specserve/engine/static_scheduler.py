@@ -7,7 +7,7 @@ Kept out of Scheduler so that production scheduling carries none of it.
 
 from __future__ import annotations
 
-from specserve.engine.scheduler import Scheduler
+from specserve.engine.scheduler import Scheduler, StepBudget
 from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.engine.step import PadRow, SchedulerOutput
 
@@ -24,7 +24,8 @@ class StaticScheduler(Scheduler):
                 seq = self.waiting.popleft()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-        scheduled, preempted, _ = self._schedule_running(self.max_num_batched_tokens)
+        # a static batch is admitted above, whole, and shares no step with other work: tokens alone bound it
+        scheduled, preempted = self._schedule_running(StepBudget(self.max_num_batched_tokens, slots=0))
         padding = self._pad_rows() if self.running else ()
         return SchedulerOutput(tuple(scheduled), tuple(preempted), tuple(padding))
 

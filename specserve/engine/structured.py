@@ -1,8 +1,7 @@
 """Structured output on xgrammar: grammars compiled once per key, one matcher per request, and a token bitmask
 on the logits at every position a step samples, each verify position of a speculative step included.
 
-    check_constraint(params)      tokenizer-free: builds the grammar, so a bad schema / regex / EBNF is an
-                                  InvalidParameter naming `structured_outputs.<kind>` before anything queues
+    (engine/grammar.py)           what a constraint is and its tokenizer-free check, torch-free for the API
     StructuredOutputs.compile     grammar -> CompiledGrammar for this tokenizer, cached by (kind, text)
     .add(seq) / .forget(seq)      a GrammarMatcher per constrained sequence, keyed by seq_id
     .draft(seq, proposed, k)      grammar-aware drafting: a proposal ends at the first token the grammar
@@ -23,19 +22,21 @@ torch_native backend took 46 ms).
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from specserve.engine.sampling_params import InvalidParameter
+from specserve.engine.grammar import (
+    MAX_CACHED_GRAMMARS,
+    StructuredOutputsParams,
+    build_grammar,
+    constraint_key,
+)
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.kernels import cpu_paged_attention as cpa
@@ -43,81 +44,10 @@ from specserve.kernels import cpu_paged_attention as cpa
 if TYPE_CHECKING:
     import xgrammar as xgr
 
-    from specserve.engine.sampling_params import StructuredOutputsParams
-
 log = logging.getLogger(__name__)
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-MAX_CACHED_GRAMMARS = 256
-# Compact separators (", " and ": ") instead of any whitespace: the text between values is then forced, and
-# jump-forward drafts it (31 of 51 tokens of a 7-field object had forced text; with any whitespace, none).
-ANY_WHITESPACE = False
 # Up to this many rows, a step's mask fills run on the step's own thread (see StructuredOutputs.__init__).
 FILL_ONE_THREAD_ROWS = 8
-_XGR_PREFIX = re.compile(r"^\[[^\]]*\] [^:]+:\d+: (Check failed: \([^)]*\) is false: )?")
-
-
-def _key(params: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind, text): the cache key, and all a grammar is built from."""
-    kind = params.kind
-    value = getattr(params, kind)
-    if kind == "choice":
-        return kind, json.dumps(value)
-    if kind == "json_object":
-        return kind, ""
-    return kind, value if isinstance(value, str) else json.dumps(value)
-
-
-@lru_cache(maxsize=MAX_CACHED_GRAMMARS)
-def _grammar(kind: str, text: str) -> xgr.Grammar:
-    """The tokenizer-free grammar of a constraint (pure, so memoised: the API and the worker check the same
-    schema once per process, not once per request)."""
-    import xgrammar as xgr
-
-    if kind == "json":
-        return xgr.Grammar.from_json_schema(text, any_whitespace=ANY_WHITESPACE)
-    if kind == "json_object":
-        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=ANY_WHITESPACE)
-    if kind == "regex":
-        return xgr.Grammar.from_regex(text)
-    if kind == "choice":
-        # each choice a string literal of EBNF; JSON's escapes (\", \\, \uXXXX) are EBNF's too
-        return xgr.Grammar.from_ebnf("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
-    if kind == "grammar":
-        return xgr.Grammar.from_ebnf(text)
-    return xgr.Grammar.from_structural_tag(text)
-
-
-def check_constraint(params: StructuredOutputsParams) -> None:
-    """Exactly one constraint, of the right type, that xgrammar can build; InvalidParameter otherwise."""
-    given = [k for k in KINDS if getattr(params, k) not in (None, False)]
-    if len(given) != 1:
-        raise InvalidParameter("structured_outputs", f"give exactly one of {', '.join(KINDS)}")
-    kind = given[0]
-    value = getattr(params, kind)
-    name = f"structured_outputs.{kind}"
-    if kind in ("json", "structural_tag"):
-        if not isinstance(value, (str, dict)):
-            raise InvalidParameter(name, "must be a JSON object or its text")
-        if isinstance(value, str):
-            try:
-                if not isinstance(json.loads(value), dict):
-                    raise InvalidParameter(name, "must be a JSON object")
-            except ValueError:
-                raise InvalidParameter(name, "is not valid JSON") from None
-    elif kind == "choice":
-        if not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
-            raise InvalidParameter(name, "must be a non-empty list of non-empty strings")
-    elif kind == "json_object":
-        if value is not True:
-            raise InvalidParameter(name, "must be true or absent")
-    elif not isinstance(value, str) or not value:
-        raise InvalidParameter(name, "must be a non-empty string")
-    try:
-        _grammar(*_key(params))
-    except Exception as e:  # xgrammar raises RuntimeError (and its own errors) with the parser's message
-        message = _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
-        raise InvalidParameter(name, f"invalid: {message}") from None
 
 
 @dataclass
@@ -161,13 +91,13 @@ class StructuredOutputs:
         return len(self._states)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
-        key = _key(params)
+        key = constraint_key(params)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled
-        compiled = self.compiler.compile_grammar(_grammar(*key))
+        compiled = self.compiler.compile_grammar(build_grammar(*key))
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > MAX_CACHED_GRAMMARS:

@@ -19,7 +19,8 @@ import orjson
 from aiohttp import web
 from opentelemetry import trace
 
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.errors import InvalidParameter
+from specserve.engine.sampling_params import SamplingParams
 from specserve.queue.client import Enqueued, QueueClient, QuotaExceeded
 from specserve.queue.wire import Delta, RequestBody, WireError, model_aliases, parse_body
 from specserve.service.config import ApiSettings

@@ -22,8 +22,9 @@ from opentelemetry.trace import Span
 
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.detokenizer import IncrementalDetokenizer
+from specserve.engine.errors import InvalidParameter
 from specserve.engine.outputs import StepDelta, Usage
-from specserve.engine.sampling_params import InvalidParameter, SamplingParams
+from specserve.engine.sampling_params import SamplingParams
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
 from specserve.queue.wire import OutputEntry, RequestBody, RequestEntry, WireError, model_aliases

@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from specserve.engine.async_engine import AsyncLLMEngine
-from specserve.engine.sampling_params import InvalidParameter
+from specserve.engine.errors import InvalidParameter
 from specserve.queue import outputs, wire
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms

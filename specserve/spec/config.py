@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS, InvalidParameter
+from specserve.engine.errors import InvalidParameter
+from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 
 METHODS = ("ngram", "draft_model")
 

@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.engine.sampling_params import InvalidParameter, StructuredOutputsParams
+from specserve.engine.errors import InvalidParameter
+from specserve.engine.grammar import StructuredOutputsParams
 from specserve.queue.wire import WireError, parse_tools
 from specserve.service.http import ApiError
 
