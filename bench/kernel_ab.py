@@ -33,11 +33,15 @@ from pathlib import Path
 import torch
 from common import REPO, cpu_line
 
+from specserve.kernels import cpu
+
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64  # SmolLM2-135M
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # qkv, o, gate_up, down: [out, in]
+# Where the whole library's source was before it was split by op (csrc/)
+OLD_SOURCE = "specserve/kernels/cpu_paged_attention.cpp"
 
 
-def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tensor], str]:
+def attention(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]:
     blocks_per_seq = -(-args.context // args.block_size)
     num_blocks = args.batch * blocks_per_seq
     shape = (num_blocks, args.block_size, KV_HEADS, HEAD_DIM)
@@ -53,7 +57,7 @@ def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tens
     def run() -> torch.Tensor:
         out = torch.empty_like(q)
         for k_cache, v_cache in caches:
-            kernel.paged_attention_short(
+            cpu.attention.paged_attention_short(
                 q, k_cache, v_cache, tables, seq_lens, starts, seq_ids, HEAD_DIM**-0.5, out
             )
         return out
@@ -65,7 +69,7 @@ def attention(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tens
     return run, what
 
 
-def products(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tensor], str]:
+def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]:
     from specserve.models import quant
 
     layers = []
@@ -73,32 +77,34 @@ def products(args: argparse.Namespace, kernel) -> tuple[Callable[[], torch.Tenso
     for n, k in shapes:
         w = torch.randn(n, k)
         if args.case == "f32":
-            layers.append((k, kernel.f32_panels(w)))
+            layers.append((k, cpu.matmul.f32_panels(w)))
         elif args.case == "int4":
             q4 = quant.quantize_int4(w)
-            packed = kernel.pack_int4(q4.codes)
+            packed = cpu.matmul.pack_int4(q4.codes)
             layers.append((k, (packed, q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous())))
         elif args.case == "int8-bf16":
             q8 = quant.quantize_int8(w)
-            layers.append((k, (kernel.int8_tiles(q8.codes), q8.scales.contiguous())))
+            layers.append((k, (cpu.matmul.int8_tiles(q8.codes), q8.scales.contiguous())))
         else:
             q8 = quant.quantize_int8(w)
             codes, scales = (q8.codes, q8.scales) if args.case == "int8" else _q8_0(w)
             layers.append((k, (codes.contiguous(), scales.contiguous())))
     dtype = torch.bfloat16 if args.case == "int8-bf16" else torch.float32
     xs = {k: torch.randn(args.rows, k).to(dtype) for _, k in shapes}
-    product = {"f32": kernel.panel_matmul, "int4": kernel.int4_matmul}.get(args.case, kernel.int8_matmul)
+    product = {"f32": cpu.matmul.panel_matmul, "int4": cpu.matmul.int4_matmul}.get(
+        args.case, cpu.matmul.int8_matmul
+    )
 
     bound: dict[object, list] = {}  # int8-bf16's products bound once per build, as the model binds them
 
     def run() -> torch.Tensor:
         # each product's bits summed by column: any changed output changes them, and they are small to keep
         sums = []
-        if args.case == "int8-bf16" and kernel._lib not in bound:
-            bound[kernel._lib] = [kernel.bind_int8_bf16(*w) for _, w in layers]
+        if args.case == "int8-bf16" and cpu.build._lib not in bound:
+            bound[cpu.build._lib] = [cpu.matmul.bind_int8_bf16(*w) for _, w in layers]
         for i, (k, w) in enumerate(layers):
             if args.case == "int8-bf16":
-                y = bound[kernel._lib][i](xs[k])
+                y = bound[cpu.build._lib][i](xs[k])
             else:
                 y = product(xs[k], w) if args.case == "f32" else product(xs[k], *w)
             bits = y.view(torch.int16 if y.dtype == torch.bfloat16 else torch.int32)
@@ -115,6 +121,30 @@ def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = groups.abs().amax(-1).clamp_min(1e-12) / 127.0
     codes = torch.round(groups / scales[..., None]).clamp(-127, 127).to(torch.int8)
     return codes.view_as(w), scales
+
+
+def _base_sources(rev: str, into: Path) -> Path:
+    """The revision's kernel sources written into `into`, laid out as build_variant reads them: its csrc/
+    files, or, from before the library was split by op, its one source file as the unity translation unit."""
+    csrc = cpu.build.CSRC.resolve().relative_to(REPO)
+
+    def git(*argv: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(REPO), *argv], capture_output=True, text=True, check=True
+        ).stdout
+
+    names = git("ls-tree", "--name-only", f"{rev}:{csrc}").split() if _has(rev, csrc) else []
+    if names:
+        for name in names:
+            (into / name).write_text(git("show", f"{rev}:{csrc}/{name}"))
+    else:
+        (into / cpu.build.UNITY).write_text(git("show", f"{rev}:{OLD_SOURCE}"))
+    return into
+
+
+def _has(rev: str, path: Path) -> bool:
+    probe = subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{rev}:{path}"], capture_output=True)
+    return probe.returncode == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,44 +170,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
 
-    from specserve.kernels import cpu_paged_attention as kernel
-
-    rel = kernel.SOURCE.resolve().relative_to(REPO)
-    base_source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{args.base}:{rel}"], capture_output=True, text=True, check=True
-    ).stdout
-    if kernel.load() is None:
+    if cpu.build.load() is None:
         print("the C++ kernel cannot be built here")
         return 1
-    isa = os.environ.get(kernel.ISA_ENV) or "native"  # the variant the engine loads
+    isa = os.environ.get(cpu.build.ISA_ENV) or "native"  # the variant the engine loads
     with tempfile.TemporaryDirectory() as tmp:
-        base_path = Path(tmp) / kernel.SOURCE.name
-        base_path.write_text(base_source)
-        own = kernel.SOURCE
-        try:
-            kernel.SOURCE = base_path
-            builds = {args.base: kernel.build_variant(isa)}
-        finally:
-            kernel.SOURCE = own
-    builds["this checkout"] = kernel.build_variant(isa)
+        builds = {args.base: cpu.build.build_variant(isa, _base_sources(args.base, Path(tmp)))}
+    builds["this checkout"] = cpu.build.build_variant(isa)
 
     torch.manual_seed(0)
     if args.case == "attention":
-        run, what = attention(args, kernel)
+        run, what = attention(args)
     else:
-        run, what = products(args, kernel)
+        run, what = products(args)
 
     times: dict[str, list[float]] = {name: [] for name in builds}
     outs: dict[str, torch.Tensor] = {}
     names = list(builds)
     for rep in range(args.repeats):
         for name in names if rep % 2 == 0 else names[::-1]:
-            kernel._lib = builds[name]  # the module's loaded library, swapped for this pass
+            cpu.build._lib = builds[name]  # the module's loaded library, swapped for this pass
             t0 = time.perf_counter()
             out = run()
             times[name].append((time.perf_counter() - t0) * 1e3)
             outs[name] = out
-    kernel._lib = builds["this checkout"]
+    cpu.build._lib = builds["this checkout"]
 
     print(cpu_line())
     print(f"{what}, {isa} build, {torch.get_num_threads()} threads")

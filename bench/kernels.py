@@ -124,17 +124,16 @@ def best_seconds(fn, min_seconds: float = 1.0, min_calls: int = 5) -> float:
 def cpu_main(args: argparse.Namespace) -> int:
     import platform
 
-    from specserve.kernels import cpu_paged_attention as cpa
-    from specserve.kernels import select_backend
+    from specserve.kernels import cpu, select_backend
 
     torch.manual_seed(0)
-    if cpa.load() is None:
+    if cpu.build.load() is None:
         print("bench/kernels.py: the C++ kernel does not build here (no compiler?); nothing to time.")
         return 1
-    flags = set(cpa._cpu_signature().split())
+    flags = set(cpu.build._cpu_signature().split())
     isa_flags = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags)
-    variants = cpa.available_isas() if hasattr(cpa, "build_variant") else []
-    fast = cpa.fast_paths() if hasattr(cpa, "fast_paths") else "n/a (older checkout)"
+    variants = cpu.build.available_isas() if hasattr(cpu.build, "build_variant") else []
+    fast = cpu.build.fast_paths() if hasattr(cpu.build, "fast_paths") else "n/a (older checkout)"
     print(
         f"{platform.processor() or platform.machine()} [{isa_flags}], torch threads {torch.get_num_threads()}"
         f" ({'thread CPU time' if torch.get_num_threads() == 1 else 'wall time'})"
@@ -164,8 +163,7 @@ def cpu_main(args: argparse.Namespace) -> int:
 
 
 def _cpu_attention_case(args, name: str, query_len: int, batch: int, cpu_backend, variants) -> str | None:
-    from specserve.kernels import cpu_paged_attention as cpa
-    from specserve.kernels import reference
+    from specserve.kernels import cpu, reference
 
     s = make_setup(argparse.Namespace(**{**vars(args), "batch": batch}), query_len, torch.device("cpu"))
     tables, lens = s.block_tables.tolist(), s.seq_lens.tolist()
@@ -186,22 +184,21 @@ def _cpu_attention_case(args, name: str, query_len: int, batch: int, cpu_backend
         return None
     t_engine = best_seconds(lambda: call(cpu_plan))
     per_variant = []
-    native_lib, native_paths = cpa._lib, getattr(cpa, "_paths", 0)
+    native_lib, native_paths = cpu.build._lib, getattr(cpu.build, "_paths", 0)
     for isa in variants:
-        lib = cpa.build_variant(isa)
-        cpa._lib, cpa._paths = lib, int(lib.specserve_paths())
+        lib = cpu.build.build_variant(isa)
+        cpu.build._lib, cpu.build._paths = lib, int(lib.specserve_paths())
         try:
             per_variant.append(best_seconds(lambda: call(cpu_plan)))
         finally:
-            cpa._lib, cpa._paths = native_lib, native_paths
+            cpu.build._lib, cpu.build._paths = native_lib, native_paths
     t_torch = best_seconds(lambda: call(torch_plan))
     line = f"{name:<22}{t_engine * 1e6:>11.1f}{attention_bytes(s) / t_engine / 1e9:>7.1f}"
     return line + "".join(f"{t * 1e6:>13.1f}" for t in per_variant) + f"{t_torch * 1e6:>16.1f}"
 
 
 def _cpu_rope_case(args, tokens: int) -> str:
-    from specserve.kernels import cpu_paged_attention as cpa
-    from specserve.kernels import reference
+    from specserve.kernels import cpu, reference
 
     dtype = DTYPES[args.dtype]
     dim, heads, kv_heads = args.head_dim, args.q_heads, args.kv_heads
@@ -224,7 +221,7 @@ def _cpu_rope_case(args, tokens: int) -> str:
         reference.write_kv(y, v.view(tokens, kv_heads, dim), k_cache, v_cache, slots)
 
     def fused() -> None:
-        cpa.rope_write_kv(qkv, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+        cpu.elementwise.rope_write_kv(qkv, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
 
     try:
         fused()

@@ -12,7 +12,7 @@ the median of --passes passes (each running every kind once, in turn) after one 
 - fp32 MKL / ours (--float32): F.linear on the dense float32 matrix, and our AVX2 + FMA panel product;
   fp32 int8 / int4: our float32 products on the quantized matrices (int8_matmul, int4_matmul), and int8
   widened 256 outputs at a time for MKL (what steps of more than 8 rows ran before the widening panels);
-- ours bf16 / int8 / int4: kernels/cpu_paged_attention.cpp's AVX512-BF16 products (panel_matmul on the dense
+- ours bf16 / int8 / int4: kernels/cpu/csrc/matmul_bf16_avx512.cpp's products (panel_matmul on the dense
   matrix's panels, int8_matmul_bf16, int4_matmul_bf16), where built;
 - ours int4 rows: our AVX512-BF16 few-row int4 product on the float32 kernels' nibbles (int4_rows_bf16,
   1..8 rows: each code as the exact bf16 1 + code / 16 on vdpbf16ps), what bf16 `auto` runs batch-1 steps on.
@@ -50,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import cpu
     from specserve.models import quant
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    ours = cpa.load() is not None and cpa.quant_bf16_fast()
+    ours = cpu.build.load() is not None and cpu.build.quant_bf16_fast()
     torch.manual_seed(0)
     layers = []
     for _ in range(LAYERS):
@@ -74,21 +74,23 @@ def main(argv: list[str] | None = None) -> int:
             }
             if args.float32:
                 mat["fp32 MKL"] = quant.dequantize(q8)
-                if cpa.load() is not None and cpa.quant_fast():
-                    mat["fp32 ours"] = cpa.f32_panels(mat["fp32 MKL"])
+                if cpu.build.load() is not None and cpu.build.quant_fast():
+                    mat["fp32 ours"] = cpu.matmul.f32_panels(mat["fp32 MKL"])
                     mat["fp32 int8"] = (q8.codes, q8.scales)
                     mat["fp32 int4"] = (
-                        cpa.pack_int4(q4.codes),
+                        cpu.matmul.pack_int4(q4.codes),
                         q4.scales.contiguous(),
                         (q4.zeros - 8.0 * q4.scales).contiguous(),
                     )
                     mat["fp32 int8 wide"] = (q8.codes, q8.scales)
             if ours:
-                mat["ours bf16"] = cpa.bf16_panels(quant.dequantize(q8).to(torch.bfloat16))
-                mat["ours int8"] = (cpa.int8_tiles(q8.codes), scales.float())
-                mat["ours int4"] = cpa.int4_tiles(q4.codes, q4.scales, q4.zeros)
-                mat["ours int4 rows"] = cpa.bind_int4_rows_bf16(
-                    cpa.pack_int4(q4.codes), q4.scales.contiguous(), (q4.zeros - 8.0 * q4.scales).contiguous()
+                mat["ours bf16"] = cpu.matmul.bf16_panels(quant.dequantize(q8).to(torch.bfloat16))
+                mat["ours int8"] = (cpu.matmul.int8_tiles(q8.codes), scales.float())
+                mat["ours int4"] = cpu.matmul.int4_tiles(q4.codes, q4.scales, q4.zeros)
+                mat["ours int4 rows"] = cpu.matmul.bind_int4_rows_bf16(
+                    cpu.matmul.pack_int4(q4.codes),
+                    q4.scales.contiguous(),
+                    (q4.zeros - 8.0 * q4.scales).contiguous(),
                 )
             mats.append((k, mat))
         layers.append(mats)
@@ -107,24 +109,24 @@ def main(argv: list[str] | None = None) -> int:
                 elif kind == "fp32 MKL":
                     torch.nn.functional.linear(xs[k], w)
                 elif kind in ("ours bf16", "fp32 ours"):
-                    cpa.panel_matmul(xs[k], w)
+                    cpu.matmul.panel_matmul(xs[k], w)
                 elif kind == "fp32 int8":
-                    cpa.int8_matmul(xs[k], *w)
+                    cpu.matmul.int8_matmul(xs[k], *w)
                 elif kind == "fp32 int4":
-                    cpa.int4_matmul(xs[k], *w)
+                    cpu.matmul.int4_matmul(xs[k], *w)
                 elif kind == "fp32 int8 wide":  # what int8 ran for many rows before: widened for MKL
                     codes, scales = w
                     quant._widened_blocks(
                         xs[k],
                         len(codes),
-                        lambda j, m, c=codes, s=scales: cpa.int8_widen(c[j : j + m], s[j : j + m]),
+                        lambda j, m, c=codes, s=scales: cpu.matmul.int8_widen(c[j : j + m], s[j : j + m]),
                     )
                 elif kind == "ours int4 rows":
                     w(xs[k])
                 elif kind == "ours int8":
-                    cpa.int8_matmul_bf16(xs[k], *w)
+                    cpu.matmul.int8_matmul_bf16(xs[k], *w)
                 else:
-                    cpa.int4_matmul_bf16(xs[k], *w)
+                    cpu.matmul.int4_matmul_bf16(xs[k], *w)
 
     ours_kinds = ["ours bf16", "ours int8", "ours int4", "ours int4 rows"]
     kinds = ["dense", "torch int8", "torch int4"] + (ours_kinds if ours else [])
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         # a kind timed in one stretch took whatever load that stretch had (the same kind varied 20 % between
         # runs of the script, while the interleaved medians' ratios held)
         # our int4 rows product takes 1..INT4_ROWS_BF16_MAX rows only: a blank column past them
-        here = [k for k in kinds if k != "ours int4 rows" or rows <= cpa.INT4_ROWS_BF16_MAX]
+        here = [k for k in kinds if k != "ours int4 rows" or rows <= cpu.matmul.INT4_ROWS_BF16_MAX]
         times: dict[str, list[float]] = {kind: [] for kind in here}
         for kind in here:
             products(kind, inputs)

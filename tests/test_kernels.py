@@ -120,11 +120,11 @@ def test_reference_write_kv_scatters_and_skips_negative_slots(dtype) -> None:
 
 
 def test_select_backend() -> None:
-    from specserve.kernels import cpu_paged_attention
+    from specserve.kernels.cpu import build
 
     # auto on CPU: the C++ short-query kernel when it builds here, else the torch reference
     cpu = select_backend("cpu")
-    assert cpu.name == ("cpu" if cpu_paged_attention.load() is not None else "torch")
+    assert cpu.name == ("cpu" if build.load() is not None else "torch")
     assert cpu.paged_attention is reference.paged_attention
     torch_cpu = select_backend("cpu", "torch")
     assert torch_cpu.name == "torch" and torch_cpu.build_plan is reference.build_plan
@@ -196,17 +196,17 @@ def test_cpu_kernel_matches_dense(layout: int, dtype) -> None:
 
 
 def _variant(monkeypatch, isa: str):
-    """cpu_paged_attention with the library of one build variant loaded in place of the native one."""
-    from specserve.kernels import cpu_paged_attention as cpa
+    """The CPU kernels with the library of one build variant loaded in place of the native one."""
+    from specserve.kernels import cpu
 
-    if cpa.load() is None:
+    if cpu.build.load() is None:
         pytest.skip("no C++ compiler")
-    if isa not in cpa.available_isas():
+    if isa not in cpu.build.available_isas():
         pytest.skip(f"this CPU cannot run the {isa} build")
-    lib = cpa.build_variant(isa)
-    monkeypatch.setattr(cpa, "_lib", lib)
-    monkeypatch.setattr(cpa, "_paths", int(lib.specserve_paths()))
-    return cpa
+    lib = cpu.build.build_variant(isa)
+    monkeypatch.setattr(cpu.build, "_lib", lib)
+    monkeypatch.setattr(cpu.build, "_paths", int(lib.specserve_paths()))
+    return cpu
 
 
 # Layouts for the ISA variants: decode over many lengths, verify-sized queries, and prefill chunks of
@@ -241,16 +241,20 @@ VARIANT_SHAPES = [
 def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_dim, block_size) -> None:
     """Every build variant this CPU runs, through the engine's path (the plan routes prefill chunks to the
     kernel where supports_long says so), against float64 dense attention."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     backend = select_backend("cpu", "cpu")
-    paths = cpa.fast_paths()
+    paths = cpu.build.fast_paths()
     if isa == "portable":
         assert paths == []
     import platform
 
-    if isa != "portable" and platform.machine() in ("x86_64", "AMD64") and "avx2" in cpa.available_isas():
+    if (
+        isa != "portable"
+        and platform.machine() in ("x86_64", "AMD64")
+        and "avx2" in cpu.build.available_isas()
+    ):
         assert "float32" in paths
-    long_here = cpa.supports_long(dtype, head_dim, block_size)
+    long_here = cpu.attention.supports_long(dtype, head_dim, block_size)
     assert long_here == (
         str(dtype).removeprefix("torch.") in paths
         and head_dim in (64, 128, 256)
@@ -285,7 +289,7 @@ def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_di
         if long_here:  # every query, prefill chunks too, from the kernel alone
             out2 = torch.full_like(batch.q, float("nan"))
             nat = plan.native
-            cpa.paged_attention_short(
+            cpu.attention.paged_attention_short(
                 batch.q, batch.k_cache, batch.v_cache, nat.block_tables, nat.seq_lens,
                 nat.query_start_loc, nat.all_ids, batch.scale, out2,
             )  # fmt: skip
@@ -293,20 +297,20 @@ def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_di
 
 
 def test_kernel_isa_env_selects_the_build(monkeypatch, tmp_path) -> None:
-    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import cpu
 
-    if cpa.load() is None:
+    if cpu.build.load() is None:
         pytest.skip("no C++ compiler")
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpa, "_lib", None)
-    monkeypatch.setattr(cpa, "_failed", False)
-    monkeypatch.setattr(cpa, "_paths", 0)
-    monkeypatch.setenv(cpa.ISA_ENV, "portable")
-    assert cpa.load() is not None and cpa.fast_paths() == []
+    monkeypatch.setattr(cpu.build, "_lib", None)
+    monkeypatch.setattr(cpu.build, "_failed", False)
+    monkeypatch.setattr(cpu.build, "_paths", 0)
+    monkeypatch.setenv(cpu.build.ISA_ENV, "portable")
+    assert cpu.build.load() is not None and cpu.build.fast_paths() == []
     assert [p.name.split("-")[1] for p in (tmp_path / "kernels").glob("*.so")] == ["portable"]
-    monkeypatch.setattr(cpa, "_lib", None)
-    monkeypatch.setenv(cpa.ISA_ENV, "avx512-please")
-    assert cpa.load() is None  # an unknown variant warns and falls back, as a missing compiler does
+    monkeypatch.setattr(cpu.build, "_lib", None)
+    monkeypatch.setenv(cpu.build.ISA_ENV, "avx512-please")
+    assert cpu.build.load() is None  # an unknown variant warns and falls back, as a missing compiler does
 
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
@@ -316,7 +320,7 @@ def test_kernel_isa_env_selects_the_build(monkeypatch, tmp_path) -> None:
 def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dtype, dim, tokens) -> None:
     """The C++ rope + KV write against LlamaModel's torch ops: rotation, then write_kv. Dim 20 takes the
     float32 vector loop's scalar tail; 300 tokens, the threaded loop."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, block_size, num_blocks = 9, 3, 16, 24
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -339,12 +343,14 @@ def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dty
 
     k_cache, v_cache = torch.zeros_like(want_kc), torch.zeros_like(want_vc)
     fused = qkv.clone()
-    cpa.rope_write_kv(fused, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+    cpu.elementwise.rope_write_kv(fused, positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
     assert torch.equal(fused[:, : heads * dim].view(tokens, heads, dim), want_q)
     assert torch.equal(fused[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim), want_k)
     assert torch.equal(k_cache, want_kc) and torch.equal(v_cache, want_vc)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpa.rope_write_kv(qkv.half(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots)
+        cpu.elementwise.rope_write_kv(
+            qkv.half(), positions, cos, sin, heads, kv_heads, k_cache, v_cache, slots
+        )
 
 
 def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -359,7 +365,7 @@ def _bf16_ulps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 def test_fused_add_rms_norm_is_the_residual_add_then_torch_rms_norm(monkeypatch, isa, dtype, rows) -> None:
     """The residual stream it leaves in h is exactly h + add; its norm is F.rms_norm's up to the order of
     the squares' sum (300 rows: the threaded loop; add a strided view, as a slice of a wider output is)."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(5)
     d = 576
     h = (torch.randn(rows, d, generator=gen) * 3).to(dtype)
@@ -368,9 +374,9 @@ def test_fused_add_rms_norm_is_the_residual_add_then_torch_rms_norm(monkeypatch,
     want_h = h + add
     want = F.rms_norm(want_h, (d,), weight, 1e-6)
     got_h = h.clone()
-    got = cpa.add_rms_norm(got_h, add, weight, 1e-6)
+    got = cpu.elementwise.add_rms_norm(got_h, add, weight, 1e-6)
     assert torch.equal(got_h, want_h)
-    plain = cpa.add_rms_norm(want_h.clone(), None, weight, 1e-6)
+    plain = cpu.elementwise.add_rms_norm(want_h.clone(), None, weight, 1e-6)
     for out in (got, plain):
         if dtype == torch.bfloat16:
             ulps = _bf16_ulps(out, want)
@@ -378,7 +384,9 @@ def test_fused_add_rms_norm_is_the_residual_add_then_torch_rms_norm(monkeypatch,
         else:
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="weight"):
-        cpa.add_rms_norm(h.clone(), add, weight.float() if dtype == torch.bfloat16 else weight.double(), 1e-6)
+        cpu.elementwise.add_rms_norm(
+            h.clone(), add, weight.float() if dtype == torch.bfloat16 else weight.double(), 1e-6
+        )
 
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
@@ -387,7 +395,7 @@ def test_fused_add_rms_norm_is_the_residual_add_then_torch_rms_norm(monkeypatch,
 def test_rms_norm_heads_is_torch_rms_norm_of_each_head_in_place(monkeypatch, isa, dtype, rows) -> None:
     """q and k norms on their slices of a fused qkv row (4 q heads, 1 k head, then v, Gemma 3 270M's): each
     head normalised as F.rms_norm normalises it, in place; the rest of the row untouched."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(8)
     hd = 256
     qkv = (torch.randn(rows, 6 * hd, generator=gen) * 3).to(dtype)
@@ -396,8 +404,8 @@ def test_rms_norm_heads_is_torch_rms_norm_of_each_head_in_place(monkeypatch, isa
     want_q = F.rms_norm(qk[:, :4], (hd,), q_w, 1e-6)
     want_k = F.rms_norm(qk[:, 4:], (hd,), k_w, 1e-6)
     v = qkv[:, 5 * hd :].clone()
-    cpa.rms_norm_heads(qk[:, :4], q_w, 1e-6)
-    cpa.rms_norm_heads(qk[:, 4:], k_w, 1e-6)
+    cpu.elementwise.rms_norm_heads(qk[:, :4], q_w, 1e-6)
+    cpu.elementwise.rms_norm_heads(qk[:, 4:], k_w, 1e-6)
     assert torch.equal(qkv[:, 5 * hd :], v)
     for got, want in ((qk[:, :4], want_q), (qk[:, 4:], want_k)):
         if dtype == torch.bfloat16:
@@ -406,7 +414,7 @@ def test_rms_norm_heads_is_torch_rms_norm_of_each_head_in_place(monkeypatch, isa
         else:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="contiguous"):
-        cpa.rms_norm_heads(qkv.view(rows, 6, hd).transpose(0, 1), q_w, 1e-6)
+        cpu.elementwise.rms_norm_heads(qkv.view(rows, 6, hd).transpose(0, 1), q_w, 1e-6)
 
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
@@ -415,24 +423,24 @@ def test_rms_norm_heads_is_torch_rms_norm_of_each_head_in_place(monkeypatch, isa
 def test_fused_silu_mul_is_silu_of_gate_times_up(monkeypatch, isa, dtype, rows) -> None:
     """silu(gate) * up for a fused gate_up row (gate first) with torch's two roundings in bfloat16: rarely
     a step from torch's silu, so at most two from its product; float32 to a few ulps."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(6)
     gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(dtype)
     gate_up[0, :2] = torch.tensor([-200.0, 200.0]).to(dtype)  # past exp's range: 0 and x, no NaN
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up + 0.0  # + 0.0: silu(-200) is -0.0 in torch and 0.0 here
-    got = cpa.silu_mul(gate_up)
+    got = cpu.elementwise.silu_mul(gate_up)
     assert got.shape == want.shape and got.dtype == dtype and not got.isnan().any()
     got = got + 0.0
     if dtype == torch.bfloat16:
         ulps = _bf16_ulps(got, want)
         assert int(ulps.max()) <= 2 and float((ulps > 0).float().mean()) < 0.01
-        silu = cpa.silu_mul(torch.cat([gate, torch.ones_like(up)], dim=-1)) + 0.0
+        silu = cpu.elementwise.silu_mul(torch.cat([gate, torch.ones_like(up)], dim=-1)) + 0.0
         assert int(_bf16_ulps(silu, F.silu(gate) + 0.0).max()) <= 1
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="gate_up"):
-        cpa.silu_mul(gate_up.half())
+        cpu.elementwise.silu_mul(gate_up.half())
 
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
@@ -443,15 +451,15 @@ def test_fused_gelu_tanh_mul_is_gelu_of_gate_times_up(monkeypatch, isa, dtype, r
     silu_mul), float32 to a few ulps of float64's. Below 1e-4 it is compared by its difference: there
     torch's float32 1 + tanh cancels (to 0 once tanh rounds to -1, gates under about -5), and ours,
     x sigmoid(2u), keeps the tiny true value. Gates far out on both sides give gelu's 0 and x, no NaN."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(7)
     gate_up = (torch.randn(rows, 2 * 2048, generator=gen) * 4).to(dtype)
     gate_up[0, :4] = torch.tensor([-200.0, -30.0, 30.0, 200.0]).to(dtype)
     gate, up = gate_up.chunk(2, dim=-1)
-    got = cpa.gelu_tanh_mul(gate_up)
+    got = cpu.elementwise.gelu_tanh_mul(gate_up)
     assert got.shape == (rows, 2048) and got.dtype == dtype and not got.isnan().any()
     if dtype == torch.bfloat16:
-        gelu = cpa.gelu_tanh_mul(torch.cat([gate, torch.ones_like(up)], dim=-1))
+        gelu = cpu.elementwise.gelu_tanh_mul(torch.cat([gate, torch.ones_like(up)], dim=-1))
         for ours, torchs, steps in (
             (got, F.gelu(gate, approximate="tanh") * up, 2),
             (gelu, F.gelu(gate, approximate="tanh"), 1),
@@ -464,7 +472,7 @@ def test_fused_gelu_tanh_mul_is_gelu_of_gate_times_up(monkeypatch, isa, dtype, r
         exact = F.gelu(gate.double(), approximate="tanh") * up.double()
         torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="gate_up"):
-        cpa.gelu_tanh_mul(gate_up.half())
+        cpu.elementwise.gelu_tanh_mul(gate_up.half())
 
 
 def test_triton_backend_without_triton_names_the_extra(monkeypatch) -> None:

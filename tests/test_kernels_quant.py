@@ -1,4 +1,4 @@
-"""The C++ weight-only int8 / int4 products (kernels/cpu_paged_attention.cpp) in every build variant this CPU
+"""The C++ weight-only int8 / int4 products (kernels/cpu/csrc/matmul*.cpp) in every build variant this CPU
 runs, against float64 dense matmuls on the dequantized weights."""
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 37, 300]
 
 
 def _variant(monkeypatch, isa: str):
-    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import cpu
 
-    if cpa.load() is None:
+    if cpu.build.load() is None:
         pytest.skip("no C++ compiler")
-    if isa not in cpa.available_isas():
+    if isa not in cpu.build.available_isas():
         pytest.skip(f"this CPU cannot run the {isa} build")
-    lib = cpa.build_variant(isa)
-    monkeypatch.setattr(cpa, "_lib", lib)
-    monkeypatch.setattr(cpa, "_paths", int(lib.specserve_paths()))
-    return cpa
+    lib = cpu.build.build_variant(isa)
+    monkeypatch.setattr(cpu.build, "_lib", lib)
+    monkeypatch.setattr(cpu.build, "_paths", int(lib.specserve_paths()))
+    return cpu
 
 
 def _assert_fp32_rounding(got: torch.Tensor, want: torch.Tensor, k: int) -> None:
@@ -42,88 +42,92 @@ def _assert_fp32_rounding(got: torch.Tensor, want: torch.Tensor, k: int) -> None
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 def test_variants_report_the_quantized_path(monkeypatch, isa) -> None:
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     if isa == "portable":
-        assert not cpa.quant_fast()
+        assert not cpu.build.quant_fast()
     elif platform.machine() in ("x86_64", "AMD64"):
         # available_isas() lists avx2 only where the CPU has AVX2 + FMA, which -march=native then compiles
-        assert cpa.quant_fast() == ("avx2" in cpa.available_isas())
+        assert cpu.build.quant_fast() == ("avx2" in cpu.build.available_isas())
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("rows", ROWS)
 def test_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     for i, (n, k) in enumerate(SHAPES + INT8_ODD_WIDTHS):
         torch.manual_seed(100 * rows + i)
         w = quant.quantize_int8(torch.randn(n, k))
         x = torch.randn(rows, k)
         want = x.double() @ quant.dequantize(w).double().t()
-        _assert_fp32_rounding(cpa.int8_matmul(x, w.codes, w.scales), want, k)
+        _assert_fp32_rounding(cpu.matmul.int8_matmul(x, w.codes, w.scales), want, k)
         # rows read through a stride (a view of wider activations)
         wide = torch.randn(rows, k + 7)
         wide[:, :k] = x
-        _assert_fp32_rounding(cpa.int8_matmul(wide[:, :k], w.codes, w.scales), want, k)
+        _assert_fp32_rounding(cpu.matmul.int8_matmul(wide[:, :k], w.codes, w.scales), want, k)
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 11, 15, 16])
 def test_grouped_int8_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
     """The LM head's form: a scale per group of 32 inputs (GGUF's Q8_0)."""
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     for i, (n, k) in enumerate([*SHAPES, (1000, 576)]):
         torch.manual_seed(100 * rows + i)
         w = quant.quantize_int8_grouped(torch.randn(n, k) * torch.rand(n, 1))
         assert w.scales.shape == (n, k // quant.GROUP)
         x = torch.randn(rows, k)
         want = x.double() @ quant.dequantize(w).double().t()
-        _assert_fp32_rounding(cpa.int8_matmul(x, w.codes, w.scales), want, k)
+        _assert_fp32_rounding(cpu.matmul.int8_matmul(x, w.codes, w.scales), want, k)
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 @pytest.mark.parametrize("rows", ROWS)
 def test_int4_matmul_equals_dense_on_the_dequantized_weights(monkeypatch, isa, rows) -> None:
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     for i, (n, k) in enumerate(SHAPES):
         torch.manual_seed(100 * rows + i)
         w = quant.quantize_int4(torch.randn(n, k) + torch.rand(n, 1))  # zeros away from 0
         assert isinstance(w, quant.Int4Weight)
-        nibbles = cpa.pack_int4(w.codes)
-        assert nibbles.shape == (n, k // 2) and torch.equal(cpa.unpack_int4(nibbles), w.codes)
+        nibbles = cpu.matmul.pack_int4(w.codes)
+        assert nibbles.shape == (n, k // 2) and torch.equal(cpu.matmul.unpack_int4(nibbles), w.codes)
         offsets = (w.zeros - 8.0 * w.scales).contiguous()
         x = torch.randn(rows, k)
         want = x.double() @ quant.dequantize(w).double().t()
-        _assert_fp32_rounding(cpa.int4_matmul(x, nibbles, w.scales.contiguous(), offsets), want, k)
+        _assert_fp32_rounding(cpu.matmul.int4_matmul(x, nibbles, w.scales.contiguous(), offsets), want, k)
 
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
 def test_widening_gives_the_dequantized_matrix(monkeypatch, isa) -> None:
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     torch.manual_seed(3)
     for n, k in SHAPES:
         w8 = quant.quantize_int8(torch.randn(n, k))
-        assert torch.equal(cpa.int8_widen(w8.codes, w8.scales), quant.dequantize(w8))  # one product each
+        assert torch.equal(
+            cpu.matmul.int8_widen(w8.codes, w8.scales), quant.dequantize(w8)
+        )  # one product each
         w4 = quant.quantize_int4(torch.randn(n, k))
         offsets = (w4.zeros - 8.0 * w4.scales).contiguous()
-        got = cpa.int4_widen(cpa.pack_int4(w4.codes), w4.scales.contiguous(), offsets)
+        got = cpu.matmul.int4_widen(cpu.matmul.pack_int4(w4.codes), w4.scales.contiguous(), offsets)
         dense = quant.dequantize(w4)
         # code * scale + offset against (code - 8) * scale + zero: a rounding or two of the group's range
         assert (got - dense).abs().max() <= 4 * torch.finfo(torch.float32).eps * dense.abs().max()
 
 
 def test_no_rows_give_an_empty_product_and_bad_arguments_are_refused(monkeypatch) -> None:
-    cpa = _variant(monkeypatch, "native")
+    cpu = _variant(monkeypatch, "native")
     w4 = quant.quantize_int4(torch.randn(16, 64))
-    assert cpa.int4_matmul(torch.randn(0, 64), cpa.pack_int4(w4.codes), w4.scales, w4.zeros).shape == (0, 16)
+    assert cpu.matmul.int4_matmul(
+        torch.randn(0, 64), cpu.matmul.pack_int4(w4.codes), w4.scales, w4.zeros
+    ).shape == (0, 16)
     w = quant.quantize_int8(torch.randn(16, 64))
     with pytest.raises(ValueError, match="float32"):
-        cpa.int8_matmul(torch.randn(1, 64, dtype=torch.bfloat16), w.codes, w.scales)
+        cpu.matmul.int8_matmul(torch.randn(1, 64, dtype=torch.bfloat16), w.codes, w.scales)
     with pytest.raises(ValueError, match="int8"):
-        cpa.int8_matmul(torch.randn(1, 32), w.codes, w.scales)
+        cpu.matmul.int8_matmul(torch.randn(1, 32), w.codes, w.scales)
     w4 = quant.quantize_int4(torch.randn(16, 64))
-    nibbles = cpa.pack_int4(w4.codes)
+    nibbles = cpu.matmul.pack_int4(w4.codes)
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
-        cpa.int4_matmul(torch.randn(1, 96), nibbles, w4.scales, w4.zeros)
+        cpu.matmul.int4_matmul(torch.randn(1, 96), nibbles, w4.scales, w4.zeros)
 
 
 def _assert_bf16_product(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> None:
@@ -139,23 +143,23 @@ def _assert_bf16_product(got: torch.Tensor, x: torch.Tensor, weights: torch.Tens
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
 def test_only_avx512_bf16_builds_report_the_bf16_int8_product(monkeypatch, isa) -> None:
-    cpa = _variant(monkeypatch, isa)
+    cpu = _variant(monkeypatch, isa)
     bf16 = isa == "native" and torch.cpu._is_avx512_bf16_supported()
-    assert cpa.quant_bf16_fast() == bf16
+    assert cpu.build.quant_bf16_fast() == bf16
     if not bf16:  # a build without it refuses the call instead of computing anything
-        tiles = cpa.int8_tiles(torch.zeros(16, 32, dtype=torch.int8))
+        tiles = cpu.matmul.int8_tiles(torch.zeros(16, 32, dtype=torch.int8))
         x = torch.zeros(1, 32, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match="code 2"):
-            cpa.int8_matmul_bf16(x, tiles, torch.ones(16))
+            cpu.matmul.int8_matmul_bf16(x, tiles, torch.ones(16))
         with pytest.raises(ValueError, match="code 2"):
-            cpa.panel_matmul(x, cpa.bf16_panels(torch.zeros(16, 32, dtype=torch.bfloat16)))
+            cpu.matmul.panel_matmul(x, cpu.matmul.bf16_panels(torch.zeros(16, 32, dtype=torch.bfloat16)))
 
 
 # rows: a single row block (widened in registers), 12 exactly, a block and a tail, several chunks of rows
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 37, 300])
 def test_bf16_int8_matmul_is_the_exact_product_rounded_once(monkeypatch, rows) -> None:
-    cpa = _variant(monkeypatch, "native")
-    if not cpa.quant_bf16_fast():
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int8 product needs AVX512-BF16")
     # SmolLM2's shapes, an odd number of 16-output tiles (a last panel of one), the smallest matrix
     for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 2)]):
@@ -164,60 +168,60 @@ def test_bf16_int8_matmul_is_the_exact_product_rounded_once(monkeypatch, rows) -
         scales = w.scales.to(torch.bfloat16).float()  # the values PackedInt8 passes
         wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
         x = wide[:, :k]
-        got = cpa.int8_matmul_bf16(x, cpa.int8_tiles(w.codes), scales)
+        got = cpu.matmul.int8_matmul_bf16(x, cpu.matmul.int8_tiles(w.codes), scales)
         _assert_bf16_product(got, x, w.codes.double() * scales.double()[:, None])
 
 
 def test_bf16_int8_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
-    cpa = _variant(monkeypatch, "native")
+    cpu = _variant(monkeypatch, "native")
     codes = quant.quantize_int8(torch.randn(32, 64)).codes
     with pytest.raises(ValueError, match="multiple of 16"):
-        cpa.int8_tiles(codes[:24])
-    if not cpa.quant_bf16_fast():
+        cpu.matmul.int8_tiles(codes[:24])
+    if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int8 product needs AVX512-BF16")
-    tiles = cpa.int8_tiles(codes)
+    tiles = cpu.matmul.int8_tiles(codes)
     x = torch.randn(3, 64).to(torch.bfloat16)
-    assert cpa.int8_matmul_bf16(x[:0], tiles, torch.ones(32)).shape == (0, 32)
+    assert cpu.matmul.int8_matmul_bf16(x[:0], tiles, torch.ones(32)).shape == (0, 32)
     with pytest.raises(ValueError, match="bfloat16 activations"):
-        cpa.int8_matmul_bf16(x.float(), tiles, torch.ones(32))
+        cpu.matmul.int8_matmul_bf16(x.float(), tiles, torch.ones(32))
     with pytest.raises(ValueError, match="float32 scales"):
-        cpa.int8_matmul_bf16(x, tiles, torch.ones(32, dtype=torch.bfloat16))
+        cpu.matmul.int8_matmul_bf16(x, tiles, torch.ones(32, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
-        cpa.int8_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, torch.ones(32))
+        cpu.matmul.int8_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, torch.ones(32))
 
 
 @pytest.mark.parametrize("rows", [1, 9, 12, 13, 37, 300])
 def test_bf16_int4_matmul_is_the_product_with_the_weights_in_bf16(monkeypatch, rows) -> None:
-    cpa = _variant(monkeypatch, "native")
-    if not cpa.quant_bf16_fast():
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
     for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 32)]):
         torch.manual_seed(10 * rows + i)
         w = quant.quantize_int4(torch.randn(n, k))
-        tiles, scales, zeros = cpa.int4_tiles(w.codes, w.scales, w.zeros)
+        tiles, scales, zeros = cpu.matmul.int4_tiles(w.codes, w.scales, w.zeros)
         wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
         x = wide[:, :k]
-        got = cpa.int4_matmul_bf16(x, tiles, scales, zeros)
+        got = cpu.matmul.int4_matmul_bf16(x, tiles, scales, zeros)
         # the weights as the dense bf16 form holds them, the rounding of each step too
         _assert_bf16_product(got, x, quant.dequantize(w).to(torch.bfloat16).double())
 
 
 def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
-    cpa = _variant(monkeypatch, "native")
+    cpu = _variant(monkeypatch, "native")
     w = quant.quantize_int4(torch.randn(32, 64))
     with pytest.raises(ValueError, match="multiple of 16"):
-        cpa.int4_tiles(w.codes[:24], w.scales[:24], w.zeros[:24])
-    if not cpa.quant_bf16_fast():
+        cpu.matmul.int4_tiles(w.codes[:24], w.scales[:24], w.zeros[:24])
+    if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
-    tiles, scales, zeros = cpa.int4_tiles(w.codes, w.scales, w.zeros)
+    tiles, scales, zeros = cpu.matmul.int4_tiles(w.codes, w.scales, w.zeros)
     x = torch.randn(3, 64).to(torch.bfloat16)
-    assert cpa.int4_matmul_bf16(x[:0], tiles, scales, zeros).shape == (0, 32)
+    assert cpu.matmul.int4_matmul_bf16(x[:0], tiles, scales, zeros).shape == (0, 32)
     with pytest.raises(ValueError, match="bfloat16 activations"):
-        cpa.int4_matmul_bf16(x.float(), tiles, scales, zeros)
+        cpu.matmul.int4_matmul_bf16(x.float(), tiles, scales, zeros)
     with pytest.raises(ValueError, match="scales and zeros"):
-        cpa.int4_matmul_bf16(x, tiles, w.scales, zeros)
+        cpu.matmul.int4_matmul_bf16(x, tiles, w.scales, zeros)
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
-        cpa.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
+        cpu.matmul.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
@@ -225,8 +229,8 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
     """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). Each code
     enters as 1 + code / 16 (exact in bf16) and its group's x sum is taken off again, so the float32 error
     bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight."""
-    cpa = _variant(monkeypatch, "native")
-    if not cpa.quant_bf16_fast():
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
     # SmolLM2's shapes, an odd number of groups (7: the last one alone), a single group
     for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 224), (16, 32), (48, 64)]):
@@ -235,7 +239,7 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
         scales, offsets = w.scales.contiguous(), (w.zeros - 8.0 * w.scales).contiguous()
         wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
         x = wide[:, :k]
-        got = cpa.bind_int4_rows_bf16(cpa.pack_int4(w.codes), scales, offsets)(x)
+        got = cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), scales, offsets)(x)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         group = torch.arange(k) // quant.GROUP
         s, o = scales.double()[:, group], offsets.double()[:, group]
@@ -246,12 +250,12 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
 
 
 def test_bf16_int4_rows_refuses_what_it_cannot_take(monkeypatch) -> None:
-    cpa = _variant(monkeypatch, "native")
+    cpu = _variant(monkeypatch, "native")
     w = quant.quantize_int4(torch.randn(32, 64))
     offsets = (w.zeros - 8.0 * w.scales).contiguous()
-    product = cpa.bind_int4_rows_bf16(cpa.pack_int4(w.codes), w.scales, offsets)
+    product = cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), w.scales, offsets)
     x = torch.randn(9, 64).to(torch.bfloat16)
-    if not cpa.quant_bf16_fast():  # a build without AVX512-BF16 refuses the call instead of computing
+    if not cpu.build.quant_bf16_fast():  # a build without AVX512-BF16 refuses the call instead of computing
         with pytest.raises(ValueError, match="code 2"):
             product(x[:1])
         return
@@ -261,15 +265,15 @@ def test_bf16_int4_rows_refuses_what_it_cannot_take(monkeypatch) -> None:
     with pytest.raises(ValueError, match="bfloat16 activations"):
         product(x[:1].float())
     with pytest.raises(ValueError, match="float32 scales"):
-        cpa.bind_int4_rows_bf16(cpa.pack_int4(w.codes), w.scales.bfloat16(), w.zeros)
+        cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), w.scales.bfloat16(), w.zeros)
 
 
 def _panels_variant(monkeypatch, isa: str, dtype: torch.dtype):
-    cpa = _variant(monkeypatch, isa)
-    built = cpa.quant_fast() if dtype == torch.float32 else cpa.quant_bf16_fast()
+    cpu = _variant(monkeypatch, isa)
+    built = cpu.build.quant_fast() if dtype == torch.float32 else cpu.build.quant_bf16_fast()
     if not built:
         pytest.skip(f"the {isa} build has no dense {dtype} product")
-    return cpa
+    return cpu
 
 
 # rows: one row, a register block and a tail, several chunks of rows (227 / 444 rows a chunk at k = 576)
@@ -279,8 +283,8 @@ def _panels_variant(monkeypatch, isa: str, dtype: torch.dtype):
 )
 def test_panel_matmul_is_the_dense_product(monkeypatch, isa, dtype, rows) -> None:
     dtype = getattr(torch, dtype)
-    cpa = _panels_variant(monkeypatch, isa, dtype)
-    make = cpa.f32_panels if dtype == torch.float32 else cpa.bf16_panels
+    cpu = _panels_variant(monkeypatch, isa, dtype)
+    make = cpu.matmul.f32_panels if dtype == torch.float32 else cpu.matmul.bf16_panels
     # SmolLM2's shapes, an odd number of tiles (a last panel of one), the smallest matrix
     for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 64), (16, 2)]):
         torch.manual_seed(10 * rows + i)
@@ -289,7 +293,7 @@ def test_panel_matmul_is_the_dense_product(monkeypatch, isa, dtype, rows) -> Non
         assert panels.shape == (n, k)
         assert torch.equal(panels.flatten().sort().values, w.flatten().sort().values)  # rearranged only
         x = torch.randn(rows, k + 8).to(dtype)[:, :k]  # a row stride past the width
-        got = cpa.panel_matmul(x, panels)
+        got = cpu.matmul.panel_matmul(x, panels)
         if dtype == torch.float32:
             _assert_fp32_rounding(got, x.double() @ w.double().t(), k)
         else:
@@ -297,27 +301,27 @@ def test_panel_matmul_is_the_dense_product(monkeypatch, isa, dtype, rows) -> Non
 
 
 def test_panel_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
-    cpa = _variant(monkeypatch, "native")
+    cpu = _variant(monkeypatch, "native")
     with pytest.raises(ValueError, match="multiple of 16"):
-        cpa.bf16_panels(torch.zeros(24, 64, dtype=torch.bfloat16))
+        cpu.matmul.bf16_panels(torch.zeros(24, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="multiple of 8"):
-        cpa.f32_panels(torch.zeros(12, 64))
+        cpu.matmul.f32_panels(torch.zeros(12, 64))
     with pytest.raises(ValueError, match="bfloat16"):
-        cpa.bf16_panels(torch.zeros(32, 64))
+        cpu.matmul.bf16_panels(torch.zeros(32, 64))
     with pytest.raises(ValueError, match="f32_panels or bf16_panels"):
-        cpa.panel_matmul(torch.zeros(3, 64), torch.zeros(32, 64, dtype=torch.float64))
-    if not cpa.quant_fast():
+        cpu.matmul.panel_matmul(torch.zeros(3, 64), torch.zeros(32, 64, dtype=torch.float64))
+    if not cpu.build.quant_fast():
         pytest.skip("the dense float32 product needs AVX2 + FMA")
-    panels = cpa.f32_panels(torch.randn(32, 64))
+    panels = cpu.matmul.f32_panels(torch.randn(32, 64))
     x = torch.randn(3, 64)
-    assert cpa.panel_matmul(x[:0], panels).shape == (0, 32)
+    assert cpu.matmul.panel_matmul(x[:0], panels).shape == (0, 32)
     with pytest.raises(ValueError, match="float32 activations"):
-        cpa.panel_matmul(x.to(torch.bfloat16), panels)
+        cpu.matmul.panel_matmul(x.to(torch.bfloat16), panels)
     with pytest.raises(ValueError, match=r"activations \[rows, 64\]"):
-        cpa.panel_matmul(torch.randn(3, 32), panels)
+        cpu.matmul.panel_matmul(torch.randn(3, 32), panels)
 
 
 def test_a_portable_build_refuses_the_dense_float32_product(monkeypatch) -> None:
-    cpa = _variant(monkeypatch, "portable")
+    cpu = _variant(monkeypatch, "portable")
     with pytest.raises(ValueError, match="code 2"):
-        cpa.panel_matmul(torch.zeros(1, 32), cpa.f32_panels(torch.zeros(16, 32)))
+        cpu.matmul.panel_matmul(torch.zeros(1, 32), cpu.matmul.f32_panels(torch.zeros(16, 32)))

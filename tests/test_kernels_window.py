@@ -117,16 +117,16 @@ def test_reference_softcap_with_and_without_window() -> None:
 
 
 def _variant(monkeypatch, isa: str):
-    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import cpu
 
-    if cpa.load() is None:
+    if cpu.build.load() is None:
         pytest.skip("no C++ compiler")
-    if isa not in cpa.available_isas():
+    if isa not in cpu.build.available_isas():
         pytest.skip(f"this CPU cannot run the {isa} build")
-    lib = cpa.build_variant(isa)
-    monkeypatch.setattr(cpa, "_lib", lib)
-    monkeypatch.setattr(cpa, "_paths", int(lib.specserve_paths()))
-    return cpa
+    lib = cpu.build.build_variant(isa)
+    monkeypatch.setattr(cpu.build, "_lib", lib)
+    monkeypatch.setattr(cpu.build, "_paths", int(lib.specserve_paths()))
+    return cpu
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])

@@ -1,4 +1,4 @@
-"""The decoder layers chained in one library call (cpu_paged_attention.LayerChain) against the model's Python
+"""The decoder layers chained in one library call (cpu.chain.LayerChain) against the model's Python
 loop over the same kernels: bit for bit, step by step, in every step shape the chain takes or declines."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from specserve import LLM
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
-from specserve.kernels import cpu_paged_attention as cpu_kernels
+from specserve.kernels import cpu
 from specserve.models import quant
 
 BLOCK = 16
@@ -19,7 +19,7 @@ BLOCK = 16
 class Counting:
     """The model's chain, counting the steps it ran."""
 
-    def __init__(self, chain: cpu_kernels.LayerChain) -> None:
+    def __init__(self, chain: cpu.chain.LayerChain) -> None:
         self.chain, self.calls = chain, 0
 
     def __call__(self, *args):
@@ -43,8 +43,8 @@ def _chains(dtype: str, shape: str, mode: str) -> bool:
     """Whether the model's products run in the library, for some steps at least: float32 on AVX2 + FMA
     builds; bfloat16 on AVX512-BF16 ones, but not with biases (added in float32 only)."""
     if dtype == "float32":
-        return cpu_kernels.quant_fast()
-    return cpu_kernels.quant_bf16_fast() and "bias" not in shape
+        return cpu.build.quant_fast()
+    return cpu.build.quant_bf16_fast() and "bias" not in shape
 
 
 def _chained_steps(dtype: str, shape: str, mode: str) -> int:
@@ -114,7 +114,7 @@ def test_a_step_in_a_run_of_sizes_without_a_chain_takes_the_loop(tiny_model_fact
 def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense_copy_for_more():
     """The demo's Q4_1 under auto in bf16: steps of up to BF16_OWN_INT4_MAX_ROWS rows run our int4 product
     on the GGUF's blocks, larger ones the dense copy's panels; both chained, bit for bit the loop's."""
-    if not (cpu_kernels.load() is not None and cpu_kernels.quant_bf16_fast()):
+    if not (cpu.build.load() is not None and cpu.build.quant_bf16_fast()):
         pytest.skip("bf16 panels need AVX512-BF16")
     llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32)
     model = llm.engine.model

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.engine.config import EngineConfig
-from specserve.kernels import cpu_paged_attention as cpu_kernels
+from specserve.kernels.cpu import matmul
 from specserve.models import quant
 from specserve.models.loader import demo_model_path, load_checkpoint
 from tests.conftest import MAX_TOKENS, PROMPTS
@@ -151,8 +151,8 @@ def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
 def test_a_grouped_int8_head_runs_its_kernel_up_to_15_rows_and_its_dense_copy_beyond():
     """The Q8_0 head's int8 copy serves steps of up to GROUPED_KERNEL_MAX_ROWS rows (our float32 kernel in
     two passes above 8), the dense head more."""
-    cpa = quant.cpu_kernels
-    if cpa.load() is None or not cpa.quant_fast():
+    cpu = quant.cpu
+    if cpu.build.load() is None or not cpu.build.quant_fast():
         pytest.skip("our float32 kernels are not built here")
     torch.manual_seed(5)
     w = quant.quantize_int8_grouped(torch.randn(80, 96))
@@ -321,7 +321,7 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128)
     layer = llm.engine.model.layers[0]
     assert layer.o.many_rows == layer.o.many_rows_bf16 and layer.o.own_rows_bf16
-    assert layer.o.kernel_max_rows == cpu_kernels.INT4_ROWS_BF16_MAX and not hasattr(layer.o, "packed")
+    assert layer.o.kernel_max_rows == matmul.INT4_ROWS_BF16_MAX and not hasattr(layer.o, "packed")
     weights = quant.dequantize(o_proj).to(torch.bfloat16).double()
     torch.manual_seed(0)
     for rows in (quant.KERNEL_MAX_ROWS + 4, 64):

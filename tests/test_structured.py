@@ -252,14 +252,14 @@ def test_bitmask_application_equals_xgrammars_kernel(monkeypatch, path):
 
     from specserve.engine import structured
     from specserve.engine.structured import apply_bitmask
-    from specserve.kernels import cpu_paged_attention as cpa
+    from specserve.kernels import cpu
 
     if path == "torch":
-        monkeypatch.setattr(structured.cpa, "load", lambda: None)
+        monkeypatch.setattr(structured.cpu.build, "load", lambda: None)
     else:
-        if cpa.load() is None:
+        if cpu.build.load() is None:
             pytest.skip("no C++ compiler")
-        monkeypatch.setattr(cpa, "_lib", cpa.build_variant(path))
+        monkeypatch.setattr(cpu.build, "_lib", cpu.build.build_variant(path))
     gen = torch.Generator().manual_seed(0)
     for vocab in (49152, 1000, 33):
         bitmask = xgr.allocate_token_bitmask(6, vocab)

@@ -39,7 +39,7 @@ from specserve.engine.grammar import (
 )
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
-from specserve.kernels import cpu_paged_attention as cpa
+from specserve.kernels import cpu
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -241,8 +241,8 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) 
     process holds; with it, sampling took 16-21 ms a step at batch 1 against 1 ms for free text.
     xgrammar's own CPU kernel tests one bit at a time (1.9 ms for 8 rows idle, 5.2 ms loaded)."""
     index = torch.tensor(rows, dtype=torch.long)
-    if logits.dtype == torch.float32 and logits.stride(1) == 1 and cpa.load() is not None:
-        cpa.apply_bitmask(logits, bitmask, index)
+    if logits.dtype == torch.float32 and logits.stride(1) == 1 and cpu.build.load() is not None:
+        cpu.bitmask.apply_bitmask(logits, bitmask, index)
         return
     allowed = _BYTE_BITS[bitmask[index].view(torch.uint8).long()].view(len(rows), -1)[:, : logits.shape[1]]
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from specserve.kernels import reference
+from specserve.kernels import cpu, reference
 
 
 @dataclass(frozen=True)
@@ -18,10 +17,10 @@ class AttentionBackend:
     paged_attention: Callable[..., torch.Tensor]
     # Builds per-step index tensors shared by all layers (None where the kernel needs none).
     build_plan: Callable[..., object] | None
-    # Rotary embedding + KV write fused for bfloat16 (cpu_paged_attention.rope_write_kv), where available.
+    # Rotary embedding + KV write fused (cpu.elementwise.rope_write_kv), where available.
     rope_write_kv: Callable[..., None] | None = None
     # The layer's elementwise steps in one pass each (residual add + RMSNorm, silu(gate) * up, Gemma's
-    # gelu(gate) * up), where the backend has them (cpu_paged_attention.add_rms_norm / silu_mul /
+    # gelu(gate) * up), where the backend has them (cpu.elementwise.add_rms_norm / silu_mul /
     # gelu_tanh_mul).
     add_rms_norm: Callable[..., torch.Tensor] | None = None
     silu_mul: Callable[..., torch.Tensor] | None = None
@@ -50,26 +49,21 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
                 f"the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1), not {device}"
             )
         return AttentionBackend("triton", triton_attention.write_kv, triton_attention.paged_attention, None)
-    if prefer == "auto" and device.type == "cpu":
-        from specserve.kernels import cpu_paged_attention
-
-        if cpu_paged_attention.load() is not None:
-            prefer = "cpu"
+    if prefer == "auto" and device.type == "cpu" and cpu.build.load() is not None:
+        prefer = "cpu"
     if prefer == "cpu":
-        from specserve.kernels import cpu_paged_attention
-
-        if device.type != "cpu" or cpu_paged_attention.load() is None:
+        if device.type != "cpu" or cpu.build.load() is None:
             raise ValueError("the cpu attention backend needs a CPU device and a C++ compiler for its kernel")
-        plan = functools.partial(reference.build_plan, native_short=True)
+        # reference.paged_attention runs the C++ kernel first for a plan cpu.attention built (plan.native)
         return AttentionBackend(
             "cpu",
             reference.write_kv,
             reference.paged_attention,
-            plan,
-            cpu_paged_attention.rope_write_kv,
-            cpu_paged_attention.add_rms_norm,
-            cpu_paged_attention.silu_mul,
-            cpu_paged_attention.gelu_tanh_mul,
-            cpu_paged_attention.rms_norm_heads,
+            cpu.attention.build_plan,
+            cpu.elementwise.rope_write_kv,
+            cpu.elementwise.add_rms_norm,
+            cpu.elementwise.silu_mul,
+            cpu.elementwise.gelu_tanh_mul,
+            cpu.elementwise.rms_norm_heads,
         )
     return AttentionBackend("torch", reference.write_kv, reference.paged_attention, reference.build_plan)

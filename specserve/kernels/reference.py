@@ -1,4 +1,5 @@
-"""Torch reference paged attention and KV-cache write: the CPU path, and the oracle for the Triton kernels.
+"""Torch reference paged attention and KV-cache write: gather + SDPA, the oracle for the C++ and Triton
+kernels, and the torch backend (a CPU without a compiler, float16).
 
 Layout (vLLM's): all new query tokens of all sequences are packed along dim 0.
 - q:               [num_tokens, num_q_heads, head_dim]
@@ -16,6 +17,7 @@ must already be written into the cache (write_kv) before the call.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -71,25 +73,22 @@ class LongSeq:
     first_pos: int = 0  # position of blocks[0]'s first token (a window skips the blocks before it)
 
 
-@dataclass
-class NativeShort:
-    """Sequences for the C++ kernel, which reads the block tables itself: the short-query ones, and with
-    them the long ones where the kernel handles those too (cpu_paged_attention.supports_long)."""
+class NativeAttention(Protocol):
+    """A backend's kernel carried by its plans (kernels/cpu/attention.py: NativeShort): paged_attention
+    hands it the batch first; it runs the sequences it takes into out and returns the gather + SDPA plan
+    for the rest."""
 
-    seq_ids: torch.Tensor  # int64 [n], short queries
-    all_ids: torch.Tensor  # int64, long queries first (their tasks are the largest), then short
-    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
-    seq_lens: torch.Tensor  # int32 [num_seqs]
-    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
-
-    def kernel_takes_all(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
-        """Whether the C++ kernel runs every sequence (all_ids): no prefill chunks, or a fast path that takes
-        them; else it runs seq_ids and the chunks go to gather + SDPA."""
-        from specserve.kernels import cpu_paged_attention
-
-        return self.all_ids.numel() == self.seq_ids.numel() or cpu_paged_attention.supports_long(
-            dtype, head_dim, block_size
-        )
+    def attend(
+        self,
+        plan: AttentionPlan,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        window: int | None,
+        softcap: float | None,
+    ) -> AttentionPlan: ...
 
 
 @dataclass
@@ -97,10 +96,9 @@ class AttentionPlan:
     """Index tensors derived from the batch layout; built once per step, reused by every layer."""
 
     groups: list[ShortGroup]
-    # Prefill chunks for gather + SDPA. A native plan builds them only on first need (float32, or a CPU
-    # without the bf16 kernel): where the C++ kernel takes them, their masks would be built for nothing.
+    # Prefill chunks for gather + SDPA; None until first needed (long_seqs) where a native plan may take them
     long: list[LongSeq] | None
-    native: NativeShort | None = None
+    native: NativeAttention | None = None
     long_inputs: tuple | None = field(default=None, repr=False)
     window: int | None = None
 
@@ -174,33 +172,25 @@ def _short_group(
     return ShortGroup(q_index, q_valid, blocks_t, max_blocks, mask[:, None], pad_index, q_index[q_valid])
 
 
+def query_starts(query_lens: list[int]) -> list[int]:
+    """Each sequence's first row in the packed queries, and the total: query_start_loc as a list."""
+    starts = [0]
+    for ql in query_lens:
+        starts.append(starts[-1] + ql)
+    return starts
+
+
 def build_plan(
     block_tables: list[list[int]],
     seq_lens: list[int],
     query_lens: list[int],
     block_size: int,
-    native_short: bool = False,
     window: int | None = None,
 ) -> AttentionPlan:
-    """native_short: short queries (and long ones, where it handles them) go to the C++ kernel
-    (cpu_paged_attention) instead of gather + SDPA. window: a sliding window's plan (each layer type with
-    its own window reads its own plan)."""
-    starts = [0]
-    for ql in query_lens:
-        starts.append(starts[-1] + ql)
+    """window: a sliding window's plan (each layer type with its own window reads its own plan)."""
+    starts = query_starts(query_lens)
     short_ids = [s for s, ql in enumerate(query_lens) if ql <= SHORT_QUERY_MAX]
     long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window)
-    if native_short:
-        width = max(len(t) for t in block_tables)
-        long_ids = [s for s, ql in enumerate(query_lens) if ql > SHORT_QUERY_MAX]
-        native = NativeShort(
-            torch.tensor(short_ids, dtype=torch.long),
-            torch.tensor(long_ids + short_ids, dtype=torch.long),
-            torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
-            torch.tensor(seq_lens, dtype=torch.int32),
-            torch.tensor(starts, dtype=torch.int32),
-        )
-        return AttentionPlan([], None, native, long_inputs, window)
     groups = [
         _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size, window)
         for ids in _split_by_length(short_ids, seq_lens)
@@ -300,58 +290,9 @@ def paged_attention(
             kv.view(-1, num_kv_heads, head_dim).index_fill_(0, pad, 0)
         return kv.view(rows, -1, num_kv_heads, head_dim)
 
-    if plan.native is not None:
-        from specserve.kernels import cpu_paged_attention
-
-        if not cpu_paged_attention.supports(q.dtype, k_cache.shape[1]):
-            # float16 and huge blocks are not compiled in: the gather + SDPA plan for the same batch
-            nat = plan.native
-            qsl = nat.query_start_loc.tolist()
-            tables = [
-                row[: -(-n // k_cache.shape[1])]
-                for row, n in zip(nat.block_tables.tolist(), nat.seq_lens.tolist())
-            ]
-            plan = build_plan(
-                tables,
-                nat.seq_lens.tolist(),
-                [b - a for a, b in zip(qsl[:-1], qsl[1:])],
-                k_cache.shape[1],
-                window=window,
-            )
-            return paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                block_tables,
-                seq_lens,
-                query_start_loc,
-                scale,
-                plan,
-                out,
-                window,
-                softcap,
-            )
-        nat = plan.native
-        ids = nat.all_ids
-        long_seqs: list[LongSeq] = []
-        if not nat.kernel_takes_all(q.dtype, head_dim, k_cache.shape[1]):
-            ids, long_seqs = nat.seq_ids, plan.long_seqs()
-        if ids.numel():
-            cpu_paged_attention.paged_attention_short(
-                q,
-                k_cache,
-                v_cache,
-                nat.block_tables,
-                nat.seq_lens,
-                nat.query_start_loc,
-                ids,
-                scale,
-                out,
-                window=window,
-                softcap=softcap,
-            )
-    else:
-        long_seqs = plan.long_seqs()
+    if plan.native is not None:  # a backend's kernel takes what it runs; the rest is planned for SDPA
+        plan = plan.native.attend(plan, q, k_cache, v_cache, scale, out, window, softcap)
+    long_seqs = plan.long_seqs()
     for g in plan.groups:
         n = g.q_index.shape[0]
         ks, vs = gather(k_cache, g.blocks, n, g.pad_index), gather(v_cache, g.blocks, n, g.pad_index)

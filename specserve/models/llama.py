@@ -18,8 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import AttentionBackend, select_backend
-from specserve.kernels import cpu_paged_attention as cpu_kernels
+from specserve.kernels import AttentionBackend, cpu, select_backend
 from specserve.kernels.huge_pages import advise_huge_pages
 from specserve.models import quant
 from specserve.models.config import ModelConfig
@@ -297,8 +296,8 @@ class LlamaModel:
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
 
-    def _layer_chains(self) -> list[tuple[float, cpu_kernels.LayerChain | None]]:
-        """The layers as one library call a step (cpu_kernels.LayerChain), where every layer is a plain
+    def _layer_chains(self) -> list[tuple[float, cpu.chain.LayerChain | None]]:
+        """The layers as one library call a step (cpu.chain.LayerChain), where every layer is a plain
         pre-norm one whose work all runs in the library: fused rope, norms and silu * up, no sliding window,
         soft-cap, q/k norm, sandwich norm, experts or tensor parallelism. A chain for each run of step sizes
         whose products are all the library's (quant: library_products), as (the most rows of the run, its
@@ -315,7 +314,7 @@ class LlamaModel:
         )
         if not plain:
             return []
-        runs: list[dict[str, list[tuple[float, cpu_kernels.Product | None]]]] = []
+        runs: list[dict[str, list[tuple[float, cpu.matmul.Product | None]]]] = []
         for layer in self.layers:
             if layer.router is not None or layer.q_norm is not None or layer.attn_out_norm is not None:
                 return []
@@ -333,7 +332,7 @@ class LlamaModel:
                 }
             )
         bounds = sorted({rows for layer in runs for products in layer.values() for rows, _ in products})
-        chains: list[tuple[float, cpu_kernels.LayerChain | None]] = []
+        chains: list[tuple[float, cpu.chain.LayerChain | None]] = []
         for most in bounds:  # each matrix's product for the steps of up to `most` rows past the last bound
             chosen = [
                 {name: next((p for rows, p in ps if rows >= most), None) for name, ps in products.items()}
@@ -343,9 +342,9 @@ class LlamaModel:
             chains.append((most, self._chain_of(chosen) if whole else None))
         return chains if any(chain is not None for _, chain in chains) else []
 
-    def _chain_of(self, products: list[dict[str, cpu_kernels.Product]]) -> cpu_kernels.LayerChain:
+    def _chain_of(self, products: list[dict[str, cpu.matmul.Product]]) -> cpu.chain.LayerChain:
         layers = [
-            cpu_kernels.ChainLayer(
+            cpu.chain.ChainLayer(
                 layer.input_norm,
                 layer.mlp_norm,
                 rope=layer.rope,
@@ -356,13 +355,13 @@ class LlamaModel:
         ]
         cfg = self.cfg
         intermediate = layers[0].down.k
-        return cpu_kernels.LayerChain(
+        return cpu.chain.LayerChain(
             layers, self.dtype, cfg.hidden_size, intermediate, self.num_heads, self.num_kv_heads, cfg.head_dim
         )
 
     def _chain(
         self, rows: int, attn: AttentionInputs, kv_caches: list
-    ) -> tuple[cpu_kernels.LayerChain, torch.Tensor] | None:
+    ) -> tuple[cpu.chain.LayerChain, torch.Tensor] | None:
         """The chain this step takes and the sequences its attention runs, or None where the step needs the
         Python loop: no chain for its size, or attention the library does not run
         (NativeShort.kernel_takes_all, which the backend's paged_attention asks too)."""
@@ -372,7 +371,7 @@ class LlamaModel:
         if chain is None or native is None:
             return None
         block_size = kv_caches[0][0].shape[1]
-        if not cpu_kernels.supports(self.dtype, block_size):
+        if not cpu.attention.supports(self.dtype, block_size):
             return None
         if not native.kernel_takes_all(self.dtype, self.cfg.head_dim, block_size):
             return None

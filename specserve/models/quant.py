@@ -1,4 +1,4 @@
-"""Weight-only quantized linears: our kernels (kernels/cpu_paged_attention.cpp: AVX2 + FMA for float32
+"""Weight-only quantized linears: our kernels (kernels/cpu/matmul.py: AVX2 + FMA for float32
 activations, AVX512-BF16 for bfloat16) and torch's packed-int kernels for bfloat16 (what torchao's CPU
 layouts and gpt-fast call).
 
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import cpu_paged_attention as cpu_kernels
+from specserve.kernels import cpu
 
 MODES = ("none", "auto", "int8", "int4")
 # GGUF's 4-bit block; a group must divide the input width (SmolLM2's 576 is not a multiple of 128)
-GROUP = cpu_kernels.INT4_GROUP
+GROUP = cpu.matmul.INT4_GROUP
 # The CPU int4 packing interleaves output rows in tiles of 16.
 INT4_ROW_TILE = 16
 
@@ -60,7 +60,7 @@ def check_mode(mode: str) -> None:
 
 def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether a vectorised weight-only kernel runs this compute dtype here, so that `auto` keeps a
-    checkpoint's quantization: float32 on AVX2 + FMA (our kernels, kernels/cpu_paged_attention.cpp), bfloat16
+    checkpoint's quantization: float32 on AVX2 + FMA (our kernels, kernels/cpu/matmul.py), bfloat16
     on AVX-512 (torch's packed-int kernels).
 
     torch's have no vectorised float32 path: SmolLM2's four layer matmuls at batch 1 took int8 0.99 ms, int4
@@ -73,7 +73,7 @@ def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
-        return cpu_kernels.load() is not None and cpu_kernels.quant_fast()
+        return cpu.build.load() is not None and cpu.build.quant_fast()
     avx512 = torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
     return dtype == torch.bfloat16 and avx512
 
@@ -186,7 +186,7 @@ GROUPED_KERNEL_MAX_ROWS = 15
 # --rows 1,2,4,6,8`) took 3.8 / 4.9 / 6.5 / 10.9 / 11.2 ms in it against 7.5 / 7.6 / 7.6 / 7.5 / 7.7 on the
 # copy's bf16 panels.
 BF16_INT4_KERNEL_MAX_ROWS = 4
-# Our bf16 int4 few-row product (cpu_kernels.bind_int4_rows_bf16, AVX512-BF16) runs steps of up to this many
+# Our bf16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16, AVX512-BF16) runs steps of up to this many
 # rows beside a dense copy, all of 1..8 without one. Same matrices and command as above: 3.65 / 4.77 / 6.99 /
 # 9.21 / 12.87 ms at 1 / 2 / 4 / 6 / 8 rows, against torch's int4 kernel 4.12 / 4.90 / 6.48 / 11.35 / 13.50
 # and the copy's bf16 panels 5.86 / 5.85 / 5.97 / 6.16 / 7.96 (our int4 tiles for many rows: 11.0-14.1).
@@ -231,10 +231,10 @@ def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device
         return False
     n, k = w.codes.shape
     if isinstance(w, Int8Weight):
-        fits = w.scales.dim() == 1 and n % cpu_kernels.INT8_TILE == 0 and k % 2 == 0
+        fits = w.scales.dim() == 1 and n % cpu.matmul.INT8_TILE == 0 and k % 2 == 0
     else:
-        fits = n % cpu_kernels.INT8_TILE == 0 and k % GROUP == 0
-    return fits and cpu_kernels.load() is not None and cpu_kernels.quant_bf16_fast()
+        fits = n % cpu.matmul.INT8_TILE == 0 and k % GROUP == 0
+    return fits and cpu.build.load() is not None and cpu.build.quant_bf16_fast()
 
 
 def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
@@ -261,33 +261,33 @@ def dense_panels_pay(w: torch.Tensor, dtype: torch.dtype, device: torch.device) 
     86.8 / 2,230 against MKL's 38.3 / 67.7 / 116 / 2,511 (the avx2-only build: 15.8 / 37.8 / 90.6 / 2,509
     against 36.7 / 64.9 / 139 / 2,996). With AMX oneDNN's bf16 tiles are 3-4x faster than any AVX-512 loop
     (see dense_copy_pays)."""
-    if device.type != "cpu" or w.dim() != 2 or cpu_kernels.load() is None:
+    if device.type != "cpu" or w.dim() != 2 or cpu.build.load() is None:
         return False
     n, k = w.shape
     if dtype == torch.float32:
-        return n % 8 == 0 and cpu_kernels.quant_fast()
-    fits = n % cpu_kernels.INT8_TILE == 0 and k % 2 == 0
+        return n % 8 == 0 and cpu.build.quant_fast()
+    fits = n % cpu.matmul.INT8_TILE == 0 and k % 2 == 0
     return (
         dtype == torch.bfloat16
         and fits
-        and cpu_kernels.quant_bf16_fast()
+        and cpu.build.quant_bf16_fast()
         and not torch.cpu._is_amx_tile_supported()
     )
 
 
 class DensePanels:
-    """A dense float32 or bf16 matrix as our panel products read it (cpu_kernels.f32_panels, bf16_panels), in
+    """A dense float32 or bf16 matrix as our panel products read it (cpu.matmul.f32_panels, bf16_panels), in
     place of the matrix itself: one copy, every step size (dense_panels_pay)."""
 
     def __init__(self, w: torch.Tensor) -> None:
         w = w.contiguous()
-        self.panels = cpu_kernels.f32_panels(w) if w.dtype == torch.float32 else cpu_kernels.bf16_panels(w)
-        self._product = cpu_kernels.bind_panels(self.panels)
+        self.panels = cpu.matmul.f32_panels(w) if w.dtype == torch.float32 else cpu.matmul.bf16_panels(w)
+        self._product = cpu.matmul.bind_panels(self.panels)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x.contiguous())
 
-    def library_products(self) -> list[tuple[float, cpu_kernels.Product | None]]:
+    def library_products(self) -> list[tuple[float, cpu.matmul.Product | None]]:
         """The library product mm calls, for steps of every size (see _Packed.library_products)."""
         return [(math.inf, self._product)]
 
@@ -303,20 +303,20 @@ def _own_panels(w: QuantizedWeight) -> bool:
 
 
 def _own_rows_bf16(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether our AVX512-BF16 product (cpu_kernels.bind_int4_rows_bf16) runs an int4 matrix's few-row steps
+    """Whether our AVX512-BF16 product (cpu.matmul.bind_int4_rows_bf16) runs an int4 matrix's few-row steps
     in bf16, in place of torch's int4 kernel: faster at one and two rows (BF16_OWN_INT4_MAX_ROWS), and the
     library's own, so a layer chain runs those steps (batch-1 decode)."""
     return (
         dtype == torch.bfloat16
         and device.type == "cpu"
-        and cpu_kernels.load() is not None
-        and cpu_kernels.quant_bf16_fast()
+        and cpu.build.load() is not None
+        and cpu.build.quant_bf16_fast()
     )
 
 
 def _own_widening(dtype: torch.dtype) -> bool:
     """Whether the C++ library widens the matrix (float32, any build variant: its loops use both cores)."""
-    return dtype == torch.float32 and cpu_kernels.load() is not None
+    return dtype == torch.float32 and cpu.build.load() is not None
 
 
 class _Packed:
@@ -340,9 +340,9 @@ class _Packed:
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def library_products(self) -> list[tuple[float, cpu_kernels.Product | None]]:
+    def library_products(self) -> list[tuple[float, cpu.matmul.Product | None]]:
         """The library product mm calls for each run of step sizes, for a caller that chains the products in
-        C++ (cpu_kernels.LayerChain): (the most rows of the run, its product), runs in increasing order, the
+        C++ (cpu.chain.LayerChain): (the most rows of the run, its product), runs in increasing order, the
         last one unbounded; None for a run that is not the library's (torch's int4 kernel for few rows in
         bfloat16, a matrix widened for torch's matmul)."""
         few = getattr(self, "_product", None)
@@ -380,15 +380,15 @@ class PackedInt8(_Packed):
         kept = torch.float32 if self.float32_rows else dtype
         self.scales = w.scales.to(device=device, dtype=kept).contiguous()
         if self.own_bf16:
-            self.tiles = cpu_kernels.int8_tiles(w.codes.to(device))
+            self.tiles = cpu.matmul.int8_tiles(w.codes.to(device))
             self.scales = self.scales.float()
-            self._product = cpu_kernels.bind_int8_bf16(self.tiles, self.scales)
+            self._product = cpu.matmul.bind_int8_bf16(self.tiles, self.scales)
         else:
             self.codes = w.codes.to(device).contiguous()
             if self.own:
-                self._product = cpu_kernels.bind_int8(self.codes, self.scales)
+                self._product = cpu.matmul.bind_int8(self.codes, self.scales)
             elif self.float32_rows:  # not _product: a layer chain in bf16 cannot call a float32 product
-                self._float32_product = cpu_kernels.bind_int8(self.codes, self.scales)
+                self._float32_product = cpu.matmul.bind_int8(self.codes, self.scales)
         if dense_mm is None and (self.own_bf16 or (self.own and _own_panels(w))):
             self.many_rows = self.kernel
         if self.own and self.grouped:
@@ -407,7 +407,7 @@ class PackedInt8(_Packed):
         if self.own_widening:
             codes, scales = self.codes, self.scales
             return _widened_blocks(
-                x, codes.shape[0], lambda j, m: cpu_kernels.int8_widen(codes[j : j + m], scales[j : j + m])
+                x, codes.shape[0], lambda j, m: cpu.matmul.int8_widen(codes[j : j + m], scales[j : j + m])
             )
         if self.grouped:
             n = self.codes.shape[0]
@@ -418,7 +418,7 @@ class PackedInt8(_Packed):
 
 class PackedInt4(_Packed):
     """An int4 matrix at half a byte a value. float32 with our kernels: nibbles in their layout
-    (cpu_kernels.pack_int4), read by the kernel and by widening alike. bfloat16: for few rows the same
+    (cpu.matmul.pack_int4), read by the kernel and by widening alike. bfloat16: for few rows the same
     nibbles on our AVX512-BF16 product (so a layer chain runs batch-1 steps), or where it is not built
     torch's packed layout (rows tiled by 16); for many rows, unless a dense copy serves them, our AVX512-BF16
     kernel's tiles, or else the nibbles again to widen."""
@@ -436,14 +436,14 @@ class PackedInt4(_Packed):
         self.own_widening = _own_widening(dtype)
         super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
         if self.own_bf16 and dense_mm is None:  # our tiles' kernel for many rows
-            self.tiles, self.tile_scales, self.tile_zeros = cpu_kernels.int4_tiles(
+            self.tiles, self.tile_scales, self.tile_zeros = cpu.matmul.int4_tiles(
                 w.codes.to(device), w.scales.to(device), w.zeros.to(device)
             )
-            self._many_rows_bf16 = cpu_kernels.bind_int4_bf16(self.tiles, self.tile_scales, self.tile_zeros)
+            self._many_rows_bf16 = cpu.matmul.bind_int4_bf16(self.tiles, self.tile_scales, self.tile_zeros)
             self.many_rows, self.many_rows_product = self.many_rows_bf16, self._many_rows_bf16
         if self.own_rows_bf16:
             beside_copy = dense_mm is not None
-            self.kernel_max_rows = BF16_OWN_INT4_MAX_ROWS if beside_copy else cpu_kernels.INT4_ROWS_BF16_MAX
+            self.kernel_max_rows = BF16_OWN_INT4_MAX_ROWS if beside_copy else cpu.matmul.INT4_ROWS_BF16_MAX
         elif dtype == torch.bfloat16:
             if dense_mm is not None:
                 self.kernel_max_rows = BF16_INT4_KERNEL_MAX_ROWS
@@ -452,16 +452,16 @@ class PackedInt4(_Packed):
                 device=device, dtype=dtype
             )
         if self.own or self.own_rows_bf16 or (dense_mm is None and not self.own_bf16):
-            self.nibbles = cpu_kernels.pack_int4(w.codes.to(device))  # [out, in // 2]
+            self.nibbles = cpu.matmul.pack_int4(w.codes.to(device))  # [out, in // 2]
             # float32 for our bf16 product as for the float32 one (a GGUF's fp16 scales stay exact)
             kept = torch.float32 if self.own_rows_bf16 else dtype
             self.scales = w.scales.to(device=device, dtype=kept).contiguous()
             # w = code * scale + (zero - 8 * scale): one multiply-add a weight
             self.offsets = (w.zeros - 8.0 * w.scales).to(device=device, dtype=kept).contiguous()
             if self.own:
-                self._product = cpu_kernels.bind_int4(self.nibbles, self.scales, self.offsets)
+                self._product = cpu.matmul.bind_int4(self.nibbles, self.scales, self.offsets)
             elif self.own_rows_bf16:
-                self._product = cpu_kernels.bind_int4_rows_bf16(self.nibbles, self.scales, self.offsets)
+                self._product = cpu.matmul.bind_int4_rows_bf16(self.nibbles, self.scales, self.offsets)
         if self.own and dense_mm is None and _own_panels(w):
             self.many_rows = self.kernel
 
@@ -478,11 +478,11 @@ class PackedInt4(_Packed):
             nibbles, scales, offsets = self.nibbles, self.scales, self.offsets
 
             def widen(j: int, m: int) -> torch.Tensor:
-                return cpu_kernels.int4_widen(nibbles[j : j + m], scales[j : j + m], offsets[j : j + m])
+                return cpu.matmul.int4_widen(nibbles[j : j + m], scales[j : j + m], offsets[j : j + m])
 
             return _widened_blocks(x, nibbles.shape[0], widen)
         n = self.nibbles.shape[0]
-        codes = cpu_kernels.unpack_int4(self.nibbles).view(n, -1, GROUP)
+        codes = cpu.matmul.unpack_int4(self.nibbles).view(n, -1, GROUP)
         widened = (codes.to(self.scales.dtype) * self.scales[..., None]).add_(self.offsets[..., None])
         return F.linear(x, widened.view(n, -1).to(x.dtype))
 

@@ -1,0 +1,147 @@
+// Paged attention on CPU: what its three forms share (attention_bf16_avx512.cpp, attention_f32_avx2.cpp,
+// attention_generic.cpp; attention.cpp picks one).
+//
+// One task per (sequence, KV head): the group's query heads times the sequence's new tokens form R rows.
+// Scores are computed a block at a time against a transposed float copy of the block's K, so the inner
+// loop runs across the block's tokens (one vector register for 16 tokens) with no horizontal sums; a
+// two-pass softmax then weights V rows. Every cached row is read once. Causal masking is done by loop
+// bounds (a row stops at its own position), so no -inf ever enters the arithmetic and unowned cache slots
+// (a block's unwritten tail) are never read. A sliding window (Gemma 3, Mistral) is a lower bound the same
+// way: a row's softmax starts at its first visible position and the task starts at the block holding its
+// earliest row's first one, so blocks wholly before the window are never read. Score soft-capping
+// (cap * tanh(s / cap), Gemma 2 style) is applied in the softmax, shared by every path.
+#pragma once
+
+#include "common.h"
+
+namespace {
+
+// The attention kernels' prefetches for the key tile at position pt. A task of every head trickles them
+// beside its loads: this returns where, the same tile of the block `ahead` blocks on in K (nullptr past the
+// sequence's last block) and of its own block in V. Other tasks ask for whole blocks (or their head's
+// slices: prefetch_block) as a block starts, and get nullptrs.
+template <typename T, typename PrefetchBlock>
+inline void fetch_tile(bool trickle, const T* kp, const T* vp, const int32_t* table, int64_t BS, int64_t row,
+                       int64_t ahead, int64_t num_blocks, int64_t pt, PrefetchBlock prefetch_block,
+                       const char** k_ahead, const char** v_now) {
+  const int64_t b = pt / BS;
+  *k_ahead = *v_now = nullptr;
+  if (!trickle) {
+    if (pt % BS == 0 && b + ahead < num_blocks) prefetch_block(kp, b + ahead);
+    if (pt % BS == 0) prefetch_block(vp, b);
+    return;
+  }
+  const int64_t tile = pt % BS * row;  // the tile's offset in its block, in elements
+  const auto block_at = [&](const T* cache, int64_t blk) {
+    return reinterpret_cast<const char*>(cache + static_cast<int64_t>(table[blk]) * BS * row + tile);
+  };
+  if (b + ahead < num_blocks) *k_ahead = block_at(kp, b + ahead);
+  *v_now = block_at(vp, b);
+}
+
+// Scores of one block's tokens for every row: scores[r * len + pos] = q_r . k_pos (q already scaled).
+template <typename T, int HD>
+inline void qk_block(const float* qf, const T*, int64_t R, const int64_t* limit, const T* kblock, int64_t row,
+                     int64_t D, int64_t base, int64_t nt, float, float* kf, float* scores, int64_t len) {
+  for (int64_t t = 0; t < nt; ++t) {
+    for (int64_t d = 0; d < D; ++d) kf[d] = load(kblock + t * row, d);
+    const int64_t pos = base + t;
+    for (int64_t r = 0; r < R; ++r) {
+      if (pos >= limit[r]) continue;
+      const float* qr = qf + r * D;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += qr[d] * kf[d];
+      scores[r * len + pos] = dot;
+    }
+  }
+}
+
+// acc[r] += sum over the block's visible tokens of p[r, pos] * v_pos.
+template <typename T, int HD>
+inline void pv_block(int64_t R, const int64_t* limit, const T* vblock, int64_t row, int64_t D, int64_t base,
+                     int64_t nt, const float* scores, int64_t len, float* vb, float* acc) {
+  for (int64_t t = 0; t < nt; ++t)
+    for (int64_t d = 0; d < D; ++d) vb[t * D + d] = load(vblock + t * row, d);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = limit[r] - base < nt ? limit[r] - base : nt;
+    const float* pr = scores + r * len + base;
+    float* ar = acc + r * D;
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = pr[t];
+      const float* vt = vb + t * D;
+      for (int64_t d = 0; d < D; ++d) ar[d] += w * vt[d];
+    }
+  }
+}
+
+// Softmax of one row of scores over [lo, n), in place, then zeros over [z0, lo) and [n, n_pad) (a row tile
+// runs its PV loop from its earliest row's window start to its longest row, and a row must add nothing
+// outside its own range). cap > 0: scores are first capped to cap * tanh(s / cap).
+// stats, when given, receives the row's max and sum of exponentials (to merge parts of a split row).
+inline void softmax_row(float* sr, int64_t z0, int64_t lo, int64_t n, int64_t n_pad, float cap,
+                        float* stats = nullptr) {
+  if (cap > 0.f) {
+    const float inv_cap = 1.f / cap;
+    for (int64_t i = lo; i < n; ++i) sr[i] = cap * std::tanh(sr[i] * inv_cap);
+  }
+  for (int64_t i = z0; i < lo; ++i) sr[i] = 0.f;
+  sr += lo;
+  n -= lo;
+  n_pad -= lo;
+  int64_t p = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-3.0e38f);
+  for (; p + 16 <= n; p += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sr + p));
+  float mx = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-3.0e38f);
+  for (; p + 8 <= n; p += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(sr + p));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  float mx = _mm_cvtss_f32(m4);
+#else
+  float lanes[16];
+  for (int j = 0; j < 16; ++j) lanes[j] = -3.0e38f;
+  for (; p + 16 <= n; p += 16)
+    for (int j = 0; j < 16; ++j) lanes[j] = sr[p + j] > lanes[j] ? sr[p + j] : lanes[j];
+  float mx = -3.0e38f;
+  for (int j = 0; j < 16; ++j) mx = lanes[j] > mx ? lanes[j] : mx;
+#endif
+  for (; p < n; ++p) mx = sr[p] > mx ? sr[p] : mx;
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    sr[i] = exp_nonpositive(sr[i] - mx);
+    sum += sr[i];
+  }
+  if (stats) stats[0] = mx, stats[1] = sum;
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  for (int64_t i = 0; i < n; ++i) sr[i] *= inv;
+  for (int64_t i = n; i < n_pad; ++i) sr[i] = 0.f;
+}
+
+struct Args {
+  const void* q;
+  int64_t q_tok, q_head;
+  const void* k_cache;
+  const void* v_cache;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  const int64_t* seq_ids;
+  int64_t num_seqs;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  float scale;
+  void* out;
+  int64_t o_tok, o_head;
+  int64_t window;  // sliding window in positions (a row sees its own and window - 1 before); 0: none
+  float softcap;   // 0: none
+};
+
+// First position row `limit` (one past its own position) sees.
+inline int64_t window_start(const Args& a, int64_t limit) {
+  return a.window > 0 && limit > a.window ? limit - a.window : 0;
+}
+
+}  // namespace

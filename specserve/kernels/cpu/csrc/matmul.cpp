@@ -1,0 +1,187 @@
+// The products' entry points: each picks its ISA form (matmul_f32_avx2.cpp, matmul_bf16_avx512.cpp) or the
+// generic loops (matmul_generic.cpp) by the build's SPECSERVE_*_PATH macros, the row count and the shape.
+#include "api.h"
+#include "common.h"
+
+// 9-15 rows run the few-row kernels twice (8, then the rest): reading the weights twice still beats widening
+// them once there. SmolLM2's 30 layers (2-core Zen 4, bench/quant_kernels.py --float32 --passes 5), int8 at
+// 9 / 12 / 15 rows: 18.8 / 23.7 / 26.2 ms twice against 28.2 / 32.7 / ~35 widened (dense float32 23.0 /
+// 25.5 / 29.2); at 16 rows widening is even or ahead (int8 32.6 twice against ~31, int4 36.0 against 29.5).
+constexpr int64_t kWidenFromRows = 16;
+
+// Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
+// out[r, j] for r < rows (vectorised: 1..8 rows, and more where n % 8 == 0 on widened panels), j < n.
+extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
+                                     const float* scales, int64_t n, int64_t k, float* out,
+                                     int64_t out_stride, int num_threads) {
+  if (rows < 1 || n < 1 || k < 1) return kBadArguments;
+#ifdef SPECSERVE_QUANT_PATH
+  const auto few = [&](auto r) {
+    q8_rows<decltype(r)::value>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads);
+  };
+  if (with_rows<8>(rows, few)) return kOk;
+  if (rows < kWidenFromRows) {
+    specserve_int8_matmul(x, x_stride, 8, codes, scales, n, k, out, out_stride, num_threads);
+    return specserve_int8_matmul(x + 8 * x_stride, x_stride, rows - 8, codes, scales, n, k,
+                                 out + 8 * out_stride, out_stride, num_threads);
+  }
+  if (n % 8 == 0) return q8_widened(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads), kOk;
+#endif
+  q8_generic(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads);
+  return kOk;
+}
+
+// The same with a scale per group of 32 inputs: scales [n, k / 32].
+extern "C" int specserve_int8_grouped_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
+                                             const float* scales, int64_t n, int64_t k, float* out,
+                                             int64_t out_stride, int num_threads) {
+  if (rows < 1 || n < 1 || k < 32 || k % 32 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_PATH
+  const auto few = [&](auto r) {
+    q8g_rows<decltype(r)::value>(x, x_stride, codes, scales, n, k, out, out_stride, num_threads);
+  };
+  if (with_rows<8>(rows, few)) return kOk;
+  if (rows < kWidenFromRows) {
+    specserve_int8_grouped_matmul(x, x_stride, 8, codes, scales, n, k, out, out_stride, num_threads);
+    return specserve_int8_grouped_matmul(x + 8 * x_stride, x_stride, rows - 8, codes, scales, n, k,
+                                         out + 8 * out_stride, out_stride, num_threads);
+  }
+#endif
+  q8g_generic(x, x_stride, rows, codes, scales, n, k, out, out_stride, num_threads);
+  return kOk;
+}
+
+extern "C" int specserve_int4_matmul(const float* x, int64_t x_stride, int64_t rows, const uint8_t* packed,
+                                     const float* scales, const float* offsets, int64_t n, int64_t k,
+                                     float* out, int64_t out_stride, int num_threads) {
+  if (rows < 1 || n < 1 || k < 32 || k % 32 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_PATH
+  if (rows > 8 && rows < kWidenFromRows) {
+    specserve_int4_matmul(x, x_stride, 8, packed, scales, offsets, n, k, out, out_stride, num_threads);
+    return specserve_int4_matmul(x + 8 * x_stride, x_stride, rows - 8, packed, scales, offsets, n, k,
+                                 out + 8 * out_stride, out_stride, num_threads);
+  }
+  if (rows > 8 && n % 8 == 0)
+    return q4_widened(x, x_stride, rows, packed, scales, offsets, n, k, out, out_stride, num_threads), kOk;
+#endif
+  const std::vector<float> gsum = group_sums(x, x_stride, rows, k);
+#ifdef SPECSERVE_QUANT_PATH
+  const float* gs = gsum.data();
+  const auto few = [&](auto r) {
+    q4_rows<decltype(r)::value>(x, x_stride, packed, scales, offsets, n, k, gs, out, out_stride, num_threads);
+  };
+  if (with_rows<8>(rows, few)) return kOk;
+#endif
+  q4_generic(x, x_stride, rows, packed, scales, offsets, n, k, gsum.data(), out, out_stride, num_threads);
+  return kOk;
+}
+
+// The matrices widened to float32 [n, k] (steps of many rows then run one dense matmul on them):
+// int8 code * scale, int4 code * scale + offset, as the products above use them.
+extern "C" int specserve_int8_widen(const int8_t* codes, const float* scales, int64_t n, int64_t k, float* out,
+                                    int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < k; ++i) out[j * k + i] = static_cast<float>(codes[j * k + i]) * scales[j];
+  return kOk;
+}
+
+extern "C" int specserve_int4_widen(const uint8_t* packed, const float* scales, const float* offsets,
+                                    int64_t n, int64_t k, float* out, int num_threads) {
+  if (k % 32 != 0) return kBadArguments;
+  const int64_t groups = k / 32;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = packed + (j * groups + g) * 16;
+      const float s = scales[j * groups + g], o = offsets[j * groups + g];
+      float* dst = out + j * k + g * 32;
+      for (int i = 0; i < 16; ++i) dst[i] = static_cast<float>(p[i] & 0x0F) * s + o;
+      for (int i = 0; i < 16; ++i) dst[16 + i] = static_cast<float>(p[i] >> 4) * s + o;
+    }
+  return kOk;
+}
+
+// x [rows, k] bf16 (row stride xs) times the int4 matrix in 16-output tiles (see above) -> out [rows, n]
+// bf16 (row stride os). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                          const float* scales, const float* zeros, int64_t n, int64_t k,
+                                          uint16_t* out, int64_t os, int num_threads) {
+  if (rows < 1 || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  q4_bf16(x, xs, rows, tiles, scales, zeros, n, k, out, os, num_threads);
+  return kOk;
+#else
+  (void)x, (void)xs, (void)tiles, (void)scales, (void)zeros, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs), 1..8 rows, times the int4 matrix of specserve_int4_matmul (pack_int4's
+// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32 rounded once
+// (q4_bf16_row). For the few-row steps of a bf16 model whose int4 matrices keep their blocks: the library's
+// own, so a layer chain runs them, where torch's int4 kernel had to be called from Python. Returns 2 where
+// the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
+                                        const float* scales, const float* offsets, int64_t n, int64_t k,
+                                        uint16_t* out, int64_t os, int num_threads) {
+  if (rows < 1 || rows > 8 || n < 1 || k < 32 || k % 32 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  const int64_t groups = k / 32, xis = (groups + 1) / 2 * 64;
+  std::vector<uint16_t> xi(rows * xis);
+  for (int64_t r = 0; r < rows; ++r) interleave_groups(x + r * xs, k, xi.data() + r * xis);
+  const std::vector<float> xsum = group_sums(x, xs, rows, k);
+  const uint16_t* xp = xi.data();
+  const float* sp = xsum.data();
+  with_rows<8>(rows, [&](auto r) {
+    q4_bf16_rows<decltype(r)::value>(xp, xis, packed, scales, offsets, n, k, sp, out, os, num_threads);
+  });
+  return kOk;
+#else
+  (void)x, (void)xs, (void)packed, (void)scales, (void)offsets, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs) times the int8 matrix in 16-output tiles (see above) -> out [rows, n]
+// bf16 (row stride os). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_int8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles,
+                                          const float* scales, int64_t n, int64_t k, uint16_t* out, int64_t os,
+                                          int num_threads) {
+  if (rows < 1 || n < 16 || n % 16 != 0 || k < 2 || k % 2 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  q8_bf16(x, xs, rows, tiles, scales, n, k, out, os, num_threads);
+  return kOk;
+#else
+  (void)x, (void)xs, (void)tiles, (void)scales, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs) times a dense bf16 matrix held as panels (see dense_bf16) -> out [rows, n]
+// bf16 (row stride os). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_bf16_matmul(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* panels,
+                                     int64_t n, int64_t k, uint16_t* out, int64_t os, int num_threads) {
+  if (rows < 1 || n < 16 || n % 16 != 0 || k < 2 || k % 2 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  dense_bf16(x, xs, rows, panels, n, k, out, os, num_threads);
+  return kOk;
+#else
+  (void)x, (void)xs, (void)panels, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
+// x [rows, k] float32 (row stride xs) times a dense float32 matrix held as panels (see dense_f32) -> out
+// [rows, n] (row stride os). Returns 2 where the build has no AVX2 + FMA (specserve_paths() bit 4 clear).
+extern "C" int specserve_f32_matmul(const float* x, int64_t xs, int64_t rows, const float* panels, int64_t n,
+                                    int64_t k, float* out, int64_t os, int num_threads) {
+  if (rows < 1 || n < 8 || n % 8 != 0 || k < 1) return kBadArguments;
+#ifdef SPECSERVE_DENSE_F32_PATH
+  dense_f32(x, xs, rows, panels, n, k, out, os, num_threads);
+  return kOk;
+#else
+  (void)x, (void)xs, (void)panels, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
