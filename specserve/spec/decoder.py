@@ -17,6 +17,7 @@ import torch
 
 from specserve.engine.penalties import adjust_logits, adjusts
 from specserve.engine.sampler import RowParams
+from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
@@ -38,6 +39,14 @@ MAX_BACKOFF = 6
 WORKLOAD_EWMA = 0.02
 
 
+def check_speculation(speculation: str | int, method: str | None) -> None:
+    """A request naming a method its engine does not draft with (`method`; None: no speculation) is
+    refused, not served by another proposer or none."""
+    if isinstance(speculation, str) and speculation not in ("auto", "off", method):
+        held = "does not speculate" if method is None else f"drafts with {method!r} only"
+        raise InvalidParameter("speculation", f"method {speculation!r} is not available: this worker {held}")
+
+
 @dataclass
 class _SeqState:
     acceptance: float  # EWMA of accepted / proposed drafts
@@ -45,8 +54,11 @@ class _SeqState:
 
 
 class SpeculativeDecoder:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int) -> None:
+    def __init__(
+        self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int, method: str = ""
+    ) -> None:
         self.proposer = proposer
+        self.method = method  # a request may name it as its `speculation`: "auto" with this proposer
         self.k_max = num_speculative_tokens
         self.max_model_len = max_model_len
         self.policy = AdaptivePolicy(num_speculative_tokens)
@@ -65,6 +77,10 @@ class SpeculativeDecoder:
         )
         return max(0, min(k, room))
 
+    def is_auto(self, seq: Sequence) -> bool:
+        mode = seq.params.speculation
+        return mode == "auto" or (bool(self.method) and mode == self.method)
+
     def acceptance(self, seq_id: int) -> float:
         state = self._state.get(seq_id)
         return self.workload_acceptance if state is None else state.acceptance
@@ -78,7 +94,7 @@ class SpeculativeDecoder:
             mode = seq.params.speculation
             if not seq.in_decode:
                 other_tokens += seq.num_tokens - seq.num_computed_tokens
-            elif mode == "auto":
+            elif self.is_auto(seq):
                 auto.append(seq)
             elif mode != "off" and mode:
                 ks[seq.seq_id] = self._cap(seq, min(int(mode), self.k_max))
@@ -194,7 +210,7 @@ class SpeculativeDecoder:
                 self.forget(seq)
             elif acc.num_draft_tokens:
                 self.observe(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
-            elif s.num_tokens == 1 and not s.num_lookahead and seq.params.speculation == "auto":
+            elif s.num_tokens == 1 and not s.num_lookahead and self.is_auto(seq):
                 self.observe(seq, 0, 0)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

@@ -33,9 +33,19 @@ def build_decoder(config: SpeculativeConfig, max_model_len: int, target: TargetI
         from specserve.spec.ngram import NgramProposer
 
         proposer: Proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    elif config.method == "suffix":
+        from specserve.spec.suffix import SuffixProposer
+
+        proposer = SuffixProposer(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
     else:
         proposer = _load_draft_model(Path(config.model), target)
-    return SpeculativeDecoder(proposer, config.num_speculative_tokens, max_model_len)
+    return SpeculativeDecoder(proposer, config.num_speculative_tokens, max_model_len, config.method)
 
 
 def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:
