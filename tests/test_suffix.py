@@ -18,7 +18,8 @@ from specserve.engine.sampler import Nucleus
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.spec.config import SpeculativeConfig
-from specserve.spec.decoder import check_speculation
+from specserve.spec.decoder import SpeculativeDecoder, check_speculation
+from specserve.spec.ngram import NgramProposer
 from specserve.spec.suffix import GlobalTree, SuffixProposer, SuffixTree
 
 GEN = torch.Generator()
@@ -325,3 +326,64 @@ def test_constrained_outputs_are_valid_and_equal_with_suffix_on_and_off(tiny_mod
         record = json.loads(o.text)
         assert set(record) == {"name", "tier"} and record["tier"] in ("gold", "silver"), o.text
     assert sum(o.usage.draft_accepted for o in outs["suffix"]) > 0
+
+
+# ---- several proposers in one engine ---------------------------------------------------------------------
+
+
+def test_several_methods_are_one_setting_without_repeats() -> None:
+    assert SpeculativeConfig.from_dict({"method": "suffix,ngram"}).methods == ("suffix", "ngram")
+    for bad in ("suffix,suffix", "suffix,medusa", "suffix,", "draft_model,ngram"):
+        with pytest.raises(InvalidParameter) as err:
+            SpeculativeConfig.from_dict({"method": bad})
+        assert err.value.field.startswith("speculative_config.")
+
+
+def test_auto_moves_a_request_to_the_proposer_that_does_better_for_it() -> None:
+    spec = SpeculativeDecoder(
+        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+    )
+    auto = _seq(0, [1, 2, 3])
+    named = Sequence(
+        1, "r1", [1, 2, 3], SamplingParams(speculation="ngram"), detokenizer=None, arrival_time=0.0
+    )
+    for seq in (auto, named):
+        seq.num_computed_tokens = seq.num_tokens - 1
+
+    def method(seq: Sequence) -> str:
+        assert spec.lookahead([seq])[seq.seq_id] > 0  # the policy's warm-up: it drafts k_max
+        return spec._state[seq.seq_id].method
+
+    assert method(auto) == "suffix" and method(named) == "ngram"
+    used = []
+    for _ in range(12):  # nothing either proposer drafts is accepted: it goes back and forth between them
+        used.append(method(auto))
+        spec.observe(auto, 4, 0)
+    assert used[0] == "suffix" and "ngram" in used and used.count("suffix") >= 4
+    for _ in range(12):  # a request that names a method keeps it, however it fares
+        assert method(named) == "ngram"
+        spec.observe(named, 4, 0)
+
+
+def test_an_engine_with_suffix_and_ngram_is_exact_and_serves_either_by_name(
+    tiny_model_dir, hf_reference
+) -> None:
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        speculative_config={"method": "suffix,ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+    )
+    for speculation in ("auto", "suffix", "ngram", 3):
+        params = SamplingParams(**{**GREEDY.__dict__, "speculation": speculation})
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == hf_reference("llama_gqa_tied"), speculation
+    assert llm.engine.spec.num_proposed > 0
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("method", ["suffix", "suffix,ngram"])
+def test_the_service_setting_selects_suffix(method: str) -> None:
+    from specserve.service.config import ServiceConfig
+
+    spec = ServiceConfig(speculative_method=method).speculative_config()
+    assert SpeculativeConfig.from_dict(spec).methods == tuple(method.split(","))

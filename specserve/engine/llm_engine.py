@@ -312,7 +312,7 @@ class LLMEngine:
         return self.structured
 
     def check_speculation(self, params: SamplingParams) -> None:
-        check_speculation(params.speculation, self.spec.method if self.spec is not None else None)
+        check_speculation(params.speculation, self.spec.methods if self.spec is not None else None)
 
     def add_request(
         self,

@@ -27,12 +27,13 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            _fail("method", f"must be one of {METHODS}, not {self.method!r}")
+        methods = self.methods
+        if not all(m in METHODS for m in methods) or len(set(methods)) != len(methods):
+            _fail("method", f"must be one of {METHODS} or several, comma-separated, not {self.method!r}")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             _fail("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], not {k!r}")
-        if self.method == "draft_model" and not self.model:
+        if "draft_model" in methods and not self.model:
             _fail("model", "(the draft model's path) is required for method draft_model")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
@@ -51,6 +52,11 @@ class SpeculativeConfig:
         prob = self.suffix_decoding_min_token_prob
         if not _is_number(prob) or not 0 <= prob <= 1:
             _fail("suffix_decoding_min_token_prob", f"must be a number in [0, 1], not {prob!r}")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """ "suffix,ngram": both proposers, the first drafting unless a request does better with another."""
+        return tuple(self.method.split(",")) if isinstance(self.method, str) else (self.method,)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
