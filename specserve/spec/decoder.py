@@ -58,9 +58,8 @@ class _Estimate:
 @dataclass
 class _SeqState(_Estimate):
     method: str = ""  # the proposer drafting for it; acceptance and failed_probes are that proposer's
-    shelved: dict[str, _Estimate] = field(
-        default_factory=dict
-    )  # the other proposers', from when they drafted
+    # the other proposers' estimates, as they were when they last drafted for it
+    shelved: dict[str, _Estimate] = field(default_factory=dict)
 
 
 class SpeculativeDecoder:
