@@ -22,6 +22,7 @@ from specserve.spec.decoder import SpeculativeDecoder, check_speculation
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.suffix import GlobalTree, SuffixProposer, SuffixTree
 
+pytest_plugins = ("valkey_fixtures",)
 GEN = torch.Generator()
 
 
@@ -387,3 +388,21 @@ def test_the_service_setting_selects_suffix(method: str) -> None:
 
     spec = ServiceConfig(speculative_method=method).speculative_config()
     assert SpeculativeConfig.from_dict(spec).methods == tuple(method.split(","))
+
+
+def test_a_worker_refuses_a_method_it_does_not_hold_naming_the_field(valkey, tiny_model_dir) -> None:
+    from valkey_helpers import run, service_stack
+
+    params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    spec = {"speculative_config": {"method": "suffix", "num_speculative_tokens": 3}}
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir, engine_args=spec) as (_worker, client):
+            wrong = await client.enqueue({"prompt": "abc abc abc", **params, "speculation": "ngram"})
+            held = await client.enqueue({"prompt": "abc abc abc", **params, "speculation": "suffix"})
+            return await client.wait(wrong.id), await client.wait(held.id)
+
+    wrong, held = run(main())
+    assert wrong.status == "failed" and wrong.error_field == "speculation", wrong.error
+    assert "'suffix'" in wrong.error  # what the worker does draft with
+    assert held.status == "finished" and len(held.token_ids) == 6
