@@ -134,7 +134,7 @@ def test_the_shared_tree_evicts_the_oldest_output_and_all_its_counts() -> None:
     fresh.insert([4, 5, 6])
     fresh.insert([1, 2, 7])
     assert list(cache.outputs) == [1, 2]
-    assert _shape(cache.tree) == _shape(fresh)
+    assert _shape(cache.tree) == _shape(fresh) and cache.num_nodes == len(_shape(fresh))
     assert cache.tree.match([3]) is None and cache.tree.match([1, 2, 3]) is None
 
     proposer = SuffixProposer(num_speculative_tokens=4, max_cached_requests=2)
@@ -145,6 +145,17 @@ def test_the_shared_tree_evicts_the_oldest_output_and_all_its_counts() -> None:
     assert _draft(proposer, _seq(0, [5, 1, 2])) == [7]
     _finish(proposer, 103, [0], [8, 8])
     assert _draft(proposer, _seq(0, [5, 1, 2])) == []
+
+
+def test_the_shared_tree_evicts_the_oldest_outputs_past_its_node_bound() -> None:
+    cache = GlobalTree(max_depth=3, max_requests=100, max_nodes=12)
+    cache.add(0, [1, 2, 3])  # 6 nodes: 1, 2, 3, 12, 23, 123
+    cache.add(1, [1, 2, 4])  # 3 more: 4, 24, 124 (1, 12 and 2 are there)
+    assert cache.num_nodes == len(_shape(cache.tree)) == 9
+    cache.add(2, [5, 6, 7])  # 6 more: 15 > 12, so the oldest goes (with 123, 23, 3)
+    assert list(cache.outputs) == [1, 2] and cache.num_nodes == len(_shape(cache.tree)) == 12
+    cache.add(3, list(range(10, 20)))  # alone over the bound: it stays, everything older goes
+    assert list(cache.outputs) == [3] and cache.num_nodes == len(_shape(cache.tree)) == 27
 
 
 def test_no_shared_tree_at_zero_cached_requests_nor_from_aborted_or_preempted_requests() -> None:

@@ -130,21 +130,33 @@ class SuffixTree:
         """`ends`: the nodes of the sequence's suffixes of lengths 1..len(ends) (len(ends) < max_depth),
         shortest first. Counts the suffixes of the sequence with `token` appended and returns their nodes,
         but for the one of max_depth tokens, which goes no deeper."""
+        return self._counted(ends, token)[: self.max_depth - 1]
+
+    def _counted(self, ends: list[_Node], token: int) -> list[_Node]:
         out = [self.root.add(token)]
         out.extend(node.add(token) for node in ends)
-        return out[: self.max_depth - 1]
+        return out
 
-    def insert(self, tokens: Iterable[int]) -> None:
+    def insert(self, tokens: Iterable[int]) -> int:
+        """Count every suffix of `tokens`; returns the nodes it added."""
+        added = 0
         ends: list[_Node] = []
         for token in tokens:
-            ends = self.extend(ends, token)
+            nodes = self._counted(ends, token)
+            added += sum(node.count == 1 for node in nodes)  # a node of count 0 does not stay in the tree
+            ends = nodes[: self.max_depth - 1]
+        return added
 
-    def remove(self, tokens: list[int]) -> None:
-        """Undo insert(tokens): every suffix's occurrences go, and nodes no sequence reaches any more."""
+    def remove(self, tokens: list[int]) -> int:
+        """Undo insert(tokens): every suffix's occurrences go, and nodes no sequence reaches any more;
+        returns how many nodes went."""
+        dropped = 0
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.max_depth]:
                 node = node.remove(token)
+                dropped += node.count == 0
+        return dropped
 
     def follow(self, ends: list[_Node | None], token: int) -> list[_Node | None]:
         """Like extend, read-only: None where the suffix does not occur in the tree."""
@@ -206,13 +218,22 @@ class _RequestState:
         self.global_version = -1
 
 
-class GlobalTree:
-    """Outputs of finished requests, the least recently added evicted past max_requests (each removed
-    whole: its every occurrence count). A key added again replaces its earlier output."""
+# The shared tree's nodes at most, whatever max_requests allows: an output of n tokens adds up to n x depth
+# nodes, so 10,000 outputs of 256 distinct tokens would be 61 M nodes, GBs of Python objects. A node takes
+# about 67 bytes (tracemalloc, CPython 3.11, 2,000 random tokens at depth 24): some 270 MB here.
+MAX_SHARED_NODES = 4_000_000
 
-    def __init__(self, max_depth: int, max_requests: int) -> None:
+
+class GlobalTree:
+    """Outputs of finished requests, the least recently added evicted past max_requests or past max_nodes
+    nodes (each removed whole: its every occurrence count). A key added again replaces its earlier output.
+    The newest output stays even when it alone is over max_nodes."""
+
+    def __init__(self, max_depth: int, max_requests: int, max_nodes: int = MAX_SHARED_NODES) -> None:
         self.tree = SuffixTree(max_depth)
         self.max_requests = max_requests
+        self.max_nodes = max_nodes
+        self.num_nodes = 0
         self.outputs: OrderedDict[Hashable, list[int]] = OrderedDict()
         self.version = 0  # changes with the tree, so followers know their nodes may be stale
 
@@ -221,13 +242,18 @@ class GlobalTree:
             return
         old = self.outputs.pop(key, None)
         if old is not None:
-            self.tree.remove(old)
+            self.num_nodes -= self.tree.remove(old)
         while len(self.outputs) >= self.max_requests:
-            _, evicted = self.outputs.popitem(last=False)
-            self.tree.remove(evicted)
+            self._evict_oldest()
         self.outputs[key] = list(tokens)
-        self.tree.insert(tokens)
+        self.num_nodes += self.tree.insert(tokens)
+        while self.num_nodes > self.max_nodes and len(self.outputs) > 1:
+            self._evict_oldest()
         self.version += 1
+
+    def _evict_oldest(self) -> None:
+        _, evicted = self.outputs.popitem(last=False)
+        self.num_nodes -= self.tree.remove(evicted)
 
 
 class SuffixProposer:
@@ -243,11 +269,12 @@ class SuffixProposer:
         max_spec_factor: float = 1.0,
         min_token_prob: float = 0.1,
         max_spec_offset: float = 0.0,
+        max_cached_nodes: int = MAX_SHARED_NODES,
     ) -> None:
         self.max_depth = max_tree_depth
         self.max_tokens = num_speculative_tokens
         self.walk = Walk(max_spec_factor, max_spec_offset, min_token_prob)
-        self.cache = GlobalTree(max_tree_depth, max_cached_requests)
+        self.cache = GlobalTree(max_tree_depth, max_cached_requests, max_cached_nodes)
         self._requests: dict[int, _RequestState] = {}
 
     # ---- Proposer ----------------------------------------------------------------------------------------
