@@ -1,12 +1,12 @@
 """Suffix decoding: draft by continuing the longest suffix of the context seen before, from suffix trees.
 
 Two trees of token sequences (suffix tries cut at `max_depth` tokens): one per request over its prompt and
-output so far, and one over the outputs of the last `max_cached_requests` finished requests (agentic and
-templated traffic repeats itself across requests). A step matches the context's suffixes of every length
-in each tree, then walks from each match to the most frequent child while the product of the
-child / parent occurrence ratios (the draft token's estimated probability) stays at or above
-`min_token_prob`, for at most max_spec_factor x match length (+ max_spec_offset) and k tokens. The draft
-with the highest score (the sum of its tokens' probabilities: its expected accepted tokens) wins, the
+output so far, and one over the outputs of the last `max_cached_requests` finished requests, within
+MAX_SHARED_NODES nodes (agentic and templated traffic repeats itself across requests). A step matches the
+context's suffixes of every length in each tree, then walks from each match to the most frequent child while
+the product of the child / parent occurrence ratios (the draft token's estimated probability) stays at or
+above `min_token_prob`, for at most max_spec_factor x match length (+ max_spec_offset) and k tokens. The
+draft with the highest score (the sum of its tokens' probabilities: its expected accepted tokens) wins, the
 request's own tree on a tie. A context that matches nothing gets no draft.
 
 Drafts are deterministic (one-hot q), so the verifier keeps the target's distribution exactly.
