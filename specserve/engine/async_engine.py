@@ -161,6 +161,7 @@ class AsyncLLMEngine:
             raise RuntimeError("the engine thread has failed") from self.error
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.engine.check_speculation(params)  # refused here: on the step thread it would fail the engine
         prompt_ids = self.engine.encode_prompt(prompt)  # tokenising here keeps it off the step thread
         self.engine.compile_grammar(params)  # so does compiling a grammar (cached: once per schema)
         queue: asyncio.Queue[StepDelta] = asyncio.Queue()

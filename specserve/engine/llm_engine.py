@@ -53,7 +53,7 @@ from specserve.models import quant
 from specserve.models.config import ModelConfig
 from specserve.models.loader import demo_model_path, load_tokenizer, read_config, resolve_model
 from specserve.models.parallel import check_shardable
-from specserve.spec.decoder import SpeculativeDecoder
+from specserve.spec.decoder import SpeculativeDecoder, check_speculation
 from specserve.spec.factory import TargetInfo, build_decoder
 
 # apply_chat_template's own arguments: a request's template variables may not override them
@@ -312,6 +312,9 @@ class LLMEngine:
         self.structured.compile(params.structured_outputs)
         return self.structured
 
+    def check_speculation(self, params: SamplingParams) -> None:
+        check_speculation(params.speculation, self.spec.methods if self.spec is not None else None)
+
     def add_request(
         self,
         request_id: str,
@@ -324,6 +327,7 @@ class LLMEngine:
         `priority`: lower runs sooner, under scheduling_policy="priority" (vLLM's argument)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
+        self.check_speculation(params)
         ids = self.encode_prompt(prompt)
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         seq = Sequence(

@@ -31,7 +31,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    # "auto": the engine decides k per step; "off": never speculate; an int: that many draft tokens.
+    # "auto": the engine decides k per step; "off": never speculate; an int: that many draft tokens; a
+    # method's name ("suffix", "ngram"): "auto" with that proposer, which the engine must hold.
     speculation: str | int = "auto"
     # Constrained decoding (engine/grammar.py checks it, engine/structured.py applies it); the wire sends it
     # as a dict, made a StructuredOutputsParams
@@ -105,11 +106,14 @@ class SamplingParams:
             "must be a list of non-negative integers",
         )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
+        from specserve.spec.config import METHODS  # spec/config.py imports this module
+
         spec = self.speculation
         check(
-            spec in ("auto", "off") or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
+            spec in ("auto", "off", *METHODS) or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
             "speculation",
-            f'must be "auto", "off" or an integer in [0, {MAX_SPECULATIVE_TOKENS}]',
+            f'must be "auto", "off", a method ({", ".join(METHODS)}) or an integer in '
+            f"[0, {MAX_SPECULATIVE_TOKENS}]",
         )
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)

@@ -132,7 +132,7 @@ class ServiceConfig:
         "SPECSERVE_SPEC_METHOD",
         "ngram",
         "speculative decoding (n-gram by default: requests' `auto` drafts only where it pays)",
-        choices=["none", "ngram", "draft_model"],
+        choices=["none", "ngram", "draft_model", "suffix", "suffix,ngram"],
     )
     speculative_model: str | None = _opt("SPECSERVE_SPEC_MODEL", None, "draft model (method draft_model)")
     num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 from specserve.engine.errors import InvalidParameter
 from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "suffix")
 
 
 @dataclass(frozen=True)
@@ -18,20 +19,45 @@ class SpeculativeConfig:
     model: str | None = None  # the draft model's path (method "draft_model")
     prompt_lookup_max: int = 4  # n-gram lengths tried, longest first (method "ngram")
     prompt_lookup_min: int = 1
+    # method "suffix" (spec/suffix.py): the trees' depth, how many finished outputs the shared tree holds
+    # (0: none, only the request's own tokens), a draft's length at most this x its match, and the least
+    # estimated probability of a draft token
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            _fail("method", f"must be one of {METHODS}, not {self.method!r}")
+        methods = self.methods
+        if not all(m in METHODS for m in methods) or len(set(methods)) != len(methods):
+            _fail("method", f"must be one of {METHODS} or several, comma-separated, not {self.method!r}")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             _fail("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], not {k!r}")
-        if self.method == "draft_model" and not self.model:
+        if "draft_model" in methods and not self.model:
             _fail("model", "(the draft model's path) is required for method draft_model")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 _fail(name, f"must be a positive integer, not {getattr(self, name)!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             _fail("prompt_lookup_min", "must not exceed prompt_lookup_max")
+        depth = self.suffix_decoding_max_tree_depth
+        if not _is_int(depth) or depth < 2:
+            _fail("suffix_decoding_max_tree_depth", f"must be an integer >= 2, not {depth!r}")
+        cached = self.suffix_decoding_max_cached_requests
+        if not _is_int(cached) or cached < 0:
+            _fail("suffix_decoding_max_cached_requests", f"must be an integer >= 0, not {cached!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if not _is_number(factor) or factor <= 0:
+            _fail("suffix_decoding_max_spec_factor", f"must be a number > 0, not {factor!r}")
+        prob = self.suffix_decoding_min_token_prob
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            _fail("suffix_decoding_min_token_prob", f"must be a number in [0, 1], not {prob!r}")
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """ "suffix,ngram": both proposers, the first drafting unless a request does better with another."""
+        return tuple(self.method.split(",")) if isinstance(self.method, str) else (self.method,)
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -45,6 +71,10 @@ class SpeculativeConfig:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _fail(name: str, message: str) -> None:

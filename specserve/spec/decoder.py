@@ -10,13 +10,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.engine.penalties import adjust_logits, adjusts
 from specserve.engine.sampler import RowParams
+from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
@@ -38,22 +39,51 @@ MAX_BACKOFF = 6
 WORKLOAD_EWMA = 0.02
 
 
+def check_speculation(speculation: str | int, methods: Seq[str] | None) -> None:
+    """A request naming a method its engine does not draft with (`methods`; None: no speculation) is
+    refused, not served by another proposer or none."""
+    if isinstance(speculation, str) and speculation not in ("auto", "off", *(methods or ())):
+        held = (
+            "does not speculate" if methods is None else f"drafts with {', '.join(map(repr, methods))} only"
+        )
+        raise InvalidParameter("speculation", f"method {speculation!r} is not available: this worker {held}")
+
+
 @dataclass
-class _SeqState:
+class _Estimate:
     acceptance: float  # EWMA of accepted / proposed drafts
     failed_probes: int = 0  # speculation steps in a row that accepted nothing (slows the next re-probe)
 
 
+@dataclass
+class _SeqState(_Estimate):
+    method: str = ""  # the proposer drafting for it; acceptance and failed_probes are that proposer's
+    # the other proposers' estimates, as they were when they last drafted for it
+    shelved: dict[str, _Estimate] = field(default_factory=dict)
+
+
 class SpeculativeDecoder:
-    def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int) -> None:
-        self.proposer = proposer
+    """`proposer`: one, or several by method name (the first drafts unless a request's acceptance says
+    another does better, or the request names one)."""
+
+    def __init__(
+        self,
+        proposer: Proposer | dict[str, Proposer],
+        num_speculative_tokens: int,
+        max_model_len: int,
+        method: str = "",
+    ) -> None:
+        self.proposers = dict(proposer) if isinstance(proposer, dict) else {method: proposer}
+        self.methods = tuple(self.proposers)  # a request may name one as its `speculation`
+        self.proposer = self.proposers[self.methods[0]]
         self.k_max = num_speculative_tokens
         self.max_model_len = max_model_len
         self.policy = AdaptivePolicy(num_speculative_tokens)
         self._state: dict[int, _SeqState] = {}
         self.num_proposed = 0  # totals over the engine's life
         self.num_accepted = 0
-        self.workload_acceptance = ACCEPTANCE_PRIOR  # a new request's starting estimate
+        # a new request's starting estimate, per method
+        self.workload_acceptance = dict.fromkeys(self.methods, ACCEPTANCE_PRIOR)
 
     # ---- scheduling ------------------------------------------------------------------------------------
 
@@ -65,9 +95,39 @@ class SpeculativeDecoder:
         )
         return max(0, min(k, room))
 
+    def is_auto(self, seq: Sequence) -> bool:
+        mode = seq.params.speculation
+        return mode == "auto" or (bool(mode) and mode in self.methods)
+
     def acceptance(self, seq_id: int) -> float:
         state = self._state.get(seq_id)
-        return self.workload_acceptance if state is None else state.acceptance
+        return self.workload_acceptance[self.methods[0]] if state is None else state.acceptance
+
+    def _seq_state(self, seq: Sequence) -> _SeqState:
+        state = self._state.get(seq.seq_id)
+        if state is None:
+            first = self.methods[0]
+            state = self._state[seq.seq_id] = _SeqState(self.workload_acceptance[first], method=first)
+        return state
+
+    def _pick(self, seq: Sequence) -> None:
+        """The proposer to draft for an "auto" request: the one it names, else the one whose acceptance for
+        it is highest (an untried one's is the workload's for that method)."""
+        state = self._seq_state(seq)
+        named = seq.params.speculation
+        if named in self.proposers:
+            best = named
+        else:
+            best, best_acceptance = state.method, state.acceptance
+            for method in self.methods:
+                shelved = state.shelved.get(method)
+                acceptance = self.workload_acceptance[method] if shelved is None else shelved.acceptance
+                if method != state.method and acceptance > best_acceptance:
+                    best, best_acceptance = method, acceptance
+        if best != state.method:
+            state.shelved[state.method] = _Estimate(state.acceptance, state.failed_probes)
+            taken = state.shelved.pop(best, None) or _Estimate(self.workload_acceptance[best])
+            state.method, state.acceptance, state.failed_probes = best, taken.acceptance, taken.failed_probes
 
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
         """k per decoding sequence this step: fixed-k requests as asked, "auto" ones by the policy."""
@@ -78,7 +138,9 @@ class SpeculativeDecoder:
             mode = seq.params.speculation
             if not seq.in_decode:
                 other_tokens += seq.num_tokens - seq.num_computed_tokens
-            elif mode == "auto":
+            elif self.is_auto(seq):
+                if len(self.methods) > 1:
+                    self._pick(seq)
                 auto.append(seq)
             elif mode != "off" and mode:
                 ks[seq.seq_id] = self._cap(seq, min(int(mode), self.k_max))
@@ -99,7 +161,15 @@ class SpeculativeDecoder:
         if not requests:
             return None
         t0 = time.perf_counter()
-        drafts = self.proposer.propose(requests, generator)
+        if len(self.methods) == 1:
+            drafts = self.proposer.propose(requests, generator)
+        else:
+            by_method: dict[str, list[tuple[Sequence, int]]] = {}
+            for seq, k in requests:
+                by_method.setdefault(self._seq_state(seq).method, []).append((seq, k))
+            drafts = {}
+            for method, group in by_method.items():
+                drafts.update(self.proposers[method].propose(group, generator))
         if grammar is not None:
             drafts = self._grammar_drafts(grammar, requests, drafts)
         k = max(k for _, k in requests)
@@ -124,10 +194,10 @@ class SpeculativeDecoder:
         """Constrained sequences' drafts end at the first token their grammar forbids; a stateless proposer's
         (n-gram) are then extended with the grammar's forced text. A draft model's are only cut: its cache
         holds its own proposals, so tokens it did not propose must not be verified in their place."""
-        extend = getattr(self.proposer, "stateless", False)
         out = dict(drafts)
         for seq, k in requests:
             if grammar.constrained(seq):
+                extend = getattr(self._proposer_of(seq), "stateless", False)
                 draft = drafts.get(seq.seq_id) or Draft([])
                 tokens = grammar.draft(seq, draft.token_ids, k, extend and draft.probs is None)
                 probs = None if draft.probs is None or not tokens else draft.probs[: len(tokens)]
@@ -194,31 +264,36 @@ class SpeculativeDecoder:
                 self.forget(seq)
             elif acc.num_draft_tokens:
                 self.observe(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
-            elif s.num_tokens == 1 and not s.num_lookahead and seq.params.speculation == "auto":
+            elif s.num_tokens == 1 and not s.num_lookahead and self.is_auto(seq):
                 self.observe(seq, 0, 0)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A decode step of an "auto" or fixed-k sequence: its drafts' fate, or (0, 0) for a step that
         did not speculate, which relaxes the estimate toward the prior."""
-        state = self._state.get(seq.seq_id)
-        if state is None:
-            state = self._state[seq.seq_id] = _SeqState(self.workload_acceptance)
+        state = self._seq_state(seq)
         if num_proposed:
             state.acceptance = self.policy.observe_acceptance(state.acceptance, num_proposed, num_accepted)
             weight = 1 - (1 - WORKLOAD_EWMA) ** num_proposed
-            self.workload_acceptance += weight * (num_accepted / num_proposed - self.workload_acceptance)
+            workload = self.workload_acceptance
+            workload[state.method] += weight * (num_accepted / num_proposed - workload[state.method])
             state.failed_probes = 0 if num_accepted else state.failed_probes + 1
-            self.proposer.accepted(seq, num_proposed, num_accepted)
+            self.proposers[state.method].accepted(seq, num_proposed, num_accepted)
         else:
             relax = RELAX / 2 ** min(state.failed_probes, MAX_BACKOFF)
             state.acceptance += relax * (ACCEPTANCE_PRIOR - state.acceptance)
 
+    def _proposer_of(self, seq: Sequence) -> Proposer:
+        state = self._state.get(seq.seq_id)
+        return self.proposer if state is None else self.proposers[state.method]
+
     def forget(self, seq: Sequence) -> None:
-        """The sequence finished: drop everything kept for it."""
+        """The sequence finished: drop everything kept for it (every proposer learns from its output)."""
         self._state.pop(seq.seq_id, None)
-        self.proposer.forget(seq)
+        for proposer in self.proposers.values():
+            proposer.forget(seq)
 
     def preempted(self, seqs: Iterable[Sequence]) -> None:
         """Their KV is gone, so is the draft cache's; what was learnt of their acceptance still holds."""
         for seq in seqs:
-            self.proposer.forget(seq)
+            for proposer in self.proposers.values():
+                proposer.forget(seq)

@@ -29,13 +29,26 @@ class TargetInfo:
 
 
 def build_decoder(config: SpeculativeConfig, max_model_len: int, target: TargetInfo) -> SpeculativeDecoder:
-    if config.method == "ngram":
+    proposers = {method: _build_proposer(method, config, target) for method in config.methods}
+    return SpeculativeDecoder(proposers, config.num_speculative_tokens, max_model_len)
+
+
+def _build_proposer(method: str, config: SpeculativeConfig, target: TargetInfo) -> Proposer:
+    if method == "ngram":
         from specserve.spec.ngram import NgramProposer
 
-        proposer: Proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-    else:
-        proposer = _load_draft_model(Path(config.model), target)
-    return SpeculativeDecoder(proposer, config.num_speculative_tokens, max_model_len)
+        return NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+    if method == "suffix":
+        from specserve.spec.suffix import SuffixProposer
+
+        return SuffixProposer(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
+    return _load_draft_model(Path(config.model), target)
 
 
 def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:

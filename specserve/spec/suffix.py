@@ -1,0 +1,327 @@
+"""Suffix decoding: draft by continuing the longest suffix of the context seen before, from suffix trees.
+
+Two trees of token sequences (suffix tries cut at `max_depth` tokens): one per request over its prompt and
+output so far, and one over the outputs of the last `max_cached_requests` finished requests, within
+MAX_SHARED_NODES nodes (agentic and templated traffic repeats itself across requests). A step matches the
+context's suffixes of every length in each tree, then walks from each match to the most frequent child while
+the product of the child / parent occurrence ratios (the draft token's estimated probability) stays at or
+above `min_token_prob`, for at most max_spec_factor x match length (+ max_spec_offset) and k tokens. The
+draft with the highest score (the sum of its tokens' probabilities: its expected accepted tokens) wins, the
+request's own tree on a tie. A context that matches nothing gets no draft.
+
+Drafts are deterministic (one-hot q), so the verifier keeps the target's distribution exactly.
+
+Pure Python rather than Arctic Inference's compiled suffix tree (arctic-inference 0.3.0's
+`arctic_inference.suffix_decoding` imports without vLLM on CPU): a wheel per CPython version and platform
+for a few hundred lines of dict walks is not worth the dependency, and every step's cost here is bounded by
+the depth, not by the text's length:
+- appending a token to a request's tree touches the `max_depth` suffixes that end at it (their nodes are
+  kept), and so does following it in the global tree (the same, read-only, rebuilt once from the last
+  `max_depth` tokens after the global tree changed);
+- a proposal reads those nodes directly (no search from the root) and walks at most k children from each
+  (the most frequent child of every node is kept up to date).
+A request's tree holds up to prompt length x max_depth nodes (each one object), built on its first draft.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sequence import Sequence
+from specserve.spec.proposer import Draft
+
+
+class _Node:
+    """The token sequence on the path from the root; `count`: its occurrences (within max_depth of where
+    they start). Children are inline while there is one (most nodes of a text's trie), a dict after."""
+
+    __slots__ = ("token", "count", "kids", "best")
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+        self.count = 0
+        self.kids: _Node | dict[int, _Node] | None = None
+        self.best: _Node | None = None  # the most frequent child; ties: the lowest token id
+
+    def child(self, token: int) -> _Node | None:
+        kids = self.kids
+        if kids is None:
+            return None
+        if type(kids) is _Node:
+            return kids if kids.token == token else None
+        return kids.get(token)
+
+    def children(self) -> Iterable[_Node]:
+        kids = self.kids
+        if kids is None:
+            return ()
+        if type(kids) is _Node:
+            return (kids,)
+        return kids.values()
+
+    def add(self, token: int) -> _Node:
+        """One more occurrence of this path followed by `token`."""
+        node = self.child(token)
+        if node is None:
+            node = _Node(token)
+            kids = self.kids
+            if kids is None:
+                self.kids = node
+            elif type(kids) is _Node:
+                self.kids = {kids.token: kids, token: node}
+            else:
+                kids[token] = node
+        node.count += 1
+        best = self.best
+        if best is None or _ranks_above(node, best):
+            self.best = node
+        return node
+
+    def remove(self, token: int) -> _Node:
+        """One occurrence fewer of this path followed by `token`; a child left with none is dropped."""
+        node = self.child(token)
+        if node is None:
+            raise KeyError(token)
+        node.count -= 1
+        if not node.count:
+            if type(self.kids) is _Node:
+                self.kids = None
+            else:
+                del self.kids[token]
+                if len(self.kids) == 1:
+                    self.kids = next(iter(self.kids.values()))
+        if node is self.best:
+            self.best = None
+            for kid in self.children():
+                if self.best is None or _ranks_above(kid, self.best):
+                    self.best = kid
+        return node
+
+
+def _ranks_above(a: _Node, b: _Node) -> bool:
+    return a.count > b.count or (a.count == b.count and a.token < b.token)
+
+
+@dataclass(frozen=True)
+class Speculation:
+    token_ids: list[int]
+    score: float  # sum of the draft tokens' estimated probabilities
+    match_len: int
+
+
+NO_SPECULATION = Speculation([], 0.0, 0)
+
+
+class SuffixTree:
+    """Suffixes of token sequences, each cut at max_depth tokens. Add a sequence whole (`insert`) or token by
+    token (`extend`, which returns the suffix nodes to pass back with the next token)."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError("max_depth must be at least 2 (a match and one token after it)")
+        self.max_depth = max_depth
+        self.root = _Node(-1)
+
+    def extend(self, ends: list[_Node], token: int) -> list[_Node]:
+        """`ends`: the nodes of the sequence's suffixes of lengths 1..len(ends) (len(ends) < max_depth),
+        shortest first. Counts the suffixes of the sequence with `token` appended and returns their nodes,
+        but for the one of max_depth tokens, which goes no deeper."""
+        return self._counted(ends, token)[: self.max_depth - 1]
+
+    def _counted(self, ends: list[_Node], token: int) -> list[_Node]:
+        out = [self.root.add(token)]
+        out.extend(node.add(token) for node in ends)
+        return out
+
+    def insert(self, tokens: Iterable[int]) -> int:
+        """Count every suffix of `tokens`; returns the nodes it added."""
+        added = 0
+        ends: list[_Node] = []
+        for token in tokens:
+            nodes = self._counted(ends, token)
+            added += sum(node.count == 1 for node in nodes)  # a node of count 0 does not stay in the tree
+            ends = nodes[: self.max_depth - 1]
+        return added
+
+    def remove(self, tokens: list[int]) -> int:
+        """Undo insert(tokens): every suffix's occurrences go, and nodes no sequence reaches any more;
+        returns how many nodes went."""
+        dropped = 0
+        for start in range(len(tokens)):
+            node = self.root
+            for token in tokens[start : start + self.max_depth]:
+                node = node.remove(token)
+                dropped += node.count == 0
+        return dropped
+
+    def follow(self, ends: list[_Node | None], token: int) -> list[_Node | None]:
+        """Like extend, read-only: None where the suffix does not occur in the tree."""
+        out = [self.root.child(token)]
+        out.extend(None if node is None else node.child(token) for node in ends[: self.max_depth - 2])
+        return out
+
+    def match(self, suffix: list[int]) -> _Node | None:
+        node: _Node | None = self.root
+        for token in suffix:
+            node = node.child(token)
+            if node is None:
+                return None
+        return node
+
+
+@dataclass(frozen=True)
+class Walk:
+    """How far a draft goes from a match."""
+
+    max_spec_factor: float
+    max_spec_offset: float
+    min_token_prob: float
+
+    def speculate(self, ends: list[_Node | None], max_tokens: int) -> Speculation:
+        """The best draft from any of the context's suffix nodes (`ends[i]`: the suffix of length i + 1)."""
+        best = NO_SPECULATION
+        for i, node in enumerate(ends):
+            if node is None or node.best is None:
+                continue
+            match_len = i + 1
+            limit = min(max_tokens, int(match_len * self.max_spec_factor + self.max_spec_offset + 1e-6))
+            tokens: list[int] = []
+            prob = 1.0
+            score = 0.0
+            while len(tokens) < limit:
+                child = node.best
+                if child is None:
+                    break
+                prob *= child.count / node.count
+                if prob < self.min_token_prob:
+                    break
+                tokens.append(child.token)
+                score += prob
+                node = child
+            if tokens and score >= best.score:  # a longer match wins a tie
+                best = Speculation(tokens, score, match_len)
+        return best
+
+
+class _RequestState:
+    """One sequence's tree over its tokens so far, and where its suffixes stand in the global tree."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.tree = SuffixTree(max_depth)
+        self.ends: list[_Node] = []
+        self.num_tokens = 0
+        self.global_ends: list[_Node | None] = []
+        self.global_version = -1
+
+
+# The shared tree's nodes at most, whatever max_requests allows: an output of n tokens adds up to n x depth
+# nodes, so 10,000 outputs of 256 distinct tokens would be 61 M nodes, GBs of Python objects. A node takes
+# about 67 bytes (tracemalloc, CPython 3.11, 2,000 random tokens at depth 24): some 270 MB here.
+MAX_SHARED_NODES = 4_000_000
+
+
+class GlobalTree:
+    """Outputs of finished requests, the least recently added evicted past max_requests or past max_nodes
+    nodes (each removed whole: its every occurrence count). A key added again replaces its earlier output.
+    The newest output stays even when it alone is over max_nodes."""
+
+    def __init__(self, max_depth: int, max_requests: int, max_nodes: int = MAX_SHARED_NODES) -> None:
+        self.tree = SuffixTree(max_depth)
+        self.max_requests = max_requests
+        self.max_nodes = max_nodes
+        self.num_nodes = 0
+        self.outputs: OrderedDict[Hashable, list[int]] = OrderedDict()
+        self.version = 0  # changes with the tree, so followers know their nodes may be stale
+
+    def add(self, key: Hashable, tokens: list[int]) -> None:
+        if self.max_requests <= 0 or not tokens:
+            return
+        old = self.outputs.pop(key, None)
+        if old is not None:
+            self.num_nodes -= self.tree.remove(old)
+        while len(self.outputs) >= self.max_requests:
+            self._evict_oldest()
+        self.outputs[key] = list(tokens)
+        self.num_nodes += self.tree.insert(tokens)
+        while self.num_nodes > self.max_nodes and len(self.outputs) > 1:
+            self._evict_oldest()
+        self.version += 1
+
+    def _evict_oldest(self) -> None:
+        _, evicted = self.outputs.popitem(last=False)
+        self.num_nodes -= self.tree.remove(evicted)
+
+
+class SuffixProposer:
+    # Its state is the committed tokens alone: drafts it did not make may replace or extend its own
+    # (grammar-forced tokens).
+    stateless = True
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        max_tree_depth: int = 24,
+        max_cached_requests: int = 10000,
+        max_spec_factor: float = 1.0,
+        min_token_prob: float = 0.1,
+        max_spec_offset: float = 0.0,
+        max_cached_nodes: int = MAX_SHARED_NODES,
+    ) -> None:
+        self.max_depth = max_tree_depth
+        self.max_tokens = num_speculative_tokens
+        self.walk = Walk(max_spec_factor, max_spec_offset, min_token_prob)
+        self.cache = GlobalTree(max_tree_depth, max_cached_requests, max_cached_nodes)
+        self._requests: dict[int, _RequestState] = {}
+
+    # ---- Proposer ----------------------------------------------------------------------------------------
+
+    def propose(self, requests: list[tuple[Sequence, int]], generator: torch.Generator) -> dict[int, Draft]:
+        drafts = {}
+        for seq, k in requests:
+            state = self._catch_up(seq)
+            drafts[seq.seq_id] = Draft(self.speculate(state, min(k, self.max_tokens)).token_ids)
+        return drafts
+
+    def accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        pass  # the trees hold committed tokens only: nothing to roll back
+
+    def forget(self, seq: Sequence) -> None:
+        """A finished sequence's output joins the global tree (an aborted one's does not: it was cut
+        short); a preempted one's tree is rebuilt when it drafts again."""
+        self._requests.pop(seq.seq_id, None)
+        if seq.is_finished and seq.finish_reason != "abort":
+            self.cache.add(seq.seq_id, seq.output_token_ids)
+
+    # ---- the trees ---------------------------------------------------------------------------------------
+
+    def speculate(self, state: _RequestState, max_tokens: int) -> Speculation:
+        own = self.walk.speculate(state.ends, max_tokens)
+        if self.cache.outputs:
+            shared = self.walk.speculate(state.global_ends, max_tokens)
+            if shared.score > own.score:
+                return shared
+        return own
+
+    def _catch_up(self, seq: Sequence) -> _RequestState:
+        """Append the tokens committed since the last proposal to the sequence's trees."""
+        state = self._requests.get(seq.seq_id)
+        tokens = seq.token_ids
+        if state is None or state.num_tokens > len(tokens):
+            state = self._requests[seq.seq_id] = _RequestState(self.max_depth)
+        new = tokens[state.num_tokens :]
+        tree = state.tree
+        for token in new:
+            state.ends = tree.extend(state.ends, token)
+        state.num_tokens = len(tokens)
+        if self.cache.outputs:
+            shared = self.cache.tree
+            if state.global_version != self.cache.version:
+                state.global_ends, new = [], tokens[-(self.max_depth - 1) :]
+                state.global_version = self.cache.version
+            for token in new:
+                state.global_ends = shared.follow(state.global_ends, token)
+        return state
