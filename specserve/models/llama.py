@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from specserve.kernels import AttentionBackend, select_backend
 from specserve.kernels import cpu_paged_attention as cpu_kernels
 from specserve.kernels.huge_pages import advise_huge_pages
-from specserve.models import quant
+from specserve.models import linear, quant
 from specserve.models.config import ModelConfig
 from specserve.models.parallel import TensorParallel, check_shardable, local_heads
 
@@ -243,9 +243,9 @@ class LlamaModel:
 
     def _pack_weights(self, prepack: bool, keep_dense: bool, head_q8_0: quant.Int8Weight | None) -> None:
         """Quantized matrices into their kernels' layouts, with a dense copy beside them when `keep_dense`
-        and the copy pays (quant.dense_copy_pays); dense ones into our panel products' layout where they pay
-        (quant.dense_panels_pay), else with `prepack` into oneDNN's own blocked layout, once instead of on
-        every call.
+        and the copy pays (quant.dense_copy_pays); dense ones into the form models/linear.py chooses: our
+        panel products' layout (linear.DENSE_PANELS), or with `prepack` oneDNN's own blocked layout, once
+        instead of on every call.
 
         F.linear on a bfloat16 CPU tensor reorders the weight into oneDNN's layout at each call; prepacked,
         the decode-sized matmuls of a step run about 1.5x faster with bit-identical results.
@@ -253,13 +253,15 @@ class LlamaModel:
 
         dense = _prepacked_linear if prepack else F.linear
         panels = False
+        isa = linear.Isa.here(self.device, onednn_bf16=prepack)
 
         def dense_form(w: torch.Tensor) -> Any:
             nonlocal panels
-            if quant.dense_panels_pay(w, self.dtype, self.device):
+            form = linear.choose(quant.matrix(w), 1, self.dtype, isa)
+            if form is linear.DENSE_PANELS:
                 panels = True
                 return quant.DensePanels(w)
-            return torch.ops.mkldnn._reorder_linear_weight(w) if prepack else w
+            return torch.ops.mkldnn._reorder_linear_weight(w) if form is linear.ONEDNN_PREPACKED else w
 
         def dense_mm(w: Any) -> quant.DenseMatmul:
             return w.mm if isinstance(w, quant.DensePanels) else partial(dense, weight=w)
