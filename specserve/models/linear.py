@@ -117,14 +117,13 @@ def _needs(dtype: torch.dtype, want: torch.dtype, isa: Isa, path: str) -> str | 
 
 
 class OwnInt8Bf16(Form):
-    """Our AVX512-BF16 int8 product (cpu_kernels.bind_int8_bf16) on its 16-output tiles, every step size: at
-    1 / 8 / 64 / 256 rows 5.9 / 8.3 / 44.0 / 138 ms against torch's _weight_int8pack_mm 9.6 / 22.7 / 110 /
-    403 and dense bf16 panels 8.9 / 9.7 / 39.3 / 131."""
+    """Our AVX512-BF16 int8 product (cpu_kernels.bind_int8_bf16) on its 16-output tiles, every step size
+    (faster than torch's _weight_int8pack_mm at every one, within ~10% of dense bf16 panels past 8 rows)."""
 
     name = "ours int8 bf16"
     kinds = (INT8,)
     kernel = True
-    # beside a dense copy (kept only with AMX, whose oneDNN tiles run it 3-4x faster) it takes few rows only
+    # a dense copy is kept only with AMX, whose oneDNN tiles run it 3-4x faster past batch-1 decode's rows
     BESIDE_COPY_MAX_ROWS = 8
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
@@ -136,7 +135,7 @@ class OwnInt8Bf16(Form):
         return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else math.inf
 
     def copy_pays(self, isa: Isa) -> bool:
-        # no copy without AMX: whole W1 at 64 in flight ran 244 tok/s on it against 222 dense (ABBA)
+        # without AMX it beats the copy at 64 in flight (`bench/quant.py --in-flight`, 2-core Zen 4)
         return isa.amx
 
 
@@ -147,10 +146,10 @@ class OwnInt8F32(Form):
     name = "ours int8 f32"
     kinds = (INT8, INT8_GROUPED)
     kernel = True
-    # its few-row forms end here; past them only its widened panels (whole tiles of 8, no copy) pay
+    # the C++ few-row forms cover 1..8 rows; past them its widened panels, a dense copy or a widening run
     FEW_ROWS = 8
-    # a scale per group (a Q8_0 head) runs in two passes (8 rows, then the rest) up to the C++ kernel's
-    # kWidenFromRows - 1: SmolLM2's head at 15 rows 6.9 ms against 7.5 on dense float32 panels
+    # the C++ kernel's kWidenFromRows - 1 (a Q8_0 head in 8-row passes): past it the dense float32 head's
+    # panels win (`python bench/quant_kernels.py`, SmolLM2's head, 2-core Zen 4 avx2-only build)
     GROUPED_MAX_ROWS = 15
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
@@ -162,7 +161,7 @@ class OwnInt8F32(Form):
         return math.inf if _own_panels(m) else self.FEW_ROWS
 
     def copy_pays(self, isa: Isa) -> bool:
-        # its panels run as fast as dense float32 (W1 at 64 in flight: int8 118.8 tok/s, dense 115.5)
+        # its panels run as fast as dense float32 (`bench/quant.py --in-flight`, 2-core Zen 4)
         return False
 
 
@@ -173,13 +172,13 @@ class OwnInt8F32OnBf16(Form):
     name = "ours int8 f32 (bf16 rows)"
     kinds = (INT8_GROUPED,)
     kernel = True
-    # SmolLM2's 49,152 x 576 head alone at 3 / 4 rows: 1.41 / 1.65 ms against 1.56 / 1.47 dense bf16 panels
+    # past 3 rows the dense bf16 head's panels win (SmolLM2's 49,152 x 576 head alone, 2-core Zen 4)
     MAX_ROWS = 3
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         if dtype != torch.bfloat16:
             return f"{torch.bfloat16} only"
-        return _needs(torch.float32, torch.float32, isa, "avx2_fma")
+        return None if isa.avx2_fma else "the library has no AVX2 + FMA products"
 
     def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
         return self.MAX_ROWS
@@ -191,7 +190,7 @@ class TorchInt8(Form):
     name = "torch int8pack"
     kinds = (INT8,)
     kernel = True
-    # 1 / 16 / 64 rows on the AMX Xeon: 0.10 / 0.69 / 2.8 ms against 0.13 / 0.15 / 0.28 dense prepacked
+    # it beats dense prepacked only at batch-1 decode's few rows (`bench/quant_kernels.py`, AMX Xeon)
     MAX_ROWS = 8
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
@@ -209,7 +208,7 @@ class OwnInt4RowsBf16(Form):
     name = "ours int4 rows bf16"
     kinds = (INT4,)
     kernel = True
-    # beside a dense copy: 4.77 / 6.99 ms at 2 / 4 rows against the copy's bf16 panels 5.85 / 5.97
+    # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 2
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
@@ -225,9 +224,10 @@ class TorchInt4(Form):
     name = "torch int4pack"
     kinds = (INT4,)
     kernel = True
-    # beside a dense copy: 6.5 / 10.9 ms at 4 / 6 rows against the copy's bf16 panels 7.6 / 7.5
+    # past 4 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 4
-    MAX_ROWS = 8
+    # without a copy it takes the few rows every packed-int kernel does; past them ours or a widening run
+    MAX_ROWS = TorchInt8.MAX_ROWS
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         if dtype != torch.bfloat16:
@@ -256,13 +256,13 @@ class OwnInt4F32(Form):
         return math.inf if _own_panels(m) else self.FEW_ROWS
 
     def copy_pays(self, isa: Isa) -> bool:
-        # W1 at 64 in flight: int4 115.9 tok/s against dense 115.5, and the copy is 424 MB beside 60 MB
+        # as fast as the copy at 64 in flight (`bench/quant.py --in-flight`, 2-core Zen 4), which is 7x int4
         return False
 
 
 class OwnInt4Bf16Tiles(Form):
     """Our AVX512-BF16 int4 product on its 16-output tiles (cpu_kernels.bind_int4_bf16) for steps of many
-    rows without a dense copy: 11.0-14.1 ms at 8 rows."""
+    rows without a dense copy."""
 
     name = "ours int4 bf16 tiles"
     kinds = (INT4,)
@@ -304,9 +304,9 @@ class TorchWiden(Form):
 
 
 class DensePanelsForm(Form):
-    """A dense matrix on our panel products (quant.DensePanels): float32 on AVX2 + FMA (MKL's sgemm reads
-    few-row weights at ~7-11 GB/s; 1 / 64 rows 15.4 / 86.8 ms against 38.3 / 116), bf16 on AVX512-BF16
-    without AMX (oneDNN's at ~12 GB/s; 8.6 / 33.6 ms against its prepacked 12.7 / 40.8)."""
+    """A dense matrix on our panel products (quant.DensePanels): float32 on AVX2 + FMA, bf16 on AVX512-BF16
+    without AMX. MKL's sgemm reads few-row weights at ~7-11 GB/s and oneDNN's bf16 at ~12: ours ran 1 to 2,048
+    rows faster on the 2-core Zen 4 (`python bench/quant_kernels.py`)."""
 
     name = "ours dense panels"
     kinds = (DENSE,)
@@ -345,8 +345,8 @@ class TorchDense(Form):
 
 def _own_panels(m: Matrix) -> bool:
     """Whether our float32 product runs steps of many rows too, on panels of 16 outputs widened into cache
-    (outputs in whole tiles of 8, a scale per output; none where a dense copy runs them): 18 / 64 rows int8
-    33.6 / 78.2 ms against 105 / 133 widened for MKL (`python bench/quant_kernels.py --float32`)."""
+    (outputs in whole tiles of 8, a scale per output; none where a dense copy runs them): 2-3x faster than
+    the matrix widened for MKL at 18 and 64 rows (`python bench/quant_kernels.py --float32`, 2-core Zen 4)."""
     return not m.dense_copy and m.out % 8 == 0 and m.kind in (INT8, INT4)
 
 
