@@ -109,7 +109,7 @@ def chain_ab(engine, steps: int) -> None:
     model = engine.model
     runs = model.chain_runs
     if not runs:
-        print("\nchain A/B: this model runs no layer chain (see LlamaModel._layer_chains)")
+        print("\nchain A/B: this model runs no layer chain (see models/chain_plan.py: layer_chains)")
         return
     times: dict[str, list[float]] = {"chained": [], "Python loop": []}
     try:

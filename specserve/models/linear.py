@@ -1,0 +1,429 @@
+"""Which product runs a matrix at a step of N rows: one ordered table of forms (FORMS), walked by `choose`;
+the first form that does not refuse runs the step, and each refusal says why in a few words.
+
+A matrix is described by what the choice reads (`Matrix`: stored kind, shape, whether a dense copy is kept
+beside it) and the machine by what its builds run (`Isa`). The table decides; models/quant.py builds the
+chosen forms' data (PackedInt8, PackedInt4, DensePanels) and models/llama.py the dense ones. A packed matrix
+asks once, when built (`plan`: the runs of step sizes and their forms), so a step pays nothing for the choice.
+
+The row limits below were read off `python bench/quant_kernels.py` (SmolLM2's four layer matrices over all
+30 layers, weights from memory) on a 2-core Zen 4 unless a form says otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specserve.kernels import cpu
+
+log = logging.getLogger(__name__)
+
+DENSE, INT8, INT8_GROUPED, INT4 = "dense", "int8", "int8 grouped", "int4"
+QUANTIZED = (INT8, INT8_GROUPED, INT4)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """What the choice reads of a matrix: its stored kind (DENSE; INT8 with a scale per output; INT8_GROUPED
+    with a scale per group of 32 inputs, a Q8_0 head; INT4 in groups of 32), its shape [out, in], and whether
+    a dense copy of a quantized one is kept beside it for steps of many rows (`auto`: copy_pays)."""
+
+    kind: str
+    shape: tuple[int, ...]
+    dense_copy: bool = False
+
+    @property
+    def out(self) -> int:
+        return self.shape[0]
+
+    @property
+    def inner(self) -> int:
+        return self.shape[-1]
+
+
+@dataclass(frozen=True)
+class Isa:
+    """What this machine runs: our C++ library's products (kernels/cpu: float32 ones on AVX2 + FMA builds,
+    bfloat16 ones on AVX512-BF16), AMX tiles (oneDNN's bf16 matmuls), oneDNN's prepacked bf16 linear."""
+
+    cpu: bool
+    library: bool
+    avx2_fma: bool
+    avx512_bf16: bool
+    amx: bool
+    onednn_bf16: bool = False
+
+    @classmethod
+    def here(cls, device: torch.device, onednn_bf16: bool = False) -> Isa:
+        library = device.type == "cpu" and cpu.build.load() is not None
+        return cls(
+            cpu=device.type == "cpu",
+            library=library,
+            avx2_fma=library and cpu.build.quant_fast(),
+            avx512_bf16=library and cpu.build.quant_bf16_fast(),
+            amx=torch.cpu._is_amx_tile_supported(),
+            onednn_bf16=onednn_bf16,
+        )
+
+
+class Form:
+    """One way to run a matrix. `kinds`: the stored kinds it takes; `kernel`: a few-row product of the packed
+    matrix itself (PackedInt8 / PackedInt4 call it for steps of up to max_rows rows); `copy_pays`: whether a
+    dense copy should be kept for steps of many rows where this form would run them without one."""
+
+    name = ""
+    kinds: tuple[str, ...] = ()
+    kernel = False
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        """Why this form cannot run the matrix at any step size, or None."""
+        return None
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return math.inf
+
+    def can_run(self, m: Matrix, rows: float, dtype: torch.dtype, isa: Isa) -> str | None:
+        """None where this form runs a step of `rows` rows, else a short reason."""
+        if m.kind not in self.kinds:
+            return f"takes {' / '.join(self.kinds)} only"
+        reason = self.refuse(m, dtype, isa)
+        if reason is not None:
+            return reason
+        most = self.max_rows(m, dtype, isa)
+        return f"more than {most} rows" if rows > most else None
+
+    def copy_pays(self, isa: Isa) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _needs(dtype: torch.dtype, want: torch.dtype, isa: Isa, path: str) -> str | None:
+    if dtype != want:
+        return f"{want} only"
+    if not isa.library:
+        return "our library is not built here"
+    if path == "avx2_fma" and not isa.avx2_fma:
+        return "the library has no AVX2 + FMA products"
+    if path == "avx512_bf16" and not isa.avx512_bf16:
+        return "the library has no AVX512-BF16 products"
+    return None
+
+
+class OwnInt8Bf16(Form):
+    """Our AVX512-BF16 int8 product (cpu.matmul.bind_int8_bf16) on its 16-output tiles, every step size
+    (faster than torch's _weight_int8pack_mm at every one, within ~10% of dense bf16 panels past 8 rows)."""
+
+    name = "ours int8 bf16"
+    kinds = (INT8,)
+    kernel = True
+    # a dense copy is kept only with AMX, whose oneDNN tiles run it 3-4x faster past batch-1 decode's rows
+    BESIDE_COPY_MAX_ROWS = 8
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if m.out % cpu.matmul.INT8_TILE or m.inner % 2:
+            return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or an odd input width"
+        return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else math.inf
+
+    def copy_pays(self, isa: Isa) -> bool:
+        # without AMX it beats the copy at 64 in flight (`bench/quant.py --in-flight`, 2-core Zen 4)
+        return isa.amx
+
+
+class OwnInt8F32(Form):
+    """Our AVX2 + FMA int8 product (cpu.matmul.bind_int8): few-row forms for 1..8 rows, and for more rows
+    panels widened into cache where the outputs come in whole tiles of 8 and a scale per output."""
+
+    name = "ours int8 f32"
+    kinds = (INT8, INT8_GROUPED)
+    kernel = True
+    # the C++ few-row forms cover 1..8 rows; past them its widened panels, a dense copy or a widening run
+    FEW_ROWS = 8
+    # the C++ kernel's kWidenFromRows - 1 (a Q8_0 head in 8-row passes): past it the dense float32 head's
+    # panels win (`python bench/quant_kernels.py`, SmolLM2's head, 2-core Zen 4 avx2-only build)
+    GROUPED_MAX_ROWS = 15
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        return _needs(dtype, torch.float32, isa, "avx2_fma")
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        if m.kind == INT8_GROUPED:
+            return self.GROUPED_MAX_ROWS
+        return math.inf if _own_panels(m) else self.FEW_ROWS
+
+    def copy_pays(self, isa: Isa) -> bool:
+        # its panels run as fast as dense float32 (`bench/quant.py --in-flight`, 2-core Zen 4)
+        return False
+
+
+class OwnInt8F32OnBf16(Form):
+    """A bf16 model's Q8_0 head on our float32 int8 product, the rows widened to float32 and float32 logits
+    out: the head's own values, which the dense bf16 head rounds."""
+
+    name = "ours int8 f32 (bf16 rows)"
+    kinds = (INT8_GROUPED,)
+    kernel = True
+    # past 3 rows the dense bf16 head's panels win (SmolLM2's 49,152 x 576 head alone, 2-core Zen 4)
+    MAX_ROWS = 3
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if dtype != torch.bfloat16:
+            return f"{torch.bfloat16} only"
+        return None if isa.avx2_fma else "the library has no AVX2 + FMA products"
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.MAX_ROWS
+
+
+class TorchInt8(Form):
+    """torch's packed int8 kernel (_weight_int8pack_mm), bf16: pays at batch-1 decode only."""
+
+    name = "torch int8pack"
+    kinds = (INT8,)
+    kernel = True
+    # it beats dense prepacked only at batch-1 decode's few rows (`bench/quant_kernels.py`, AMX Xeon)
+    MAX_ROWS = 8
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if dtype != torch.bfloat16:
+            return f"{torch.bfloat16} only"
+        return None if isa.cpu else "CPU only"
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.MAX_ROWS
+
+
+class OwnInt4RowsBf16(Form):
+    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16): a layer chain can call it."""
+
+    name = "ours int4 rows bf16"
+    kinds = (INT4,)
+    kernel = True
+    # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
+    BESIDE_COPY_MAX_ROWS = 2
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT4_ROWS_BF16_MAX
+
+
+class TorchInt4(Form):
+    """torch's packed int4 kernel (_weight_int4pack_mm_for_cpu), bf16, where ours is not built."""
+
+    name = "torch int4pack"
+    kinds = (INT4,)
+    kernel = True
+    # past 4 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
+    BESIDE_COPY_MAX_ROWS = 4
+    # without a copy it takes the few rows every packed-int kernel does; past them ours or a widening run
+    MAX_ROWS = TorchInt8.MAX_ROWS
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if dtype != torch.bfloat16:
+            return f"{torch.bfloat16} only"
+        if OWN_INT4_ROWS_BF16.refuse(m, dtype, isa) is None:
+            return "our int4 rows product runs these"
+        return None
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else self.MAX_ROWS
+
+
+class OwnInt4F32(Form):
+    """Our AVX2 + FMA int4 product (cpu.matmul.bind_int4): few-row forms, and widened panels for more rows
+    where the outputs come in whole tiles of 8 (as OwnInt8F32)."""
+
+    name = "ours int4 f32"
+    kinds = (INT4,)
+    kernel = True
+    FEW_ROWS = OwnInt8F32.FEW_ROWS
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        return _needs(dtype, torch.float32, isa, "avx2_fma")
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return math.inf if _own_panels(m) else self.FEW_ROWS
+
+    def copy_pays(self, isa: Isa) -> bool:
+        # as fast as the copy at 64 in flight (`bench/quant.py --in-flight`, 2-core Zen 4), which is 7x int4
+        return False
+
+
+class OwnInt4Bf16Tiles(Form):
+    """Our AVX512-BF16 int4 product on its 16-output tiles (cpu.matmul.bind_int4_bf16) for steps of many
+    rows without a dense copy."""
+
+    name = "ours int4 bf16 tiles"
+    kinds = (INT4,)
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if m.dense_copy:
+            return "a dense copy runs many rows"
+        if m.out % cpu.matmul.INT8_TILE or m.inner % cpu.matmul.INT4_GROUP:
+            return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or inputs not in groups"
+        return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
+
+
+class DenseCopy(Form):
+    """The dense copy kept beside a quantized matrix (auto), in its own dense form."""
+
+    name = "dense copy"
+    kinds = QUANTIZED
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        return None if m.dense_copy else "no dense copy kept"
+
+
+class LibraryWiden(Form):
+    """The matrix widened to float32 by our library a block of rows at a time (any build: both cores), then
+    torch's matmul on each block."""
+
+    name = "library widen"
+    kinds = (INT8, INT4)
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        return _needs(dtype, torch.float32, isa, "")
+
+
+class TorchWiden(Form):
+    """The matrix widened by torch ops per call, then torch's matmul: what runs where nothing else does."""
+
+    name = "torch widen"
+    kinds = QUANTIZED
+
+
+class DensePanelsForm(Form):
+    """A dense matrix on our panel products (quant.DensePanels): float32 on AVX2 + FMA, bf16 on AVX512-BF16
+    without AMX. MKL's sgemm reads few-row weights at ~7-11 GB/s and oneDNN's bf16 at ~12: ours ran 1 to 2,048
+    rows faster on the 2-core Zen 4 (`python bench/quant_kernels.py`)."""
+
+    name = "ours dense panels"
+    kinds = (DENSE,)
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if len(m.shape) != 2:
+            return "not a matrix"
+        if dtype == torch.float32:
+            if m.out % 8:
+                return "outputs not in tiles of 8"
+            return _needs(dtype, torch.float32, isa, "avx2_fma")
+        if m.out % cpu.matmul.INT8_TILE or m.inner % 2:
+            return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or an odd input width"
+        reason = _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
+        if reason is None and isa.amx:
+            # oneDNN's AMX tiles run 64 rows of SmolLM2's four matrices in 0.28 ms, 3-4x any AVX-512 loop
+            return "AMX: oneDNN's tiles are faster"
+        return reason
+
+
+class OneDnnPrepacked(Form):
+    """oneDNN's bf16 linear on the weight reordered once into its blocked layout (about 1.5x F.linear on
+    decode-sized steps, which reorders at each call)."""
+
+    name = "onednn prepacked"
+    kinds = (DENSE,)
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        return None if isa.onednn_bf16 and dtype == torch.bfloat16 else "no oneDNN bf16 prepacked linear"
+
+
+class TorchDense(Form):
+    name = "torch linear"
+    kinds = (DENSE,)
+
+
+def _own_panels(m: Matrix) -> bool:
+    """Whether our float32 product runs steps of many rows too, on panels of 16 outputs widened into cache
+    (outputs in whole tiles of 8, a scale per output; none where a dense copy runs them): 2-3x faster than
+    the matrix widened for MKL at 18 and 64 rows (`python bench/quant_kernels.py --float32`, 2-core Zen 4)."""
+    return not m.dense_copy and m.out % 8 == 0 and m.kind in (INT8, INT4)
+
+
+OWN_INT8_BF16 = OwnInt8Bf16()
+OWN_INT8_F32 = OwnInt8F32()
+OWN_INT8_F32_ON_BF16 = OwnInt8F32OnBf16()
+TORCH_INT8 = TorchInt8()
+OWN_INT4_ROWS_BF16 = OwnInt4RowsBf16()
+TORCH_INT4 = TorchInt4()
+OWN_INT4_F32 = OwnInt4F32()
+OWN_INT4_BF16_TILES = OwnInt4Bf16Tiles()
+DENSE_COPY = DenseCopy()
+LIBRARY_WIDEN = LibraryWiden()
+TORCH_WIDEN = TorchWiden()
+DENSE_PANELS = DensePanelsForm()
+ONEDNN_PREPACKED = OneDnnPrepacked()
+TORCH_DENSE = TorchDense()
+
+# In order: the first whose can_run has no objection runs the step.
+FORMS: tuple[Form, ...] = (
+    OWN_INT8_BF16,
+    OWN_INT8_F32,
+    OWN_INT8_F32_ON_BF16,
+    TORCH_INT8,
+    OWN_INT4_ROWS_BF16,
+    TORCH_INT4,
+    OWN_INT4_F32,
+    OWN_INT4_BF16_TILES,
+    DENSE_COPY,
+    LIBRARY_WIDEN,
+    TORCH_WIDEN,
+    DENSE_PANELS,
+    ONEDNN_PREPACKED,
+    TORCH_DENSE,
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _walk(m: Matrix, rows: float, dtype: torch.dtype, isa: Isa) -> tuple[Form, tuple[tuple[str, str], ...]]:
+    refused = []
+    for form in FORMS:
+        if m.kind not in form.kinds:
+            continue
+        reason = form.can_run(m, rows, dtype, isa)
+        if reason is None:
+            return form, tuple(refused)
+        refused.append((form.name, reason))
+    raise ValueError(f"no matmul form runs a {m.kind} matrix {list(m.shape)} in {dtype}")  # TORCH_* take all
+
+
+def choose(m: Matrix, rows: float, dtype: torch.dtype, isa: Isa) -> Form:
+    """The form that runs a step of `rows` rows (cached per matrix description and step size)."""
+    return _walk(m, rows, dtype, isa)[0]
+
+
+@functools.cache
+def _log_choice(
+    kind: str, rows: str, dtype: torch.dtype, form: str, refused: tuple[tuple[str, str], ...]
+) -> None:
+    why = "; ".join(f"{name}: {reason}" for name, reason in refused) or "first in the table"
+    log.debug("matmul %s at %s rows in %s: %s (%s)", kind, rows, dtype, form, why)
+
+
+def plan(m: Matrix, dtype: torch.dtype, isa: Isa) -> tuple[Form, float, Form]:
+    """(the form of few-row steps, the most rows it takes, the form past them): every step size's choice,
+    as the packed matrix calls it. Logged at DEBUG once per kind and run of step sizes."""
+    few, refused = _walk(m, 1, dtype, isa)
+    most = few.max_rows(m, dtype, isa)
+    _log_choice(m.kind, f"1..{most}", dtype, few.name, refused)
+    if most == math.inf:
+        return few, most, few
+    many, refused = _walk(m, most + 1, dtype, isa)
+    _log_choice(m.kind, f"{most + 1}..", dtype, many.name, refused)
+    return few, most, many
+
+
+def copy_pays(m: Matrix, dtype: torch.dtype, isa: Isa) -> bool:
+    """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows: where the form
+    that would run them without one is slower than the copy's (Form.copy_pays)."""
+    return choose(Matrix(m.kind, m.shape), math.inf, dtype, isa).copy_pays(isa)

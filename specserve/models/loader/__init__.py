@@ -1,0 +1,122 @@
+"""Checkpoint loaders: HF safetensors directories and GGUF files -> HF-named fp tensors + HF-shaped config.
+
+Both paths end in the same `Checkpoint`, so the forward only ever sees Hugging Face parameter names. Pickle
+checkpoints (.bin/.pt) are refused: unpickling runs arbitrary code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from specserve.models import quant
+from specserve.models.chat_templates import FALLBACK_TEMPLATES
+from specserve.models.loader.gguf import (
+    GGUF_ARCHITECTURES,
+    GGUF_INT4_TYPES,
+    GGUF_QUANT_TYPES,
+    field,
+    gguf_config,
+    load_gguf,
+)
+from specserve.models.loader.hf import HF_MODEL_TYPES, PICKLE_SUFFIXES, load_hf_dir, normalize_hf_config
+from specserve.models.loader.resolve import (
+    DEMO_GGUF,
+    DEMO_PACKAGE,
+    HF_PATTERNS,
+    demo_model_path,
+    existing,
+    resolve_model,
+)
+from specserve.models.loader.state import Transform, check_names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "DEMO_GGUF",
+    "DEMO_PACKAGE",
+    "GGUF_ARCHITECTURES",
+    "GGUF_INT4_TYPES",
+    "GGUF_QUANT_TYPES",
+    "HF_MODEL_TYPES",
+    "HF_PATTERNS",
+    "PICKLE_SUFFIXES",
+    "Checkpoint",
+    "Transform",
+    "demo_model_path",
+    "load_checkpoint",
+    "load_tokenizer",
+    "read_config",
+    "resolve_model",
+]
+
+
+@dataclass
+class Checkpoint:
+    config: dict[str, Any]
+    state_dict: dict[str, Any]  # tensors, and quant.Int4Weight / Int8Weight for matrices kept quantized
+    source: Path
+
+
+def load_checkpoint(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    quantization: str = "none",
+    transform: Transform | None = None,
+) -> Checkpoint:
+    """Load an HF model directory (config.json + safetensors) or a .gguf file, one tensor at a time: each
+    matrix is cast (or dequantized) to `dtype` as it is read, so the host never holds the whole model in
+    float32 when it is served in bf16. Vectors (norms, biases) stay float32: the model folds
+    Gemma's (1 + w) in float32 before its own cast, and they are small.
+
+    With `quantization` auto, a GGUF's quantized decoder matrices are kept quantized instead: Q4_0, Q4_1
+    and Q4_K as the int4 they are, other types as int8 per channel; with int4, the Q4 types are kept as
+    they are (the model quantizes the rest itself)."""
+    quant.check_mode(quantization)
+    p = existing(path)
+    if p.is_file() and p.suffix in PICKLE_SUFFIXES:
+        raise ValueError(f"{p}: refusing pickle checkpoint ({p.suffix}); convert it to safetensors or GGUF")
+    if p.is_file() and p.suffix == ".gguf":
+        config, state = load_gguf(p, dtype, quantization, transform)
+    elif p.is_dir():
+        config, state = load_hf_dir(p, dtype, transform)
+    else:
+        raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+    check_names(config, state, p)
+    return Checkpoint(config=config, state_dict=state, source=p)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's HF-shaped config alone, without reading a weight (a GGUF's header is memory-mapped):
+    enough to check a configuration against the model before anything is loaded."""
+    p = existing(path)
+    if p.is_file() and p.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        reader = GGUFReader(p)
+        return gguf_config(reader, field(reader, "general.architecture"), p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return normalize_hf_config(json.loads((p / "config.json").read_text()), p)
+    raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+
+
+def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTrainedTokenizerBase:
+    """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template, or the
+    family's published one (by `model_type`) when the source has none."""
+    from transformers import AutoTokenizer
+
+    p = existing(path)
+    if p.is_file() and p.suffix == ".gguf":
+        tokenizer = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    elif p.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(p)
+    else:
+        raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+    if tokenizer.chat_template is None and model_type in FALLBACK_TEMPLATES:
+        tokenizer.chat_template = FALLBACK_TEMPLATES[model_type]
+    return tokenizer
