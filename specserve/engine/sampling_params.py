@@ -11,6 +11,8 @@ from specserve.engine.grammar import StructuredOutputsParams
 
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
+# The proposers a worker may hold (spec/config.py), which a request may also name as its `speculation`
+SPECULATION_METHODS = ("ngram", "draft_model", "suffix")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (completions' logprobs allows 5; vLLM takes 20 for both)
 # What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
 # whole engine (every running request) down with it.
@@ -106,13 +108,12 @@ class SamplingParams:
             "must be a list of non-negative integers",
         )
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a boolean")
-        from specserve.spec.config import METHODS  # spec/config.py imports this module
-
         spec = self.speculation
         check(
-            spec in ("auto", "off", *METHODS) or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
+            spec in ("auto", "off", *SPECULATION_METHODS)
+            or (is_int(spec) and 0 <= spec <= MAX_SPECULATIVE_TOKENS),
             "speculation",
-            f'must be "auto", "off", a method ({", ".join(METHODS)}) or an integer in '
+            f'must be "auto", "off", a method ({", ".join(SPECULATION_METHODS)}) or an integer in '
             f"[0, {MAX_SPECULATIVE_TOKENS}]",
         )
         for name in ("logprobs", "prompt_logprobs"):

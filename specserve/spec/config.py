@@ -8,8 +8,7 @@ from typing import Any
 
 from specserve.engine.errors import InvalidParameter
 from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS
-
-METHODS = ("ngram", "draft_model", "suffix")
+from specserve.engine.sampling_params import SPECULATION_METHODS as METHODS
 
 
 @dataclass(frozen=True)
