@@ -636,6 +636,25 @@ def test_a_full_redis_is_a_503_naming_the_cause_and_nothing_is_queued(valkey, ti
 # ---- exposure: no keys on a public address -------------------------------------------------------------
 
 
+async def _api_starts(env: dict[str, str], port: int, log: Path) -> None:
+    """`specserve api` with `env` comes up (its health route answers), then is stopped."""
+    proc = spawn_cli(["api"], env, log)
+    try:
+
+        async def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/healthz") as r:
+                    return r.status == 200
+            except aiohttp.ClientConnectionError:
+                return False
+
+        await wait_for(up, timeout=60, what="the API to start")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_an_api_without_keys_on_a_public_address_refuses_to_start_unless_allowed(valkey, tmp_path):
     port = free_port()
     env = {"REDIS_URL": valkey.url, "SPECSERVE_HOST": "0.0.0.0", "SPECSERVE_PORT": str(port)}
@@ -644,29 +663,9 @@ def test_an_api_without_keys_on_a_public_address_refuses_to_start_unless_allowed
     assert refused.wait(60) != 0
     assert "refusing to serve the API on '0.0.0.0' with no API keys" in (tmp_path / "refused.log").read_text()
 
-    async def starts(extra: dict[str, str], log: Path) -> None:
-        proc = spawn_cli(["api"], {**env, **extra}, log)
-        try:
-
-            async def up() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    async with (
-                        aiohttp.ClientSession() as http,
-                        http.get(f"http://127.0.0.1:{port}/healthz") as r,
-                    ):
-                        return r.status == 200
-                except aiohttp.ClientConnectionError:
-                    return False
-
-            await wait_for(up, timeout=60, what="the API to start")
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-    run(starts({"SPECSERVE_ALLOW_UNAUTHENTICATED": "1"}, tmp_path / "allowed.log"))
+    run(_api_starts({**env, "SPECSERVE_ALLOW_UNAUTHENTICATED": "1"}, port, tmp_path / "allowed.log"))
     assert "has no API keys: anyone who reaches it" in (tmp_path / "allowed.log").read_text()
-    run(starts({"SPECSERVE_API_KEYS": "ops:tok-9"}, tmp_path / "keyed.log"))
+    run(_api_starts({**env, "SPECSERVE_API_KEYS": "ops:tok-9"}, port, tmp_path / "keyed.log"))
     assert "no API keys" not in (tmp_path / "keyed.log").read_text()
 
 
@@ -677,32 +676,13 @@ def test_an_api_without_keys_refuses_a_redis_that_keyed_apis_served(valkey, tmp_
     env = {"REDIS_URL": valkey.url, "SPECSERVE_HOST": "127.0.0.1", "SPECSERVE_PORT": str(port)}
     env |= {"SPECSERVE_API_KEYS_FILE": "", "SPECSERVE_ALLOW_UNAUTHENTICATED": ""}
 
-    async def starts(extra: dict[str, str], log: Path) -> None:
-        proc = spawn_cli(["api"], {**env, **extra}, log)
-        try:
-
-            async def up() -> bool:
-                assert proc.poll() is None, log.read_text()
-                try:
-                    async with (
-                        aiohttp.ClientSession() as http,
-                        http.get(f"http://127.0.0.1:{port}/healthz") as r,
-                    ):
-                        return r.status == 200
-                except aiohttp.ClientConnectionError:
-                    return False
-
-            await wait_for(up, timeout=60, what="the API to start")
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-    run(starts({"SPECSERVE_API_KEYS": ""}, tmp_path / "before.log"))  # nothing keyed yet: starts
-    run(starts({"SPECSERVE_API_KEYS": "team-a:tok-a"}, tmp_path / "keyed.log"))
+    run(_api_starts({**env, "SPECSERVE_API_KEYS": ""}, port, tmp_path / "before.log"))  # nothing keyed yet
+    run(_api_starts({**env, "SPECSERVE_API_KEYS": "team-a:tok-a"}, port, tmp_path / "keyed.log"))
     refused = spawn_cli(["api"], {**env, "SPECSERVE_API_KEYS": ""}, tmp_path / "refused.log")
     assert refused.wait(60) != 0
     assert "holds requests made with API keys" in (tmp_path / "refused.log").read_text()
-    run(starts({"SPECSERVE_API_KEYS": "", "SPECSERVE_ALLOW_UNAUTHENTICATED": "1"}, tmp_path / "allowed.log"))
+    allowed = {**env, "SPECSERVE_API_KEYS": "", "SPECSERVE_ALLOW_UNAUTHENTICATED": "1"}
+    run(_api_starts(allowed, port, tmp_path / "allowed.log"))
 
 
 def _nested(depth: int) -> dict:

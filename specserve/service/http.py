@@ -142,6 +142,13 @@ def reject_deep(data: Any) -> None:
         raise ApiError(400, f"{field}: nested deeper than {MAX_JSON_DEPTH} levels", field)
 
 
+def _retry_later(message: str, code: str, after_s: int) -> web.Response:
+    """A 503 that says plainly what failed and that the same call is worth making again, not a bare 500."""
+    resp = ApiError(503, f"{message}, retry later", type="server_error", code=code).response()
+    resp.headers["Retry-After"] = str(after_s)
+    return resp
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
@@ -158,30 +165,16 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         return ApiError(CLIENT_CLOSED, "client closed the connection", code="client_closed").response()
     except OutOfMemoryError:
         # maxmemory reached with noeviction: Redis refused the write, so nothing was queued or changed.
-        # Say so plainly (and that it is worth retrying later) instead of a bare 500.
         log.warning("Redis is out of memory (maxmemory); refusing %s %s", request.method, request.path)
-        err = ApiError(
-            503,
-            "the queue's Redis is out of memory (maxmemory reached); nothing was queued, retry later",
-            type="server_error",
-            code="redis_out_of_memory",
+        return _retry_later(
+            "the queue's Redis is out of memory (maxmemory reached); nothing was queued",
+            "redis_out_of_memory",
+            5,
         )
-        resp = err.response()
-        resp.headers["Retry-After"] = "5"
-        return resp
     except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
-        # The queue's Redis is away (down, restarting, loading its append-only file): nothing this route
-        # would have done happened, and the same call is worth making again shortly.
+        # The queue's Redis is away (down, restarting, loading its append-only file).
         log.warning("Redis unavailable on %s %s: %s", request.method, request.path, e)
-        err = ApiError(
-            503,
-            "the queue's Redis is unavailable; nothing was done, retry later",
-            type="server_error",
-            code="redis_unavailable",
-        )
-        resp = err.response()
-        resp.headers["Retry-After"] = "2"
-        return resp
+        return _retry_later("the queue's Redis is unavailable; nothing was done", "redis_unavailable", 2)
     except Exception:  # any handler's bug: the client gets a JSON 500, the server keeps serving
         log.exception("unhandled error on %s %s", request.method, request.path)
         return ApiError(500, "internal error").response()
