@@ -79,13 +79,14 @@ class Form:
     name = ""
     kinds: tuple[str, ...] = ()
     kernel = False
+    MAX_ROWS: float = math.inf  # the most rows a step may have for this form (a kernel's few-row limit)
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         """Why this form cannot run the matrix at any step size, or None."""
         return None
 
     def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
-        return math.inf
+        return self.MAX_ROWS
 
     def can_run(self, m: Matrix, rows: float, dtype: torch.dtype, isa: Isa) -> str | None:
         """None where this form runs a step of `rows` rows, else a short reason."""
@@ -180,9 +181,6 @@ class OwnInt8F32OnBf16(Form):
             return f"{torch.bfloat16} only"
         return None if isa.avx2_fma else "the library has no AVX2 + FMA products"
 
-    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
-        return self.MAX_ROWS
-
 
 class TorchInt8(Form):
     """torch's packed int8 kernel (_weight_int8pack_mm), bf16: pays at batch-1 decode only."""
@@ -197,9 +195,6 @@ class TorchInt8(Form):
         if dtype != torch.bfloat16:
             return f"{torch.bfloat16} only"
         return None if isa.cpu else "CPU only"
-
-    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
-        return self.MAX_ROWS
 
 
 class OwnInt4RowsBf16(Form):
