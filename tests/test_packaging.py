@@ -107,7 +107,10 @@ def _make_plan(target: str, tmp: Path) -> str:
         pytest.skip("no make here")
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp / name)
-    proc = subprocess.run([make, "-n", target], cwd=tmp, capture_output=True, text=True, timeout=60)
+    # under a parent make (`make test` runs this suite) a sub-make says "Entering directory" unless told
+    proc = subprocess.run(
+        [make, "--no-print-directory", "-n", target], cwd=tmp, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
