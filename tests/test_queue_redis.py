@@ -380,7 +380,8 @@ def test_acl_user_limited_to_the_prefix_can_run_the_queue(valkey):
 
 def test_a_run_that_lost_its_request_writes_no_more_output(valkey):
     """A worker that lost its request to a reclaim keeps producing tokens until its next heartbeat; they
-    must not land among the new run's (a sampled rerun draws other tokens from its resume point)."""
+    must not land among the new run's (the rerun's tokens may differ from the lost run's: in bf16 its
+    differently shaped steps can move a logit, and with it a draw)."""
 
     async def main():
         r = connect(valkey.url)

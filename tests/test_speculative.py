@@ -186,6 +186,20 @@ def chi_square_exceeds(counts: Counter, joint: dict, n: int) -> tuple[float, flo
     return stat, quantile
 
 
+def trust_the_drafts(monkeypatch) -> None:
+    """Break the verifier: every proposed token counts as the target's own at its position."""
+    honest = verifier_module.target_tokens
+
+    def trusting(batch):
+        tokens = honest(batch)
+        k = batch.draft_tokens.shape[1]
+        proposed = torch.arange(k)[None, :] < batch.num_drafts[:, None]
+        tokens[:, :k] = torch.where(proposed, batch.draft_tokens, tokens[:, :k])
+        return tokens
+
+    monkeypatch.setattr(verifier_module, "target_tokens", trusting)
+
+
 def sample_triples(llm, temperature, top_k, top_p) -> Counter:
     params = [
         SamplingParams(
@@ -220,9 +234,8 @@ def test_sampled_speculation_keeps_the_target_distribution(
     stat, limit = chi_square_exceeds(sample_triples(llm, temperature, top_k, top_p), joint, N_SAMPLES)
     assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f}: speculation changed the distribution"
 
-    # The same test catches the classic verifier bug: after a rejection, drawing from p instead of the
-    # residual norm(max(0, p - q)) (the output then leans toward tokens the draft favours).
-    monkeypatch.setattr(verifier_module, "residual_distribution", lambda p, q: p)
+    # The same test catches a verifier that takes the draft's word (the output is then the draft's).
+    trust_the_drafts(monkeypatch)
     stat, limit = chi_square_exceeds(sample_triples(llm, temperature, top_k, top_p), joint, N_SAMPLES)
     assert stat > limit, f"a broken verifier passed: chi-square {stat:.1f} < {limit:.1f}"
 

@@ -196,14 +196,16 @@ def test_a_new_request_starts_from_the_workloads_acceptance():
 )
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_verify(target_argmax, drafts, expected_accepted, expected_next, temperature):
-    # With (all but) one-hot target distributions, rejection sampling decides exactly as greedy matching does.
+    # With (all but) one-hot target distributions, a sampled row decides exactly as greedy matching does.
     k = max(len(d) for d in drafts)
     logits = torch.stack([peaked(row) for row in target_argmax])
     draft_tokens = torch.tensor([d + [0] * (k - len(d)) for d in drafts])
     params = [SamplingParams(temperature=temperature, seed=i) for i in range(len(drafts))]
-    rows = RowParams.build(params, [None] * len(drafts), VOCAB)
-    batch = VerifyBatch(logits, draft_tokens, torch.tensor([len(d) for d in drafts]), None, rows)
-    result = verify(batch, torch.Generator().manual_seed(0))
+    rows = RowParams.build(params, list(range(len(drafts))), VOCAB)
+    batch = VerifyBatch(
+        logits, draft_tokens, torch.tensor([len(d) for d in drafts]), rows, [10] * len(drafts)
+    )
+    result = verify(batch)
     assert result.num_accepted.tolist() == expected_accepted
     assert result.next_token.tolist() == expected_next
 
@@ -219,7 +221,7 @@ def test_the_decoder_verifies_a_flat_draft_batch_in_plan_order():
     # packed logits rows: 1 + 3 for the speculating sequence, 1 for the plain one
     logits = peaked([5, 6, 7, 0, 4])
     spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
-    accepted = spec.verify(plan, drafts, logits, torch.Generator().manual_seed(0))
+    accepted = spec.verify(plan, drafts, logits)
     assert accepted == [Accepted((5, 6, 7), 2, 3), Accepted((4,), 0, 0)]  # "1" was rejected for 7
 
 

@@ -107,14 +107,13 @@ def test_bitmask_lands_on_every_packed_verify_row(grammar, demo_tokenizer):
     for j, row in enumerate(d_rows):
         assert torch.equal(torch.isfinite(logits[row]), _allowed(_reference(grammar, d, d_drafts[:j]), vocab))
 
-    # The verifier reads these rows for greedy argmax and for rejection sampling: whatever either picks at
-    # a masked position is a token the grammar allows there.
+    # The verifier reads these rows for greedy argmax and for sampling: whatever either picks at a masked
+    # position is a token the grammar allows there.
     target = logits[: len(a_drafts) + 1][None]
     for temperature in (0.0, 1.0):
-        rows = RowParams.build([SamplingParams(temperature=temperature)], [None], vocab)
-        gen = torch.Generator().manual_seed(0)
+        rows = RowParams.build([SamplingParams(temperature=temperature)], [0], vocab)
         out = verify(
-            VerifyBatch(target, torch.tensor([a_drafts]), torch.tensor([len(a_drafts)]), None, rows), gen
+            VerifyBatch(target, torch.tensor([a_drafts]), torch.tensor([len(a_drafts)]), rows, [a.num_tokens])
         )
         n = int(out.num_accepted[0])
         emitted = [*a_drafts[:n], int(out.next_token[0])]

@@ -9,12 +9,17 @@ import random
 from collections import Counter
 
 import pytest
-import torch
 from conftest import MAX_TOKENS, PROMPTS, build_tiny_model
-from test_speculative import N_SAMPLES, VOCAB, chi_square_exceeds, exact_joint, sample_triples
+from test_speculative import (
+    N_SAMPLES,
+    VOCAB,
+    chi_square_exceeds,
+    exact_joint,
+    sample_triples,
+    trust_the_drafts,
+)
 
 from specserve import LLM, SamplingParams
-from specserve.engine.sampler import Nucleus
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.spec.config import SpeculativeConfig
@@ -23,7 +28,6 @@ from specserve.spec.ngram import NgramProposer
 from specserve.spec.suffix import GlobalTree, SuffixProposer, SuffixTree
 
 pytest_plugins = ("valkey_fixtures",)
-GEN = torch.Generator()
 
 
 def _seq(seq_id: int, tokens: list[int]) -> Sequence:
@@ -31,7 +35,7 @@ def _seq(seq_id: int, tokens: list[int]) -> Sequence:
 
 
 def _draft(proposer: SuffixProposer, seq: Sequence, k: int = 8) -> list[int]:
-    return proposer.propose([(seq, k)], GEN)[seq.seq_id].token_ids
+    return proposer.propose([(seq, k)])[seq.seq_id].token_ids
 
 
 def _finish(proposer: SuffixProposer, seq_id: int, prompt: list[int], output: list[int]) -> None:
@@ -304,9 +308,9 @@ def test_sampled_suffix_speculation_keeps_the_target_distribution(tiny_vocab_tar
     stat, limit = chi_square_exceeds(sample_triples(llm, 1.0, 0, 1.0), joint, N_SAMPLES)
     assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f}: suffix speculation changed the distribution"
 
-    # It has the drafts to tell: after rejecting a deterministic draft, drawing from p (the rejected token
-    # left in) instead of p without it leans the output toward what the trees propose.
-    monkeypatch.setattr(Nucleus, "without", lambda self, tokens, where: self)
+    # It has the drafts to tell: a verifier that takes the trees' word leans the output toward what they
+    # propose.
+    trust_the_drafts(monkeypatch)
     stat, limit = chi_square_exceeds(sample_triples(llm, 1.0, 0, 1.0), joint, N_SAMPLES)
     assert stat > limit, f"a broken verifier passed: chi-square {stat:.1f} < {limit:.1f}"
 

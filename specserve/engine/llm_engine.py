@@ -329,7 +329,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already running")
         self.check_speculation(params)
         ids = self.encode_prompt(prompt)
-        gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        seed = params.seed
+        if seed is None:  # the engine's stream, so an engine built with the same config.seed repeats
+            seed = int(torch.randint(1 << 62, (1,), generator=self._generator))
         seq = Sequence(
             seq_id=next(self._seq_ids),
             request_id=request_id,
@@ -337,7 +339,7 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids),
             arrival_time=time.monotonic(),
-            generator=gen,
+            seed=seed,
             stream=stream,
             bad_words_ids=self.bad_words_ids(params.bad_words) if params.bad_words else None,
             priority=priority,
@@ -410,7 +412,7 @@ class LLMEngine:
         if not plan.scheduled:
             return deltas
         grammar = self.structured if self.structured is not None and len(self.structured) else None
-        drafts = self.spec.propose(plan, self._generator, grammar) if self.spec is not None else None
+        drafts = self.spec.propose(plan, grammar) if self.spec is not None else None
         lap("propose")
         started, tokens_before = time.perf_counter(), self._totals.times.tokens
         logits = self._forward(plan, drafts)
@@ -494,12 +496,13 @@ class LLMEngine:
             return [NOTHING] * len(plan.scheduled)
         eos = self.eos_token_ids
         if drafts is not None:
-            verified = iter(self.spec.verify(plan, drafts, logits, self._generator, eos))
+            verified = iter(self.spec.verify(plan, drafts, logits, eos))
         else:
             vocab = logits.shape[-1]
-            rows = RowParams.build([q.params for q in sampling], [q.generator for q in sampling], vocab)
+            rows = RowParams.build([q.params for q in sampling], [q.seed for q in sampling], vocab)
             adjusted = adjust_logits(logits[:, None, :], sampling, None, eos)[:, 0]
-            verified = iter(Accepted((t,)) for t in sample(adjusted, rows, self._generator).tolist())
+            tokens = sample(adjusted, rows, [q.num_tokens for q in sampling]).tolist()
+            verified = iter(Accepted((t,)) for t in tokens)
         accepted = [next(verified) if s.samples else NOTHING for s in plan.scheduled]
         if any(s.samples and s.seq.params.logprobs is not None for s in plan.scheduled):
             accepted = with_logprobs(plan, drafts, logits, accepted)

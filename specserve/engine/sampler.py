@@ -1,7 +1,8 @@
 """Batched sampling: temperature, top-k, top-p and per-request seeds, vectorised over the rows of a step.
 
-A sampled row draws one uniform from its own generator (the engine's where it has none) and inverts its
-distribution's CDF: exact, and a seeded request's tokens do not depend on its batch mates.
+The token at position t of a sampled request inverts its distribution's CDF at one uniform that is a
+function of (the request's seed, t) alone: no stream is consumed, so what a request draws does not depend
+on its batch mates, on how many tokens a step decides for it, or on whether drafts were proposed.
 """
 
 from __future__ import annotations
@@ -22,13 +23,11 @@ class RowParams:
     top_p: torch.Tensor | None  # [R], None when no row uses it
     greedy: torch.Tensor  # [R] bool
     all_greedy: bool
-    generators: list[torch.Generator | None]
+    seeds: list[int]
     min_p: torch.Tensor | None = None  # [R], None when no row uses it
 
     @classmethod
-    def build(
-        cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int
-    ) -> RowParams:
+    def build(cls, params: list[SamplingParams], seeds: list[int], vocab_size: int) -> RowParams:
         greedy = [p.temperature == 0.0 for p in params]
         temps = torch.tensor([[1.0 if g else p.temperature] for p, g in zip(params, greedy)])
         top_k = None
@@ -42,7 +41,7 @@ class RowParams:
         min_p = None
         if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
             min_p = torch.tensor([p.min_p for p in params])
-        return cls(temps, top_k, top_p, torch.tensor(greedy), all(greedy), generators, min_p)
+        return cls(temps, top_k, top_p, torch.tensor(greedy), all(greedy), seeds, min_p)
 
     def select(self, rows: torch.Tensor | list[int]) -> RowParams:
         idx = torch.as_tensor(rows, dtype=torch.long)
@@ -53,7 +52,7 @@ class RowParams:
             None if self.top_p is None else self.top_p[idx],
             self.greedy[idx],
             bool(self.greedy[idx].all()),
-            [self.generators[i] for i in ids],
+            [self.seeds[i] for i in ids],
             None if self.min_p is None else self.min_p[idx],
         )
 
@@ -88,18 +87,6 @@ class Nucleus:
         if self.token_ids is None:
             return self.probs.gather(1, tokens[:, None]).squeeze(1)
         return (self.probs * (self.token_ids == tokens[:, None])).sum(dim=1)
-
-    def without(self, tokens: torch.Tensor, where: torch.Tensor) -> Nucleus:
-        """Where `where`, the distribution with the row's token removed and the rest renormalised:
-        norm(max(0, p - q)) for a one-hot draft q that was rejected. A row whose whole mass is that token
-        keeps p (its draft could not have been rejected)."""
-        if self.token_ids is None:
-            hit = torch.zeros_like(self.probs, dtype=torch.bool).scatter_(1, tokens[:, None], True)
-        else:
-            hit = self.token_ids == tokens[:, None]
-        rest = self.probs.masked_fill(hit & where[:, None], 0.0)
-        mass = rest.sum(dim=1, keepdim=True)
-        return Nucleus(self.token_ids, torch.where(mass > 0, rest / mass.clamp(min=1e-30), self.probs))
 
     def draw(self, uniform: torch.Tensor) -> torch.Tensor:
         """[R] tokens, row r by inverting its distribution's CDF at uniform[r] in [0, 1): one draw a row,
@@ -218,26 +205,37 @@ def probabilities(logits: torch.Tensor, rows: RowParams) -> torch.Tensor:
     return nucleus(logits, rows).dense(logits.shape[-1])
 
 
-def per_row_uniform(
-    rows: RowParams, width: int, fallback: torch.Generator, counts: list[int] | None = None
-) -> torch.Tensor:
-    """U(0, 1) draws per row from the row's own generator (the engine's where it has none): `width` each, or
-    counts[i] for row i (the rest hold 0), so what a row consumes never depends on its batch mates. Greedy
-    rows draw nothing, consume no RNG, and hold 0."""
-    draws = torch.zeros(len(rows.generators), width)
-    for i, (gen, greedy) in enumerate(zip(rows.generators, rows.greedy.tolist())):
-        n = width if counts is None else counts[i]
-        if not greedy and n:
-            draws[i, :n].uniform_(generator=gen if gen is not None else fallback)
-    return draws
+_MASK64 = (1 << 64) - 1
 
 
-def sample(logits: torch.Tensor, rows: RowParams, fallback: torch.Generator) -> torch.Tensor:
-    """One token per row: argmax on greedy rows, one uniform draw from nucleus() on the others."""
+def _mix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijection on 64-bit words whose outputs pass BigCrush for counter inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniforms(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """[R] float64 U[0, 1): row r's uniform for the token at position positions[r] (its index in the
+    sequence, prompt included) of a request seeded seeds[r]. A counter, not a stream: the draw for a
+    position is the same whichever step decides it and however many draws came before. A request draws
+    once per position; a draft model proposing that position draws the same uniform (the coupling that lets
+    verification compare tokens: spec/verifier.py)."""
+    return torch.tensor(
+        [(_mix64(_mix64(s & _MASK64) ^ p) >> 11) * 2.0**-53 for s, p in zip(seeds, positions)],
+        dtype=torch.float64,
+    )
+
+
+def sample(logits: torch.Tensor, rows: RowParams, positions: list[int]) -> torch.Tensor:
+    """One token per row: argmax on greedy rows, on the others nucleus() inverted at the row's uniform for
+    positions[r], the position the token takes in its sequence."""
     greedy_tokens = logits.argmax(dim=-1)
     if rows.all_greedy:
         return greedy_tokens
     sampled = (~rows.greedy).nonzero().squeeze(1)
     sub = rows.select(sampled)
-    drawn = nucleus(logits[sampled], sub).draw(per_row_uniform(sub, 1, fallback)[:, 0])
+    picked = sampled.tolist()
+    drawn = nucleus(logits[sampled], sub).draw(position_uniforms(sub.seeds, [positions[i] for i in picked]))
     return greedy_tokens.index_copy(0, sampled, drawn)

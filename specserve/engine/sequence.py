@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.outputs import TokenLogprobs
 from specserve.engine.sampling_params import SamplingParams
@@ -26,7 +24,9 @@ class Sequence:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     arrival_time: float
-    generator: torch.Generator | None = None  # per-request RNG, so a seed does not depend on batch mates
+    # what its sampled tokens are a function of, with their positions (engine/sampler.py); the request's
+    # seed, else one the engine draws
+    seed: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     status: SeqStatus = SeqStatus.WAITING

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from specserve.engine.outputs import TokenLogprobs
 from specserve.engine.sequence import Sequence
 
@@ -47,9 +45,6 @@ class DraftBatch:
 
     token_ids: tuple[int, ...]
     cu_num_draft_tokens: tuple[int, ...]  # len(plan.scheduled) + 1 offsets, starting at 0
-    # Per scheduled sequence, the draft's distribution [n, vocab] for rejection sampling; None: one-hot
-    # proposals (n-gram lookup, greedy rows). probs itself is None when no sequence has one.
-    probs: tuple[torch.Tensor | None, ...] | None = None
 
     def num_drafts(self, i: int) -> int:
         return self.cu_num_draft_tokens[i + 1] - self.cu_num_draft_tokens[i]

@@ -50,14 +50,6 @@ def stable_seed(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "big") >> 1
 
 
-def resumed_seed(seed: int, tokens: int) -> int:
-    """The seed of a run that resumes after `tokens` completion tokens. Any fresh stream would do for the
-    distribution (each token is drawn from the target's distribution given the tokens before it, whatever
-    stream drew those); deriving it from the seed and the resume point makes reruns repeat each other."""
-    data = f"{seed}:{tokens}".encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big") >> 1
-
-
 def resume_point(tokenizer, prompt_ids: list[int], shown_ids: list[int], shown_text: str) -> tuple[int, int]:
     """How many of the shown tokens a rerun can take as given, and the characters of text they make.
 
@@ -268,9 +260,9 @@ class Runner:
             reason = "stop" if last in stop_ids else "length"
             return Started(rid, _ended(rid, reason, len(prompt) + n), at, n, chars, given, shown.text[:chars])
         budget = self.engine.max_model_len - len(prompt) - n if until_full else params.max_tokens - n
+        # the seed stays: a token's draw is keyed by its position (engine/sampler.py), and the prompt grows
+        # by the shown tokens, so the rerun draws what the first run would have drawn next
         params = dataclasses.replace(params, max_tokens=max(1, budget))
-        if params.seed is not None and not params.greedy:
-            params = dataclasses.replace(params, seed=resumed_seed(params.seed, n))
         deltas = self.engine.add_request(
             rid, prompt + given, params, stream=body.stream, priority=body.priority
         )

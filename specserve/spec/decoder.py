@@ -154,39 +154,34 @@ class SpeculativeDecoder:
 
     # ---- the step --------------------------------------------------------------------------------------
 
-    def propose(
-        self, plan: SchedulerOutput, generator: torch.Generator, grammar: StructuredOutputs | None = None
-    ) -> DraftBatch | None:
+    def propose(self, plan: SchedulerOutput, grammar: StructuredOutputs | None = None) -> DraftBatch | None:
         requests = [(s.seq, s.num_lookahead) for s in plan.scheduled if s.num_lookahead and s.samples]
         if not requests:
             return None
         t0 = time.perf_counter()
         if len(self.methods) == 1:
-            drafts = self.proposer.propose(requests, generator)
+            drafts = self.proposer.propose(requests)
         else:
             by_method: dict[str, list[tuple[Sequence, int]]] = {}
             for seq, k in requests:
                 by_method.setdefault(self._seq_state(seq).method, []).append((seq, k))
             drafts = {}
             for method, group in by_method.items():
-                drafts.update(self.proposers[method].propose(group, generator))
+                drafts.update(self.proposers[method].propose(group))
         if grammar is not None:
             drafts = self._grammar_drafts(grammar, requests, drafts)
         k = max(k for _, k in requests)
         self.policy.draft_step_seconds.observe(len(requests), (time.perf_counter() - t0) / k)
         token_ids: list[int] = []
         cu = [0]
-        probs: list[torch.Tensor | None] = []
         for s in plan.scheduled:
             draft = drafts.get(s.seq.seq_id) if s.num_lookahead and s.samples else None
             if draft is not None:
                 token_ids.extend(draft.token_ids)
             cu.append(len(token_ids))
-            probs.append(None if draft is None else draft.probs)
         if not token_ids:  # nothing found to propose: the step samples as a plain one (no verify rows)
             return None
-        has_probs = any(p is not None for p in probs)
-        return DraftBatch(tuple(token_ids), tuple(cu), tuple(probs) if has_probs else None)
+        return DraftBatch(tuple(token_ids), tuple(cu))
 
     def _grammar_drafts(
         self, grammar: StructuredOutputs, requests: list[tuple[Sequence, int]], drafts: dict[int, Draft]
@@ -199,9 +194,7 @@ class SpeculativeDecoder:
             if grammar.constrained(seq):
                 extend = getattr(self._proposer_of(seq), "stateless", False)
                 draft = drafts.get(seq.seq_id) or Draft([])
-                tokens = grammar.draft(seq, draft.token_ids, k, extend and draft.probs is None)
-                probs = None if draft.probs is None or not tokens else draft.probs[: len(tokens)]
-                out[seq.seq_id] = Draft(tokens, probs)
+                out[seq.seq_id] = Draft(grammar.draft(seq, draft.token_ids, k, extend))
         return out
 
     def record_forward(self, num_tokens: int, seconds: float) -> None:
@@ -212,7 +205,6 @@ class SpeculativeDecoder:
         plan: SchedulerOutput,
         drafts: DraftBatch,
         logits: torch.Tensor,
-        generator: torch.Generator,
         eos_token_ids: Seq[int] = (),
     ) -> list[Accepted]:
         """Accepted drafts + the next token per sampling sequence, in plan order (mid-prompt chunks are
@@ -230,21 +222,15 @@ class SpeculativeDecoder:
         is_draft = torch.arange(k)[None, :] < count_t[:, None]
         draft_tokens = torch.zeros(len(seqs), k, dtype=torch.long)
         draft_tokens[is_draft] = torch.tensor(drafts.token_ids, dtype=torch.long)  # flat, row-major
-        draft_probs = None
-        if drafts.probs is not None:
-            # proposals without a distribution (greedy rows, n-gram) are one-hot on their tokens
-            draft_probs = torch.zeros(len(seqs), k, vocab).scatter_(2, draft_tokens[:, :, None], 1.0)
-            for row, i in enumerate(rows_of):
-                if drafts.probs[i] is not None:
-                    draft_probs[row, : counts[row]] = drafts.probs[i]
-        rows = RowParams.build([s.params for s in seqs], [s.generator for s in seqs], vocab)
+        rows = RowParams.build([s.params for s in seqs], [s.seed for s in seqs], vocab)
+        first = [s.num_tokens for s in seqs]
         if any(adjusts(s.params) for s in seqs):
             # penalties and biases at each position count the drafts before it (engine/penalties.py)
             target_logits = adjust_logits(logits[index], seqs, draft_tokens, eos_token_ids)
-            batch = VerifyBatch(target_logits, draft_tokens, count_t, draft_probs, rows)
+            batch = VerifyBatch(target_logits, draft_tokens, count_t, rows, first)
         else:
-            batch = VerifyBatch(logits, draft_tokens, count_t, draft_probs, rows, index)
-        result = verify(batch, generator)
+            batch = VerifyBatch(logits, draft_tokens, count_t, rows, first, index)
+        result = verify(batch)
         num_accepted = result.num_accepted.tolist()
         next_token = result.next_token.tolist()
         draft_rows = draft_tokens.tolist()

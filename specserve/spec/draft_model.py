@@ -10,11 +10,9 @@ its committed tokens fill are named after each proposal.
 
 from __future__ import annotations
 
-import torch
-
 from specserve.blockmgr import BlockManager
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
-from specserve.engine.sampler import Nucleus, RowParams, per_row_uniform, probabilities
+from specserve.engine.sampler import RowParams, sample
 from specserve.engine.sequence import Sequence
 from specserve.models.llama import LlamaModel
 from specserve.spec.proposer import Draft
@@ -29,7 +27,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.num_cached: dict[int, int] = {}  # seq_id -> tokens whose K/V the draft cache holds
 
-    def propose(self, requests: list[tuple[Sequence, int]], generator: torch.Generator) -> dict[int, Draft]:
+    def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         active: list[tuple[Sequence, int]] = []
         drafts: dict[int, Draft] = {}
         for seq, k in requests:
@@ -43,9 +41,8 @@ class DraftModelProposer:
         if not active:
             return drafts
         proposed: dict[int, list[int]] = {seq.seq_id: [] for seq, _ in active}
-        probs: dict[int, list[torch.Tensor]] = {seq.seq_id: [] for seq, _ in active}
         rows_all = RowParams.build(
-            [seq.params for seq, _ in active], [seq.generator for seq, _ in active], self.model.cfg.vocab_size
+            [seq.params for seq, _ in active], [seq.seed for seq, _ in active], self.model.cfg.vocab_size
         )
         for step in range(max(k for _, k in active)):
             idx = [i for i, (_, k) in enumerate(active) if k > step]
@@ -60,28 +57,17 @@ class DraftModelProposer:
                     tokens = [proposed[seq.seq_id][-1]]
                 entries.append(ForwardEntry(tokens, start, self.block_manager.block_table(seq.seq_id), 1))
             logits = self.runner.run(entries)
-            rows = rows_all.select(idx)
-            if rows.all_greedy:
-                tokens_out = logits.argmax(dim=-1)
-                q = None
-            else:
-                q = probabilities(logits, rows)
-                tokens_out = torch.where(
-                    rows.greedy,
-                    logits.argmax(dim=-1),
-                    Nucleus(None, q).draw(per_row_uniform(rows, 1, generator)[:, 0]),
-                )
+            # at the uniform the target's token at that position is drawn with: verification then accepts
+            # the draft wherever the two distributions put that uniform on the same token
+            positions = [active[i][0].num_tokens + step for i in idx]
+            tokens_out = sample(logits, rows_all.select(idx), positions).tolist()
             for j, i in enumerate(idx):
-                seq = active[i][0]
-                proposed[seq.seq_id].append(int(tokens_out[j]))
-                if q is not None and not bool(rows.greedy[j]):
-                    probs[seq.seq_id].append(q[j])
+                proposed[active[i][0].seq_id].append(tokens_out[j])
         for seq, k in active:
             # step 0 wrote every committed token's K/V: their full blocks can be shared
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, seq.num_tokens)
             self.num_cached[seq.seq_id] = seq.num_tokens + k - 1
-            p = probs[seq.seq_id]
-            drafts[seq.seq_id] = Draft(proposed[seq.seq_id], torch.stack(p) if p else None)
+            drafts[seq.seq_id] = Draft(proposed[seq.seq_id])
         return drafts
 
     def accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

@@ -6,7 +6,6 @@ No model and no state: a vectorised search over prompt + output per sequence, lo
 from __future__ import annotations
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from specserve.engine.sequence import Sequence
@@ -33,7 +32,7 @@ class NgramProposer:
                 return tokens[start : start + k].tolist()
         return []
 
-    def propose(self, requests: list[tuple[Sequence, int]], generator: torch.Generator) -> dict[int, Draft]:
+    def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         drafts = {}
         for seq, k in requests:
             tokens = np.asarray(seq.token_ids, dtype=np.int64)

@@ -29,8 +29,6 @@ from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
-import torch
-
 from specserve.engine.sequence import Sequence
 from specserve.spec.proposer import Draft
 
@@ -279,7 +277,7 @@ class SuffixProposer:
 
     # ---- Proposer ----------------------------------------------------------------------------------------
 
-    def propose(self, requests: list[tuple[Sequence, int]], generator: torch.Generator) -> dict[int, Draft]:
+    def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         drafts = {}
         for seq, k in requests:
             state = self._catch_up(seq)
