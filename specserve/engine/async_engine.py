@@ -115,6 +115,10 @@ class AsyncLLMEngine:
     def model_name(self) -> str:
         return self.engine.model_name
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self.engine.tokenizer.chat_template is not None
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],

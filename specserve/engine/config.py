@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from specserve.models.loader import read_chat_template
 from specserve.models.quant import check_mode as check_quantization
 from specserve.spec.config import SpeculativeConfig
 
@@ -56,6 +57,9 @@ class EngineConfig:
     # Ranks one engine's forward is split over (vLLM's name): processes on CPU (gloo), one GPU each on CUDA
     # (NCCL); engine/parallel.py and models/parallel.py.
     tensor_parallel_size: int = 1
+    # A Jinja chat template, or a file holding one (vLLM's --chat-template): it replaces the model's own; a
+    # model with neither is refused for chat (engine.encode_chat), never given a guessed template.
+    chat_template: str | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +93,10 @@ class EngineConfig:
             raise ValueError(f"background_tokens must be a positive integer, not {self.background_tokens!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.chat_template is not None:
+            if not isinstance(self.chat_template, str) or not self.chat_template.strip():
+                raise ValueError(f"chat_template must be a template or a file, not {self.chat_template!r}")
+            self.chat_template = read_chat_template(self.chat_template)
         if isinstance(self.speculative_config, dict):
             spec = self.speculative_config
             self.speculative_config = SpeculativeConfig.from_dict(spec) if spec else None

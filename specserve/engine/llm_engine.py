@@ -133,7 +133,9 @@ class LLMEngine:
             check_shardable(header, tp_size)
         # Before the weights: building a GGUF's tokenizer holds ~100 MiB of Python strings for a moment (its
         # vocabulary and merges), which on top of the weights was the load's peak (bench/load.py).
-        self.tokenizer = load_tokenizer(path, header.model_type)
+        self.tokenizer = load_tokenizer(path)
+        if config.chat_template is not None:
+            self.tokenizer.chat_template = config.chat_template
         self.ranks = RankGroup(tp_size, spec) if tp_size > 1 else None
         if self.device.type == "cpu":
             return_freed_memory_at_once()
@@ -270,6 +272,12 @@ class LLMEngine:
         variables (vLLM's extra field: Qwen3's enable_thinking, for one), `tools` the functions the model may
         call (OpenAI's shape). A template that does not use `tools` renders without them, as transformers
         does: the model is then not told of them."""
+        if self.tokenizer.chat_template is None:
+            raise InvalidParameter(
+                "chat_template",
+                "this model has no chat template; pass --chat-template (a file or a Jinja template) to chat "
+                "with it, or send a prompt to /v1/completions",
+            )
         if not isinstance(messages, list) or not messages:
             raise InvalidParameter("messages", "must be a non-empty list of {role, content} objects")
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):

@@ -67,8 +67,28 @@ def _parser() -> argparse.ArgumentParser:
     config_mod.add_arguments(st, only=CONNECTION)
     st.add_argument("id")
     st.add_argument("--wait", action="store_true", help="wait until it ends")
-    sub.add_parser("models", help="list the model architectures and GGUF tensor types this engine reads")
+    models = sub.add_parser(
+        "models", help="list the model architectures and GGUF tensor types this engine reads, or describe one"
+    )
+    models.add_argument(
+        "model", nargs="?", help="HF model dir or .gguf file: its architecture, context and chat template"
+    )
     return p
+
+
+def _describe(model: str) -> int:
+    """One model, from its config and tokenizer (no weights read)."""
+    from specserve.models.config import ModelConfig
+    from specserve.models.loader import load_tokenizer, read_config
+
+    header = ModelConfig.from_hf(read_config(model))
+    has_template = load_tokenizer(model).chat_template is not None
+    template = "yes" if has_template else "none (chat requests are refused; pass --chat-template to chat)"
+    sys.stdout.write(
+        f"model: {model}\nmodel_type: {header.model_type}\n"
+        f"context: {header.max_position_embeddings} tokens\nchat template: {template}\n"
+    )
+    return 0
 
 
 def _models() -> int:
@@ -211,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"error: {e}\n")
         return 2
     if ns.command == "models":
-        return _models()
+        try:
+            return _describe(ns.model) if ns.model else _models()
+        except (ValueError, OSError) as e:  # the model: one line, not a traceback
+            sys.stderr.write(f"error: {e}\n")
+            return 2
     if ns.command in ("serve", "worker", "api"):
         from specserve.models.config import UnsupportedModel
         from specserve.service.launch import run

@@ -194,6 +194,12 @@ class ServiceConfig:
         "sharing the cores on CPU; the model's heads and MLP must divide by it",
         kind=int,
     )
+    chat_template: str | None = _opt(
+        "SPECSERVE_CHAT_TEMPLATE",
+        None,
+        "a Jinja chat template, or a file holding one (vLLM's flag), replacing the model's own; a model "
+        "with no template of its own and none given here answers chat requests with a 400",
+    )
     # The service orders by priority (the engine's own default is vLLM's fcfs): requests are band 0 unless
     # they say otherwise, which orders them as fcfs does, and Batch API lines (band 10) then stay out of the
     # way of interactive ones (bench/shared_queue.py).
@@ -489,6 +495,7 @@ _ENGINE_KNOBS = (
     "attention_backend",
     "quantization",
     "tensor_parallel_size",
+    "chat_template",
     "scheduling_policy",
     "background_tokens",
 )

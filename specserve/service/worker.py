@@ -661,7 +661,11 @@ class Worker:
         await self.routing.router.publish_load(len(self.inflight) + self._admitting, room)
 
     async def _register(self) -> None:
-        info = {"max_model_len": self.engine.max_model_len, "root": self.engine.model_name}
+        info = {
+            "max_model_len": self.engine.max_model_len,
+            "root": self.engine.model_name,
+            "has_chat_template": self.engine.has_chat_template,
+        }
         await self.consumer.register_models(self.runner.names, info, self.cfg.model_ttl_s)
 
     async def _poll_cancellations(self) -> None:

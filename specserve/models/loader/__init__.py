@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from specserve.models import quant
-from specserve.models.chat_templates import FALLBACK_TEMPLATES
 from specserve.models.loader.gguf import (
     GGUF_ARCHITECTURES,
     GGUF_INT4_TYPES,
@@ -105,9 +104,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
     raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
 
 
-def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTrainedTokenizerBase:
-    """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template, or the
-    family's published one (by `model_type`) when the source has none."""
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The HF tokenizer of a model directory or a .gguf file, carrying the source's chat template if it has
+    one. None is guessed: a base model chatted with its family's instruct template answers noise."""
     from transformers import AutoTokenizer
 
     p = existing(path)
@@ -117,6 +116,20 @@ def load_tokenizer(path: str | Path, model_type: str | None = None) -> PreTraine
         tokenizer = AutoTokenizer.from_pretrained(p)
     else:
         raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
-    if tokenizer.chat_template is None and model_type in FALLBACK_TEMPLATES:
-        tokenizer.chat_template = FALLBACK_TEMPLATES[model_type]
     return tokenizer
+
+
+# What tells a template from a file name (vLLM's rule): a string with none of these is a path
+_TEMPLATE_CHARS = "{}\n"
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's value: the file it names, else the template itself (vLLM's flag and rule)."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except OSError as e:
+        if any(c in value for c in _TEMPLATE_CHARS):
+            return value
+        raise ValueError(
+            f"chat_template: {value!r} looks like a file name, and it cannot be read: {e}"
+        ) from None
