@@ -93,6 +93,13 @@ class EngineConfig:
             raise ValueError(f"background_tokens must be a positive integer, not {self.background_tokens!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            build = f"torch {torch.__version__}"
+            raise ValueError(
+                f"device {self.device}: no CUDA device is visible to {build}"
+                if torch.version.cuda
+                else f"device {self.device}: {build} is built without CUDA (use device cpu or auto)"
+            )
         if self.chat_template is not None:
             if not isinstance(self.chat_template, str) or not self.chat_template.strip():
                 raise ValueError(f"chat_template must be a template or a file, not {self.chat_template!r}")

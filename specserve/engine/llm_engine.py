@@ -42,6 +42,7 @@ from specserve.engine.output_processor import OutputProcessor
 from specserve.engine.outputs import StepDelta
 from specserve.engine.parallel import ModelSpec, ParallelRunner, RankGroup, build_model
 from specserve.engine.penalties import adjust_logits
+from specserve.engine.preflight import preflight
 from specserve.engine.sampler import RowParams, sample
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
@@ -50,9 +51,7 @@ from specserve.engine.static_scheduler import StaticScheduler
 from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
 from specserve.engine.structured import StructuredOutputs
 from specserve.models import quant
-from specserve.models.config import ModelConfig
-from specserve.models.loader import demo_model_path, load_tokenizer, read_config, resolve_model
-from specserve.models.parallel import check_shardable
+from specserve.models.loader import load_tokenizer
 from specserve.spec.decoder import SpeculativeDecoder, check_speculation
 from specserve.spec.factory import TargetInfo, build_decoder
 
@@ -118,19 +117,16 @@ class _Totals:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        path = resolve_model(config.model, config.revision) if config.model else demo_model_path()
+        checked = preflight(config)
+        path = checked.path
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.device = config.torch_device()
-        self.dtype = config.torch_dtype(self.device)
+        self.device, self.dtype = checked.device, checked.dtype
         tp_size = config.tensor_parallel_size
         # sharded ranks hold dense matrices: auto leaves a GGUF's quantization for the dequantized path
         self.quantization = (
             "none" if tp_size > 1 else quant.effective_mode(config.quantization, self.device, self.dtype)
         )
         spec = ModelSpec(path, self.dtype, self.device.type, config.attention_backend, self.quantization)
-        header = ModelConfig.from_hf(read_config(path))
-        if tp_size > 1:  # before any rank starts loading: a size that does not divide the heads is refused
-            check_shardable(header, tp_size)
         # Before the weights: building a GGUF's tokenizer holds ~100 MiB of Python strings for a moment (its
         # vocabulary and merges), which on top of the weights was the load's peak (bench/load.py).
         self.tokenizer = load_tokenizer(path)

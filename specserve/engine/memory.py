@@ -131,6 +131,19 @@ def kv_pool_bytes(
     return budget, f"{CPU_KV_SHARE:.0%} of {limit / GIB:.1f} GiB of memory (within 0.25-8 GiB)"
 
 
+def check_max_model_len(
+    pool_bytes: int, why: str, bytes_per_token: int, block_size: int, wanted: int
+) -> None:
+    """The longest sequence must fit in the pool on its own, or preemption could never make room for it."""
+    capacity = max(1, pool_bytes // (bytes_per_token * block_size)) * block_size
+    if wanted > capacity:
+        raise ValueError(
+            f"max_model_len {wanted} does not fit in the KV cache: it holds {capacity} tokens "
+            f"({pool_bytes / GIB:.2f} GiB, {why}); lower max_model_len or raise kv_cache_bytes"
+            + (" / gpu_memory_utilization" if "gpu" in why else "")
+        )
+
+
 def plan_kv_cache(
     pool_bytes: int,
     why: str,
@@ -144,14 +157,9 @@ def plan_kv_cache(
     num_blocks = max(1, pool_bytes // (bytes_per_token * block_size))
     capacity = num_blocks * block_size
     if requested_max_model_len is not None:
-        wanted = min(requested_max_model_len, model_max_len)
-        if wanted > capacity:
-            raise ValueError(
-                f"max_model_len {wanted} does not fit in the KV cache: it holds {capacity} tokens "
-                f"({pool_bytes / GIB:.2f} GiB, {why}); lower max_model_len or raise kv_cache_bytes"
-                + (" / gpu_memory_utilization" if "gpu" in why else "")
-            )
-        max_len = wanted
+        # above the model's own it was refused before the load (engine/preflight.py)
+        max_len = min(requested_max_model_len, model_max_len)
+        check_max_model_len(pool_bytes, why, bytes_per_token, block_size, max_len)
     else:
         max_len = min(model_max_len, capacity)
         if max_len < model_max_len:

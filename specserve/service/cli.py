@@ -240,6 +240,15 @@ def main(argv: list[str] | None = None) -> int:
         from specserve.models.config import UnsupportedModel
         from specserve.service.launch import run
 
+        if ns.command != "api":
+            from specserve.engine.config import EngineConfig
+            from specserve.engine.preflight import preflight
+
+            try:  # the settings against the model's config and the machine, before a weight is read
+                preflight(EngineConfig.from_kwargs(**cfg.engine_kwargs()))
+            except (ValueError, OSError) as e:
+                sys.stderr.write(f"error: {e}\n")
+                return 2
         try:
             run_loop(run(cfg, with_api=ns.command != "worker", with_worker=ns.command != "api"))
         except (UnsupportedModel, FileNotFoundError) as e:  # the model: one line, not a traceback
