@@ -10,7 +10,6 @@ way), but not those under `if TYPE_CHECKING:`, which never run.
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import sys
 import textwrap
