@@ -316,23 +316,31 @@ class LLMEngine:
         thread, so a step never waits for a compile); None for an unconstrained request."""
         if params.structured_outputs is None:
             return None
+        structured = self._structured_outputs()
+        structured.compile(params.structured_outputs)
+        return structured
+
+    def _structured_outputs(self) -> StructuredOutputs:
         with self._structured_lock:
             if self.structured is None:
                 self.structured = StructuredOutputs(
                     self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
                 )
-        self.structured.compile(params.structured_outputs)
         return self.structured
 
     def check_speculation(self, params: SamplingParams) -> None:
         check_speculation(params.speculation, self.spec.methods if self.spec is not None else None)
 
     def prepare(
-        self, prompt: str | list[int], params: SamplingParams, mark: Callable[[str], None] = lambda _: None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        mark: Callable[[str | None], None] = lambda _: None,
     ) -> Prepared:
         """Everything a request needs before a step may take it: its prompt's ids, its bad words' ids, its
         grammar compiled for this tokenizer. The service runs this in a thread of its own under a time budget
-        (engine/prepare.py PreparePool), calling mark(field) as each part starts; add_request given the result
+        (engine/prepare.py PreparePool), calling mark(field) as each part starts (None: the process's one-time
+        setup, not the request's); add_request given the result
         does none of it on the step thread."""
         self.check_speculation(params)
         mark("prompt")
@@ -343,9 +351,10 @@ class LLMEngine:
             bad = self.bad_words_ids(params.bad_words)
         grammar = None
         if params.structured_outputs is not None:
+            # the first constrained request loads xgrammar and the tokenizer's tables: not its own cost
+            mark(None)
+            structured = self._structured_outputs()
             mark(f"structured_outputs.{params.structured_outputs.kind}")
-            structured = self.compile_grammar(params)
-            assert structured is not None
             grammar = structured.compile(params.structured_outputs)
         return Prepared(ids, bad, grammar)
 

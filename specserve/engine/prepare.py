@@ -6,7 +6,7 @@
                       build never holds the API's GIL
     PreparePool       the worker's preparation (tokenizing, bad-words ids, compiling a grammar for the
                       tokenizer): a few threads, since the tokenizer and xgrammar's compiler run in native
-                      code; past its budget the request is refused naming the field being prepared
+                      code; a field past its budget refuses the request naming the field
 
 Both refuse an over-budget request as InvalidParameter naming the field: a 400 at the API, `failed` with
 `error_field` on the wire. Neither module-level nor here imports torch.
@@ -150,38 +150,38 @@ class GrammarPool:
 
 class PreparePool:
     """The worker's preparation: `run(work)` calls work(mark) on one of `workers` threads, where work calls
-    mark(field) as it starts on each field; past `budget_s` the request is refused naming the field it was
-    on. The thread finishes its call in the background (a thread cannot be stopped), so a raw producer's
-    pathological grammar costs one pool thread for a while, never the step thread or the loop."""
+    mark(field) as it starts on each field, and mark(None) before work that is the process's, not the
+    request's (loading the grammar engine and the tokenizer's tables, once). Each field gets `budget_s`
+    from its mark; past it the request is refused naming that field. The thread finishes its call in the
+    background (a thread cannot be stopped), so a raw producer's pathological grammar costs one pool thread
+    for a while, never the step thread or the loop."""
 
     def __init__(self, workers: int, budget_s: float) -> None:
         self.budget_s = budget_s
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="specserve-prepare")
 
-    async def run(self, work: Callable[[Callable[[str], None]], T], first_field: str) -> T:
-        at = [first_field]
-
-        def mark(field: str) -> None:
-            at[0] = field
-
+    async def run(self, work: Callable[[Callable[[str | None], None]], T], first_field: str) -> T:
         loop = asyncio.get_running_loop()
-        started = asyncio.Event()
+        # (field or None, when it began), replaced whole by the worker thread: the loop reads one tuple
+        at: list[tuple[str | None, float]] = []
+
+        def mark(field: str | None) -> None:
+            at.append((field, time.monotonic()))
 
         def call() -> T:
-            loop.call_soon_threadsafe(started.set)
+            mark(first_field)
             return work(mark)
 
         # the budget runs from when a thread takes the work: waiting behind other requests is not this one's
         future = loop.run_in_executor(self._pool, call)
-        waiter = asyncio.ensure_future(started.wait())
-        try:
-            await asyncio.wait({future, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiter.cancel()
-        try:
-            return await asyncio.wait_for(future, self.budget_s)
-        except TimeoutError:
-            raise over_budget(at[0], self.budget_s) from None
+        while True:
+            field, since = at[-1] if at else (None, time.monotonic())
+            left = None if field is None else since + self.budget_s - time.monotonic()
+            if left is not None and left <= 0:
+                raise over_budget(field, self.budget_s)
+            done, _ = await asyncio.wait({future}, timeout=min(left, 0.5) if left is not None else 0.05)
+            if done:
+                return future.result()
 
     def close(self) -> None:
         with contextlib.suppress(RuntimeError):

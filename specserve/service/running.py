@@ -222,9 +222,11 @@ class Runner:
         them (a constrained one with its grammar's matcher past them)."""
         if shown is not None and shown.token_ids:
             return await self._resume(rid, body, shown)
+        if quick_to_prepare(body):  # not behind the pool's queue, which a costly request may hold
+            return self.start(rid, body)
         params, until_full = self.params(rid, body)  # a bad field fails before the tokenizer runs
 
-        def work(mark: Callable[[str], None]) -> Prepared:
+        def work(mark: Callable[[str | None], None]) -> Prepared:
             with _as_sent(body):
                 return self.engine.engine.prepare(self._prompt(body, mark), params, mark)
 
@@ -235,7 +237,9 @@ class Runner:
     def _prompt_field(self, body: RequestBody) -> str:
         return "messages" if body.messages is not None else "prompt"
 
-    def _prompt(self, body: RequestBody, mark: Callable[[str], None] = lambda _: None) -> str | list[int]:
+    def _prompt(
+        self, body: RequestBody, mark: Callable[[str | None], None] = lambda _: None
+    ) -> str | list[int]:
         """The prompt as the engine takes it: a chat through the model's template, else as given."""
         if body.messages is None:
             assert body.prompt is not None
@@ -273,7 +277,7 @@ class Runner:
         answer readers see is one the grammar accepts, the shown part and the rest together."""
         params, until_full = self.params(rid, body)
 
-        def work(mark: Callable[[str], None]) -> tuple[Prepared, int, int]:
+        def work(mark: Callable[[str | None], None]) -> tuple[Prepared, int, int]:
             with _as_sent(body):
                 prompt = self._prompt(body, mark)
                 if isinstance(prompt, str):
