@@ -344,6 +344,13 @@ class ServiceConfig:
         0,
         "tokens (max_tokens asked) one API key may ask for a minute; more get 429 (0: no cap)",
     )
+    default_tenant: str = _opt(
+        "SPECSERVE_DEFAULT_TENANT",
+        Limits.default_tenant,
+        "the tenant whose limits (waiting cap, tokens per minute) a raw XADD naming no tenant counts "
+        "against; '~' (no API key's tenant can be named so) gives such entries a quota of their own; "
+        "empty: none",
+    )
     fair_share_quantum: int = _opt(
         "SPECSERVE_FAIR_SHARE_QUANTUM",
         _WORKER.fair_share.quantum,
@@ -470,7 +477,9 @@ class ServiceConfig:
         )
 
     def limits(self) -> Limits:
-        return Limits(self.max_backlog, self.tenant_max_queued, self.tenant_tokens_per_minute)
+        return Limits(
+            self.max_backlog, self.tenant_max_queued, self.tenant_tokens_per_minute, self.default_tenant
+        )
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(

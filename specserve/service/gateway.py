@@ -188,7 +188,7 @@ class Gateway:
                     carrier.get("traceparent"),
                     carrier.get("tracestate"),
                     tenant=bodies[0].tenant,
-                    tokens=await self._tokens_asked(bodies[0]),
+                    tokens=await self.tokens_asked(bodies[0]),
                 )
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
@@ -207,7 +207,7 @@ class Gateway:
             span.set_attribute("specserve.request_id", ",".join(r.id for r in results))
         return results
 
-    async def _tokens_asked(self, body: RequestBody) -> int:
+    async def tokens_asked(self, body: RequestBody) -> int:
         """What a request counts against its tenant's tokens per minute: the output it asks for. `max_tokens:
         null` asks for the rest of the context, as long as the served model's (its workers say)."""
         if not self.client.limits.tenant_tokens_per_minute:
