@@ -311,16 +311,8 @@ class LLMEngine:
             ids = list(ids["input_ids"])
         return self.encode_prompt(ids)
 
-    def compile_grammar(self, params: SamplingParams) -> StructuredOutputs | None:
-        """Compile a constrained request's grammar into the cache (the service calls this off the step
-        thread, so a step never waits for a compile); None for an unconstrained request."""
-        if params.structured_outputs is None:
-            return None
-        structured = self._structured_outputs()
-        structured.compile(params.structured_outputs)
-        return structured
-
     def _structured_outputs(self) -> StructuredOutputs:
+        """Made at the first constrained request (a disabled feature costs nothing)."""
         with self._structured_lock:
             if self.structured is None:
                 self.structured = StructuredOutputs(
@@ -388,10 +380,8 @@ class LLMEngine:
             bad_words_ids=prepared.bad_words_ids,
             priority=priority,
         )
-        if prepared.grammar is not None:
-            structured = self.compile_grammar(params)
-            assert structured is not None
-            structured.add(seq, prepared.grammar, prepared.grammar_prefix)
+        if prepared.grammar is not None:  # compiled by prepare(): the matcher is all the step thread makes
+            self._structured_outputs().add(seq, prepared.grammar, prepared.grammar_prefix)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -321,6 +321,7 @@ class BatchRoutes:
         pending, open_ = self._batch_key(batch_id, "pending"), self._batch_key(batch_id, "open")
         ttl = self.client.ttl_ms
         if fill:
+            queued: list[str] = []
             for raw in await self.r.lrange(pending, 0, ADVANCE_LINES - 1):
                 rid, held = orjson.loads(raw)
                 body = wire.parse_body(orjson.loads(held["body"]))
@@ -328,9 +329,11 @@ class BatchRoutes:
                     await self.client.enqueue(body, rid, tenant=body.tenant, tokens=held["tokens"])
                 except QuotaExceeded:
                     break  # full for now: the rest wait for room, in order
+                queued.append(rid)
+            if queued:  # a crash before this leaves them pending: queued again by id, nothing is added twice
                 pipe = self.r.pipeline(transaction=True)
-                pipe.lpop(pending)
-                pipe.rpush(open_, rid)
+                pipe.lpop(pending, len(queued))
+                pipe.rpush(open_, *queued)
                 pipe.pexpire(open_, ttl)
                 await pipe.execute()
         rids = await self.r.lrange(open_, 0, ADVANCE_LINES - 1)
