@@ -14,6 +14,14 @@ Why deficit round robin by tokens, not by requests: a tenant's cost is what it a
 prompt and its max_tokens), so a tenant sending long generations cannot take more of the engine's time than
 one sending short ones just by sending as many requests.
 
+Why a tenant whose queue was empty joins the ring at its head, and why a turn's grant is spent in that turn:
+otherwise the order of arrival decided the share. A tenant was granted its quantum and moved behind the
+others in one go, to spend it a round later; a tenant arriving beside a running burst was granted, moved
+behind, and waited out the burst's leftover credit and its fresh quantum too: a burst that landed first held
+back a small tenant's few for up to two quanta of the burst (with quantum 256 and requests of ~28 tokens,
+about 18 requests; tests/test_priority_fairness.py). Now a turn begins with its grant and the tenant is
+served at once, and, as in fq_codel's new-flows list, a newly active tenant takes the next turn.
+
 Starvation is bounded by one rule: every `oldest_every`-th admission (all workers together) takes the
 request that has waited longest, whatever its band or tenant. A request that is the oldest waiting one is
 therefore admitted within `oldest_every` admissions, and one with m older requests ahead within
@@ -21,7 +29,8 @@ m x `oldest_every`.
 
 Keys ({prefix}:ready:...): `bands` (sorted set of bands with waiting work, scored by priority), `ring:<band>`
 (list: the band's tenants with waiting work, in round-robin order), `q:<band>:<tenant>` (list of
-"<entry id> <cost>"), `deficit:<band>` (hash: tenant -> tokens of credit), `age` (sorted set of every waiting
+"<entry id> <cost>"), `deficit:<band>` (hash: tenant -> tokens of credit), `grant:<band>` (the tenant whose
+turn's quantum has been granted), `age` (sorted set of every waiting
 entry, scored by its enqueue time), `turn` (admissions counter). A request without a tenant is the tenant
 `~`, a name no tenant can have.
 """
@@ -99,9 +108,10 @@ local function member(eid, band, t, cost) return eid .. ' ' .. band .. ' ' .. t 
 # One entry a worker has just read. KEYS: requests stream, status hash. ARGV: group, consumer, ready prefix,
 # entry id, band, tenant from the body ('' none), cost, request id, then the limits for a request the API did
 # not admit (a raw XADD): quota prefix, max backlog, tenant max queued, tenant tokens per minute, tokens
-# asked, ttl_ms. Returns {verdict, detail}: ready (sorted in; detail: its tenant), refused (detail: the
-# limit), direct (a duplicate or finished id: the worker's claim settles it), notmine (already moved: a
-# retry).
+# asked, ttl_ms, the default tenant (a raw entry naming no tenant counts against its limits: recorded as the
+# status hash's `quota`, not as its owner, so any reader may still read it). Returns {verdict, detail}:
+# ready (sorted in; detail: its tenant), refused (detail: the limit), direct (a duplicate or finished id:
+# the worker's claim settles it), notmine (already moved: a retry).
 SORT_IN = (
     scripts._NOW
     + scripts._TERMINAL
@@ -117,12 +127,16 @@ local eid_ms = string.match(ARGV[4], '^(%d+)')
 if not h[1] then
   local q = {stream = KEYS[1], group = ARGV[1], prefix = ARGV[9], backlog = ARGV[10], max_queued = ARGV[11],
     tpm = ARGV[12], asked = ARGV[13], ttl = ARGV[14], new = 0}
-  local refused = admit(tenant, q)
+  local counted = tenant
+  if counted == '' then counted = ARGV[15] end  -- the default tenant ('' : none) counts what names none
+  local refused = admit(counted, q)
   if refused then return {'refused', refused[2]} end
-  if tenant ~= '' then queued(ARGV[9], tenant, ARGV[8], now_ms, ARGV[14]) end
+  if counted ~= '' then queued(ARGV[9], counted, ARGV[8], now_ms, ARGV[14]) end
   local f = {'admitted', '1'}
+  if tenant == '' and counted ~= '' then f = {'admitted', '1', 'quota', counted} end
   if not h[3] then
-    f = {'admitted', '1', 'status', 'queued', 'entry', ARGV[4], 'created', eid_ms}
+    f[#f + 1] = 'status'; f[#f + 1] = 'queued'; f[#f + 1] = 'entry'; f[#f + 1] = ARGV[4]
+    f[#f + 1] = 'created'; f[#f + 1] = eid_ms
     if tenant ~= '' then f[#f + 1] = 'tenant'; f[#f + 1] = tenant end
   end
   redis.call('HSET', KEYS[2], unpack(f))
@@ -138,7 +152,7 @@ redis.call('XCLAIM', KEYS[1], ARGV[1], '"""
     + """', 0, ARGV[4], 'JUSTID')
 local q = qkey(band, t)
 redis.call('RPUSH', q, ARGV[4] .. ' ' .. cost)
-if redis.call('LLEN', q) == 1 then redis.call('RPUSH', R .. 'ring:' .. band, t) end
+if redis.call('LLEN', q) == 1 then redis.call('LPUSH', R .. 'ring:' .. band, t) end
 redis.call('ZADD', R .. 'bands', tonumber(band), band)
 redis.call('ZADD', R .. 'age', tonumber(eid_ms), member(ARGV[4], band, t, cost))
 return {'ready', tenant}
@@ -157,8 +171,11 @@ local function split(s)
   for part in string.gmatch(s, '[^ ]+') do out[#out + 1] = part end
   return out
 end
+-- The ring's head has the turn; `grant:<band>` names whom the current turn was granted to. A head not granted
+-- yet (it just came round, or just arrived) is granted a quantum as its turn begins; it is served while its
+-- credit covers its next request, and then the turn passes (what credit is left stays its own).
 local function drr(band)
-  local ring, dk = R .. 'ring:' .. band, R .. 'deficit:' .. band
+  local ring, dk, granted = R .. 'ring:' .. band, R .. 'deficit:' .. band, R .. 'grant:' .. band
   for _ = 1, 100000 do
     local t = redis.call('LINDEX', ring, 0)
     if not t then return nil end
@@ -169,12 +186,17 @@ local function drr(band)
     else
       local eid, cost = unpack(split(head))
       local d = tonumber(redis.call('HGET', dk, t) or '0')
+      if redis.call('GET', granted) ~= t then
+        d = d + quantum
+        redis.call('HSET', dk, t, d)
+        redis.call('SET', granted, t)
+      end
       if d >= tonumber(cost) then
         redis.call('LPOP', qkey(band, t))
         redis.call('HSET', dk, t, d - tonumber(cost))
         return eid, cost, t
       end
-      redis.call('HSET', dk, t, d + quantum)
+      redis.call('DEL', granted)
       redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
     end
   end
@@ -216,7 +238,7 @@ while #out - 1 < n and tries < n + 1000 do
     end
     if redis.call('LLEN', R .. 'ring:' .. band) == 0 then
       redis.call('ZREM', R .. 'bands', band)
-      redis.call('DEL', R .. 'deficit:' .. band)
+      redis.call('DEL', R .. 'deficit:' .. band, R .. 'grant:' .. band)
     end
   end
 end
@@ -293,6 +315,7 @@ class ReadyQueue:
                     self.keys.group, self.name, self.prefix, e.entry_id, body.priority, body.tenant or "",
                     cost, e.request_id, self.keys.quota, lim.max_backlog, lim.tenant_max_queued,
                     lim.tenant_tokens_per_minute, asked if isinstance(asked, int) else 0, self.ttl_ms,
+                    lim.default_tenant,
                 )
             )  # fmt: skip
         replies = await self.fast.pipeline(commands, raise_on_error=False)
