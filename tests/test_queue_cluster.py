@@ -148,7 +148,8 @@ def _audit_under_load(
         return got
 
     async def main():
-        async with service_stack(cluster.url, model_dir) as (worker, client):
+        # a request whose claim the promoted replica missed waits for a reclaim: keep that wait short
+        async with service_stack(cluster.url, model_dir, claim_timeout_s=3.0) as (worker, client):
             ids = list(ref)
             first, later = ids[: len(ids) // 2], ids[len(ids) // 2 :]
             for rid in first:
