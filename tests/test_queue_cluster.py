@@ -9,13 +9,14 @@ import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import aiohttp
 import orjson
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.cluster import key_slot
 from valkey_cluster import ValkeyCluster
-from valkey_helpers import run, service_stack
+from valkey_helpers import free_port, run, service_stack, spawn_cli, wait_for
 
 from specserve import SamplingParams
 from specserve.queue import scripts
@@ -275,3 +276,46 @@ def test_finish_run_again_answers_written_and_writes_nothing_twice(valkey) -> No
     first, again, other, outputs, pending = run(main())
     assert (first, again, other) == (1, 1, 0)  # another worker's finish is still refused
     assert outputs == 1 and pending["pending"] == 0
+
+
+@pytest.mark.slow
+def test_specserve_api_and_worker_processes_serve_from_a_cluster_url(
+    valkey_cluster, tiny_model_dir, tiny_engines, tmp_path
+) -> None:
+    """The CLI's path: REDIS_URL names one cluster node, nothing else says it is a cluster."""
+    ref = tiny_engines.llm(tiny_model_dir).generate(["Hello"], SamplingParams(**GREEDY))[0]
+    health, api_port = free_port(), free_port()
+    env = {
+        "SPECSERVE_DTYPE": "float32", "SPECSERVE_KV_CACHE_BYTES": str(4 << 20), "SPECSERVE_DEVICE": "cpu",
+        "REDIS_URL": valkey_cluster.nodes[2].url, "SPECSERVE_MODEL": str(tiny_model_dir),
+        "SPECSERVE_HEALTH_PORT": str(health),
+    }  # fmt: skip
+    worker = spawn_cli(["worker"], env, tmp_path / "worker.log")
+    api = spawn_cli(
+        ["api"], {"REDIS_URL": env["REDIS_URL"], "SPECSERVE_PORT": str(api_port)}, tmp_path / "api.log"
+    )
+    base = f"http://127.0.0.1:{api_port}"
+
+    async def ready(url: str) -> bool:
+        try:
+            async with aiohttp.ClientSession() as http, http.get(url) as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    async def main():
+        await wait_for(lambda: ready(f"http://127.0.0.1:{health}/readyz"), timeout=180, what="worker ready")
+        await wait_for(lambda: ready(f"{base}/readyz"), timeout=180, what="api ready")
+        body = {"model": str(tiny_model_dir), "prompt": "Hello", **GREEDY}
+        async with aiohttp.ClientSession() as http, http.post(f"{base}/v1/completions", json=body) as r:
+            return r.status, await r.json()
+
+    try:
+        status, answer = run(main(), timeout=300)
+    finally:
+        for proc in (worker, api):
+            proc.terminate()
+        for proc in (worker, api):
+            proc.wait(timeout=60)
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == ref.text
