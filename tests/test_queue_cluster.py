@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+import redis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.cluster import key_slot
@@ -21,7 +22,7 @@ from valkey_helpers import free_port, run, service_stack, spawn_cli, wait_for
 from specserve import SamplingParams
 from specserve.queue import scripts
 from specserve.queue.client import Durability, QueueClient
-from specserve.queue.connection import NotReplicated, open_redis
+from specserve.queue.connection import NotReplicated, is_cluster, open_redis
 from specserve.queue.keys import Keys
 
 pytest_plugins = ("valkey_fixtures",)
@@ -73,6 +74,22 @@ def test_the_same_url_opens_a_cluster_client_only_on_a_cluster(valkey, valkey_cl
     single_type, cluster_type, single_key, cluster_key = run(main())
     assert single_type is Redis and cluster_type is RedisCluster
     assert (single_key, cluster_key) == ("specserve:requests", "{specserve}:requests")
+
+
+def test_a_user_without_info_still_finds_out_whether_it_is_on_a_cluster(valkey, valkey_cluster) -> None:
+    def limited(node) -> str:
+        with redis.Redis(port=node.port, password=node.password) as admin:
+            admin.execute_command("ACL", "SETUSER", "limited", "on", ">pw", "~*", "&*", "+@all", "-info")
+        return f"redis://limited:pw@127.0.0.1:{node.port}/0"
+
+    async def main():
+        kinds = []
+        for url in (limited(valkey), *(limited(n) for n in valkey_cluster.nodes)):
+            kinds.append(await is_cluster(url))
+        return kinds
+
+    single, *nodes = run(main())
+    assert single is False and all(nodes)
 
 
 def test_seed_nodes_find_the_cluster_when_the_urls_node_is_down(valkey_cluster) -> None:

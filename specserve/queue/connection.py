@@ -20,6 +20,7 @@ from redis.exceptions import (
     ClusterError,
     OutOfMemoryError,
     ReadOnlyError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -96,7 +97,14 @@ def _on_node(url: str, node: str) -> str:
 async def _cluster_enabled(url: str) -> bool:
     probe = Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=10.0, decode_responses=True)
     try:
-        info = await probe.info("cluster")
+        try:
+            info = await probe.info("cluster")
+        except ResponseError:  # an ACL user without INFO: CLUSTER INFO answers only on a cluster
+            try:
+                await probe.execute_command("CLUSTER", "INFO")
+            except ResponseError:
+                return False
+            return True
     finally:
         await probe.aclose()
     return str(info.get("cluster_enabled", "0")) == "1"
