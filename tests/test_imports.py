@@ -10,7 +10,6 @@ way), but not those under `if TYPE_CHECKING:`, which never run.
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import sys
 import textwrap
@@ -123,67 +122,70 @@ def test_find_cycle_reports_the_circle():
     assert find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-# Run in a fresh interpreter: records who first imports torch (the innermost module on the stack that is not
-# the import machinery, and the specserve modules above it), then validates requests as the API does.
+# Run in a fresh interpreter: validates requests as the API does (the body's checks, then the grammar pool),
+# and fails if torch is ever imported in this process, naming the modules on the stack that imported it.
 API_VALIDATION = textwrap.dedent(
     """
+    import asyncio
     import json
     import sys
 
-    importers = {}
-
-    class WhoImportsTorch:
+    class NoTorch:
         def find_spec(self, name, path=None, target=None):
-            if name == "torch" and not importers:
-                frame = sys._getframe(1)
-                stack = []
+            if name == "torch":
+                stack, frame = [], sys._getframe(1)
                 while frame is not None:
-                    module = frame.f_globals.get("__name__", "")
-                    if not module.startswith(("importlib", "_frozen_importlib")):
-                        stack.append(module)
+                    stack.append(frame.f_globals.get("__name__", ""))
                     frame = frame.f_back
-                importers["stack"] = stack
+                raise ImportError("torch imported by " + " <- ".join(stack))
             return None
 
-    sys.meta_path.insert(0, WhoImportsTorch())
+    sys.meta_path.insert(0, NoTorch())
 
     import specserve.service.api  # the native and the OpenAI routes, and the gateway they share
-    from specserve.engine.errors import InvalidParameter
-    from specserve.service.gateway import validate
+    from specserve.service.config import ApiSettings
+    from specserve.service.gateway import Gateway
     from specserve.service.http import ApiError
 
-    assert "torch" not in sys.modules, importers
-    validate({"prompt": "x", "max_tokens": 4, "temperature": 0.5, "stop": ["."]})
-    assert "torch" not in sys.modules, importers
-
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    for constraint in ({"json": schema}, {"regex": "[a-z]{2,4}"}, {"choice": ["red", "green"]}):
-        validate({"prompt": "x", "max_tokens": 4, "structured_outputs": constraint})
-    bad = (({"regex": "a(b"}, "structured_outputs.regex"), ({"choice": []}, "structured_outputs.choice"))
-    for constraint, field in bad:
+    async def main():
+        gateway = Gateway(None, None, ApiSettings(prepare_workers=1, prepare_timeout_s=60.0))
         try:
-            validate({"prompt": "x", "structured_outputs": constraint})
-        except ApiError as e:
-            assert e.param == field, (e.param, field)
-        else:
-            raise AssertionError(f"{constraint} was accepted")
-    print(json.dumps(importers.get("stack")))
+            async def check(data):
+                await gateway.prepare(gateway.validate(data))
+
+            await check({"prompt": "x", "max_tokens": 4, "temperature": 0.5, "stop": ["."]})
+            schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+            for constraint in ({"json": schema}, {"regex": "[a-z]{2,4}"}, {"choice": ["red", "green"]}):
+                await check({"prompt": "x", "max_tokens": 4, "structured_outputs": constraint})
+            bad = (
+                ({"regex": "a(b"}, "structured_outputs.regex"),
+                ({"grammar": "root ::= nothing"}, "structured_outputs.grammar"),
+                ({"json": {"type": "object", "required": 3}}, "structured_outputs.json"),
+                ({"choice": []}, "structured_outputs.choice"),
+            )
+            for constraint, field in bad:
+                try:
+                    await check({"prompt": "x", "structured_outputs": constraint})
+                except ApiError as e:
+                    assert e.status == 400 and e.param == field, (e.status, e.param, field)
+                else:
+                    raise AssertionError(f"{constraint} was accepted")
+        finally:
+            gateway.close()
+
+    asyncio.run(main())
+    assert "torch" not in sys.modules and "xgrammar" not in sys.modules
+    print(json.dumps("ok"))
     """
 )
 
 
-def test_api_validation_imports_no_torch_of_its_own():
-    """xgrammar 0.2 imports torch when it is imported (its package does, and so does the tvm_ffi binding it
-    loads), so the first grammar a process builds brings torch in. What specserve owns is that nothing else
-    on the API's path does: torch is absent until then, and when it comes, the innermost specserve module
-    importing it is engine/grammar.py's build_grammar, through xgrammar."""
+def test_api_validation_imports_no_torch():
+    """xgrammar 0.2 imports torch when it is imported, so the API builds no grammar itself: its grammar
+    pool's children do (engine/prepare.py). The API process validates well-formed and bad constraints alike,
+    bad ones refused naming their field, and torch (and xgrammar) never enter it."""
     run = subprocess.run(
-        [sys.executable, "-c", API_VALIDATION], capture_output=True, text=True, timeout=120, cwd=ROOT.parent
+        [sys.executable, "-c", API_VALIDATION], capture_output=True, text=True, timeout=180, cwd=ROOT.parent
     )
     assert run.returncode == 0, run.stderr
-    stack = json.loads(run.stdout.strip().splitlines()[-1])
-    if stack is None:  # an xgrammar that needs no torch: the API process never loads it
-        return
-    first_specserve = next(m for m in stack if m.startswith("specserve"))
-    assert first_specserve == "specserve.engine.grammar", stack
-    assert stack[0].startswith(("xgrammar", "tvm_ffi")), stack
+    assert run.stdout.strip().splitlines()[-1] == '"ok"'

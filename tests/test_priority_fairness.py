@@ -156,6 +156,33 @@ def test_a_raw_xadd_over_its_tenants_cap_fails_naming_the_limit(valkey, tiny_mod
     assert finals["t3"]["error_field"] == "tenant_max_queued"
 
 
+def test_raw_xadds_naming_no_tenant_count_under_the_default_tenant(valkey, tiny_model_dir):
+    """Raw entries without a tenant skipped every per-tenant cap; they now count under the default tenant
+    (`~` unless configured): past its cap of 2 they fail naming the limit, and can still be read by anyone
+    (no owner is recorded)."""
+
+    async def main():
+        async with service_stack(
+            valkey.url, tiny_model_dir, start_worker=False, limits=Limits(tenant_max_queued=2)
+        ) as (worker, client):
+            for i in range(4):
+                body = {"prompt": f"raw {i}", "max_tokens": 4, "reply_to": "order", **GREEDY}
+                await client.r.xadd(KEYS.requests, {"id": f"n{i}", "body": orjson.dumps(body)})
+            await worker.start()
+            finals = {f["id"]: f for f in await _finish_order(client, 4)}
+            return finals, await client.r.hgetall(KEYS.req("n0"))
+
+    finals, status = run(main(), timeout=300)
+    assert {rid: f["status"] for rid, f in finals.items()} == {
+        "n0": "finished",
+        "n1": "finished",
+        "n2": "failed",
+        "n3": "failed",
+    }
+    assert finals["n2"]["error_field"] == "tenant_max_queued"
+    assert status.get("quota") == "~" and "tenant" not in status
+
+
 def test_priority_and_tenant_over_http(valkey, tiny_model_dir):
     """`priority` (vLLM's extra field) and `tenant` reach the queue from the native and OpenAI routes; with
     API keys the key decides the tenant, and a body naming another is a 400 naming `tenant`."""
@@ -226,3 +253,31 @@ def test_the_fair_share_holds_however_fast_entries_arrive(valkey, tiny_model_dir
     assert sorted(order) == sorted([f"A{i}" for i in range(40)] + [f"B{i}" for i in range(4)])
     a_done = [x for x in order if x.startswith("A")]
     assert max(order.index(f"B{i}") for i in range(4)) < order.index(a_done[11]), order
+
+
+def test_a_small_tenant_arriving_after_a_running_burst_is_served_next(valkey, tiny_model_dir):
+    """Tenant A's burst of 40 is already running (a few finished) when tenant B's 4 arrive: B's 4 are
+    admitted next, not after A's credit and one more quantum of A's are spent. With 2 slots, B's last
+    finishes before 6 more of A's have."""
+
+    async def main():
+        async with service_stack(
+            valkey.url, tiny_model_dir, engine_args={"max_num_seqs": 2}, fair_share=FairShare(quantum=256)
+        ) as (_worker, client):
+            pipe = client.r.pipeline(transaction=False)
+            for i in range(40):
+                pipe.xadd(KEYS.requests, _raw("A", i))
+            await pipe.execute()
+            first = await _finish_order(client, 3)
+            pipe = client.r.pipeline(transaction=False)
+            for i in range(4):
+                pipe.xadd(KEYS.requests, _raw("B", i))
+            await pipe.execute()
+            return [f["id"] for f in await _finish_order(client, 44)], len(first)
+
+    order, _ = run(main(), timeout=300)
+    assert sorted(order) == sorted([f"A{i}" for i in range(40)] + [f"B{i}" for i in range(4)])
+    b_last = max(order.index(f"B{i}") for i in range(4))
+    # the A's finished before B's arrived are the first 3 read, at least; B was sent right after
+    arrived_after = len([x for x in order[:b_last] if x.startswith("A")])
+    assert arrived_after <= 3 + 2 + 6, order

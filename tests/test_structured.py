@@ -13,7 +13,7 @@ import torch
 import xgrammar as xgr
 
 from specserve.engine.errors import InvalidParameter
-from specserve.engine.grammar import StructuredOutputsParams
+from specserve.engine.grammar import StructuredOutputsParams, check_grammar
 from specserve.engine.sampler import RowParams
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.sequence import Sequence
@@ -186,8 +186,11 @@ def test_drafts_end_at_a_forbidden_token_and_forced_text_is_drafted(grammar, dem
     ],
 )
 def test_bad_constraints_name_their_field(constraint, field):
+    """The shape is checked when the parameters are made; the grammar when it is built (check_grammar: at
+    the API in its grammar pool, in the worker before the request reaches the step thread)."""
     with pytest.raises(InvalidParameter) as e:
-        SamplingParams.from_dict({"structured_outputs": constraint})
+        params = SamplingParams.from_dict({"structured_outputs": constraint})
+        check_grammar(params.structured_outputs)
     assert e.value.field == field
     assert "[" not in e.value.message  # xgrammar's log prefix (time, C++ file) is not shown to clients
 

@@ -15,7 +15,7 @@ from queue import SimpleQueue
 from typing import Any
 
 from specserve.engine.config import EngineConfig
-from specserve.engine.llm_engine import EngineStats, LLMEngine
+from specserve.engine.llm_engine import EngineStats, LLMEngine, Prepared
 from specserve.engine.outputs import StepDelta
 from specserve.engine.sampling_params import SamplingParams
 
@@ -78,7 +78,7 @@ class AsyncLLMEngine:
         self._stepping: asyncio.Future | None = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, list[int], SamplingParams, bool, int]] = []
+        self._inbox: list[tuple[str, SamplingParams, bool, int, Prepared]] = []
         self._aborts: list[str] = []
         self._queues: dict[str, asyncio.Queue[StepDelta]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -151,23 +151,25 @@ class AsyncLLMEngine:
         params: SamplingParams,
         stream: bool = True,
         priority: int = 0,
+        prepared: Prepared | None = None,
     ) -> AsyncIterator[StepDelta]:
         """Queue a request; iterate the result for its deltas. Bad prompts raise here, in the caller.
 
         stream=False yields one delta, the final one with every token: no per-step wake-ups of the event loop
-        for a caller that only wants the whole result (vLLM's FINAL_ONLY output kind).
+        for a caller that only wants the whole result (vLLM's FINAL_ONLY output kind). `prepared`: what
+        engine.prepare made of it off the loop (the service's way, engine/prepare.py); without it the
+        preparation runs here, in the caller.
         """
         if self.error is not None:
             raise RuntimeError("the engine thread has failed") from self.error
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.check_speculation(params)  # refused here: on the step thread it would fail the engine
-        prompt_ids = self.engine.encode_prompt(prompt)  # tokenising here keeps it off the step thread
-        self.engine.compile_grammar(params)  # so does compiling a grammar (cached: once per schema)
+        if prepared is None:  # here, not on the step thread, where a bad prompt would fail the engine
+            prepared = self.engine.prepare(prompt, params)
         queue: asyncio.Queue[StepDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         with self._lock:
-            self._inbox.append((request_id, prompt_ids, params, stream, priority))
+            self._inbox.append((request_id, params, stream, priority, prepared))
         self._wake.set()
         return self._stream(request_id, queue)
 
@@ -227,8 +229,8 @@ class AsyncLLMEngine:
                 with self._lock:
                     inbox, self._inbox = self._inbox, []
                     aborts, self._aborts = self._aborts, []
-                for request_id, prompt_ids, params, stream, priority in inbox:
-                    engine.add_request(request_id, prompt_ids, params, stream, priority)
+                for request_id, params, stream, priority, prepared in inbox:
+                    engine.add_request(request_id, prepared.prompt_ids, params, stream, priority, prepared)
                 for request_id in aborts:
                     engine.abort(request_id)
                 if not engine.has_unfinished():

@@ -64,6 +64,18 @@ RESERVED_TEMPLATE_ARGS = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request made ready off the step thread (LLMEngine.prepare)."""
+
+    prompt_ids: list[int]
+    bad_words_ids: list[list[int]] | None = None
+    grammar: Any = None  # xgrammar's CompiledGrammar for this tokenizer, for a constrained request
+    # tokens the grammar's matcher accepts before the first step: a resumed rerun's tokens readers were shown,
+    # which its prompt already ends with, so its output continues the answer they began
+    grammar_prefix: tuple[int, ...] = ()
+
+
 @dataclass
 class StepTimes:
     """Seconds spent in each phase, summed over steps (the benchmark's per-step breakdown)."""
@@ -299,21 +311,44 @@ class LLMEngine:
             ids = list(ids["input_ids"])
         return self.encode_prompt(ids)
 
-    def compile_grammar(self, params: SamplingParams) -> StructuredOutputs | None:
-        """Compile a constrained request's grammar into the cache (the service calls this off the step
-        thread, so a step never waits for a compile); None for an unconstrained request."""
-        if params.structured_outputs is None:
-            return None
+    def _structured_outputs(self) -> StructuredOutputs:
+        """Made at the first constrained request (a disabled feature costs nothing)."""
         with self._structured_lock:
             if self.structured is None:
                 self.structured = StructuredOutputs(
                     self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
                 )
-        self.structured.compile(params.structured_outputs)
         return self.structured
 
     def check_speculation(self, params: SamplingParams) -> None:
         check_speculation(params.speculation, self.spec.methods if self.spec is not None else None)
+
+    def prepare(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        mark: Callable[[str | None], None] = lambda _: None,
+    ) -> Prepared:
+        """Everything a request needs before a step may take it: its prompt's ids, its bad words' ids, its
+        grammar compiled for this tokenizer. The service runs this in a thread of its own under a time budget
+        (engine/prepare.py PreparePool), calling mark(field) as each part starts (None: the process's one-time
+        setup, not the request's); add_request given the result
+        does none of it on the step thread."""
+        self.check_speculation(params)
+        mark("prompt")
+        ids = self.encode_prompt(prompt)
+        bad = None
+        if params.bad_words:
+            mark("bad_words")
+            bad = self.bad_words_ids(params.bad_words)
+        grammar = None
+        if params.structured_outputs is not None:
+            # the first constrained request loads xgrammar and the tokenizer's tables: not its own cost
+            mark(None)
+            structured = self._structured_outputs()
+            mark(f"structured_outputs.{params.structured_outputs.kind}")
+            grammar = structured.compile(params.structured_outputs)
+        return Prepared(ids, bad, grammar)
 
     def add_request(
         self,
@@ -322,13 +357,16 @@ class LLMEngine:
         params: SamplingParams,
         stream: bool = True,
         priority: int = 0,
+        prepared: Prepared | None = None,
     ) -> None:
         """stream=False: no per-step deltas, only the final one (for callers that want the whole result).
-        `priority`: lower runs sooner, under scheduling_policy="priority" (vLLM's argument)."""
+        `priority`: lower runs sooner, under scheduling_policy="priority" (vLLM's argument). `prepared`:
+        what prepare() made of this prompt and params (else it is made here)."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.check_speculation(params)
-        ids = self.encode_prompt(prompt)
+        if prepared is None:
+            prepared = self.prepare(prompt, params)
+        ids = prepared.prompt_ids
         gen = None if params.seed is None else torch.Generator().manual_seed(params.seed)
         seq = Sequence(
             seq_id=next(self._seq_ids),
@@ -339,12 +377,11 @@ class LLMEngine:
             arrival_time=time.monotonic(),
             generator=gen,
             stream=stream,
-            bad_words_ids=self.bad_words_ids(params.bad_words) if params.bad_words else None,
+            bad_words_ids=prepared.bad_words_ids,
             priority=priority,
         )
-        structured = self.compile_grammar(params)
-        if structured is not None:
-            structured.add(seq)
+        if prepared.grammar is not None:  # compiled by prepare(): the matcher is all the step thread makes
+            self._structured_outputs().add(seq, prepared.grammar, prepared.grammar_prefix)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 

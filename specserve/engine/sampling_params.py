@@ -13,7 +13,6 @@ MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
 # The proposers a worker may hold (spec/config.py), which a request may also name as its `speculation`
 SPECULATION_METHODS = ("ngram", "draft_model", "suffix")
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (completions' logprobs allows 5; vLLM takes 20 for both)
 # What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
 # whole engine (every running request) down with it.
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
@@ -118,11 +117,7 @@ class SamplingParams:
         )
         for name in ("logprobs", "prompt_logprobs"):
             lp = getattr(self, name)
-            check(
-                lp is None or (is_int(lp) and 0 <= lp <= MAX_LOGPROBS),
-                name,
-                f"must be an integer in [0, {MAX_LOGPROBS}] or null",
-            )
+            check(lp is None or (is_int(lp) and lp >= 0), name, "must be an integer >= 0 or null")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             check(is_num(v) and -2.0 <= v <= 2.0, name, "must be a number in [-2, 2]")
@@ -154,6 +149,14 @@ class SamplingParams:
         check(
             so is None or isinstance(so, StructuredOutputsParams), "structured_outputs", "must be an object"
         )
+
+    def check_logprobs(self, most: int) -> None:
+        """logprobs and prompt_logprobs ask for at most `most` alternatives (vLLM's max_logprobs, a service
+        setting: service/config.py): each is a top-k over the vocabulary at every position it covers."""
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and lp > most:
+                raise InvalidParameter(name, f"is {lp}; at most {most} (max_logprobs) are served")
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> SamplingParams:

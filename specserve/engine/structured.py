@@ -35,6 +35,7 @@ from specserve.engine.grammar import (
     MAX_CACHED_GRAMMARS,
     StructuredOutputsParams,
     build_grammar,
+    check_grammar,
     constraint_key,
 )
 from specserve.engine.sequence import Sequence
@@ -97,6 +98,7 @@ class StructuredOutputs:
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled
+        check_grammar(params)  # a bad one is the request's InvalidParameter, not xgrammar's RuntimeError
         compiled = self.compiler.compile_grammar(build_grammar(*key))
         with self._lock:
             self._compiled[key] = compiled
@@ -106,14 +108,20 @@ class StructuredOutputs:
 
     # ---- per sequence ----------------------------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, compiled: xgr.CompiledGrammar | None = None, prefix: Seq[int] = ()) -> None:
+        """A matcher for the sequence, on `compiled` (else compiled here), past `prefix`: tokens already
+        generated under this grammar, which a resumed rerun's prompt ends with."""
         assert seq.params.structured_outputs is not None
         # rollback is unbounded in xgrammar 0.2 (max_rollback_tokens is deprecated)
         constraint = seq.params.structured_outputs
-        self._states[seq.seq_id] = _State(
-            self._xgr.GrammarMatcher(self.compile(constraint)),
-            json=constraint.json is not None or bool(constraint.json_object),
-        )
+        matcher = self._xgr.GrammarMatcher(compiled if compiled is not None else self.compile(constraint))
+        for t in prefix:
+            if not matcher.accept_token(t):
+                # the earlier run generated these under the same grammar; a refusal means its state is lost
+                log.error("grammar refused resumed token %d of %s; unconstrained", t, seq.request_id)
+                return
+        json = constraint.json is not None or bool(constraint.json_object)
+        self._states[seq.seq_id] = _State(matcher, json=json)
 
     def _no_control_bytes(self) -> torch.Tensor:
         """A bitmask row allowing every token but those holding a control byte other than newline and

@@ -47,6 +47,9 @@ class Limits:
     max_backlog: int = 0  # requests waiting for any worker, all tenants together
     tenant_max_queued: int = 0  # requests one tenant may have waiting
     tenant_tokens_per_minute: int = 0  # tokens (max_tokens asked) one tenant may ask for per minute
+    # What a raw XADD naming no tenant counts against (its per-tenant limits; "": none). "~" is a name no API
+    # key's tenant can have, so by default such entries share one quota of their own.
+    default_tenant: str = "~"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,14 @@ Why deficit round robin by tokens, not by requests: a tenant's cost is what it a
 prompt and its max_tokens), so a tenant sending long generations cannot take more of the engine's time than
 one sending short ones just by sending as many requests.
 
+Why a tenant whose queue was empty joins the ring at its head, and why credit granted is spent at once:
+otherwise the order of arrival decided the share. A tenant alone in a band is granted a quantum each time
+its credit runs short, and with the grant it was moved behind the others; a tenant arriving beside it was
+granted its quantum, moved behind, and waited out the first tenant's fresh quantum too: a burst that landed
+first held back a small tenant's few for up to two quanta of its own (with quantum 256 and requests of ~28
+tokens, about 18 requests; tests/test_priority_fairness.py). As in fq_codel's new-flows list, a newly
+active tenant is served first, for up to one quantum, and the round robin then goes on as before.
+
 Starvation is bounded by one rule: every `oldest_every`-th admission (all workers together) takes the
 request that has waited longest, whatever its band or tenant. A request that is the oldest waiting one is
 therefore admitted within `oldest_every` admissions, and one with m older requests ahead within
@@ -99,9 +107,10 @@ local function member(eid, band, t, cost) return eid .. ' ' .. band .. ' ' .. t 
 # One entry a worker has just read. KEYS: requests stream, status hash. ARGV: group, consumer, ready prefix,
 # entry id, band, tenant from the body ('' none), cost, request id, then the limits for a request the API did
 # not admit (a raw XADD): quota prefix, max backlog, tenant max queued, tenant tokens per minute, tokens
-# asked, ttl_ms. Returns {verdict, detail}: ready (sorted in; detail: its tenant), refused (detail: the
-# limit), direct (a duplicate or finished id: the worker's claim settles it), notmine (already moved: a
-# retry).
+# asked, ttl_ms, the default tenant (a raw entry naming no tenant counts against its limits: recorded as the
+# status hash's `quota`, not as its owner, so any reader may still read it). Returns {verdict, detail}:
+# ready (sorted in; detail: its tenant), refused (detail: the limit), direct (a duplicate or finished id:
+# the worker's claim settles it), notmine (already moved: a retry).
 SORT_IN = (
     scripts._NOW
     + scripts._TERMINAL
@@ -117,12 +126,16 @@ local eid_ms = string.match(ARGV[4], '^(%d+)')
 if not h[1] then
   local q = {stream = KEYS[1], group = ARGV[1], prefix = ARGV[9], backlog = ARGV[10], max_queued = ARGV[11],
     tpm = ARGV[12], asked = ARGV[13], ttl = ARGV[14], new = 0}
-  local refused = admit(tenant, q)
+  local counted = tenant
+  if counted == '' then counted = ARGV[15] end  -- the default tenant ('' : none) counts what names none
+  local refused = admit(counted, q)
   if refused then return {'refused', refused[2]} end
-  if tenant ~= '' then queued(ARGV[9], tenant, ARGV[8], now_ms, ARGV[14]) end
+  if counted ~= '' then queued(ARGV[9], counted, ARGV[8], now_ms, ARGV[14]) end
   local f = {'admitted', '1'}
+  if tenant == '' and counted ~= '' then f = {'admitted', '1', 'quota', counted} end
   if not h[3] then
-    f = {'admitted', '1', 'status', 'queued', 'entry', ARGV[4], 'created', eid_ms}
+    f[#f + 1] = 'status'; f[#f + 1] = 'queued'; f[#f + 1] = 'entry'; f[#f + 1] = ARGV[4]
+    f[#f + 1] = 'created'; f[#f + 1] = eid_ms
     if tenant ~= '' then f[#f + 1] = 'tenant'; f[#f + 1] = tenant end
   end
   redis.call('HSET', KEYS[2], unpack(f))
@@ -138,7 +151,7 @@ redis.call('XCLAIM', KEYS[1], ARGV[1], '"""
     + """', 0, ARGV[4], 'JUSTID')
 local q = qkey(band, t)
 redis.call('RPUSH', q, ARGV[4] .. ' ' .. cost)
-if redis.call('LLEN', q) == 1 then redis.call('RPUSH', R .. 'ring:' .. band, t) end
+if redis.call('LLEN', q) == 1 then redis.call('LPUSH', R .. 'ring:' .. band, t) end
 redis.call('ZADD', R .. 'bands', tonumber(band), band)
 redis.call('ZADD', R .. 'age', tonumber(eid_ms), member(ARGV[4], band, t, cost))
 return {'ready', tenant}
@@ -174,7 +187,13 @@ local function drr(band)
         redis.call('HSET', dk, t, d - tonumber(cost))
         return eid, cost, t
       end
-      redis.call('HSET', dk, t, d + quantum)
+      d = d + quantum
+      if d >= tonumber(cost) then
+        redis.call('LPOP', qkey(band, t))
+        redis.call('HSET', dk, t, d - tonumber(cost))
+        return eid, cost, t
+      end
+      redis.call('HSET', dk, t, d)
       redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
     end
   end
@@ -293,6 +312,7 @@ class ReadyQueue:
                     self.keys.group, self.name, self.prefix, e.entry_id, body.priority, body.tenant or "",
                     cost, e.request_id, self.keys.quota, lim.max_backlog, lim.tenant_max_queued,
                     lim.tenant_tokens_per_minute, asked if isinstance(asked, int) else 0, self.ttl_ms,
+                    lim.default_tenant,
                 )
             )  # fmt: skip
         replies = await self.fast.pipeline(commands, raise_on_error=False)

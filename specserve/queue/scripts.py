@@ -140,9 +140,10 @@ CLAIM = (
 local p = redis.call('XPENDING', KEYS[2], ARGV[2], ARGV[1], ARGV[1], 1)
 if #p == 0 or p[1][2] ~= ARGV[3] then return {'notmine', '', now_ms} end
 local deliveries = tonumber(p[1][4])
-local h = redis.call('HMGET', KEYS[1], 'entry', 'status', 'cancel', 'handoffs', 'tenant')
+local h = redis.call('HMGET', KEYS[1], 'entry', 'status', 'cancel', 'handoffs', 'tenant', 'quota')
 if h[1] and h[1] ~= ARGV[1] then return {'duplicate', h[2] or '', now_ms} end
-if h[5] and ARGV[8] then redis.call('ZREM', ARGV[8] .. 'queued:' .. h[5], ARGV[9]) end  -- no longer queued
+local counted = h[5] or h[6]  -- its tenant, or the default tenant a raw entry without one counts under
+if counted and ARGV[8] then redis.call('ZREM', ARGV[8] .. 'queued:' .. counted, ARGV[9]) end  -- not queued
 if h[2] and terminal(h[2]) then return {'done', h[2], now_ms} end
 if not h[1] then redis.call('HSET', KEYS[1], 'entry', ARGV[1], 'created', ARGV[7]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -278,7 +279,8 @@ HANDBACK = (
     + """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
 if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
-local h = redis.call('HMGET', KEYS[2], 'entry', 'status', 'tenant')
+local h = redis.call('HMGET', KEYS[2], 'entry', 'status', 'tenant', 'quota')
+h[3] = h[3] or h[4]  -- the default tenant a raw entry without one counts under
 if h[1] == ARGV[3] and not terminal(h[2]) then
   redis.call('HINCRBY', KEYS[2], 'handoffs', 1)
   redis.call('HSET', KEYS[2], 'status', 'queued')
@@ -300,13 +302,14 @@ CANCEL = (
     _NOW
     + _TERMINAL
     + """
-local st, owner = unpack(redis.call('HMGET', KEYS[1], 'status', 'tenant'))
+local st, owner, counted = unpack(redis.call('HMGET', KEYS[1], 'status', 'tenant', 'quota'))
 if not st then return {'missing', ''} end
 if ARGV[2] and ARGV[2] ~= '' and owner ~= ARGV[2] then return {'missing', ''} end
 if terminal(st) then return {'terminal', st} end
 redis.call('HSET', KEYS[1], 'cancel', '1')
 if st == 'queued' then
-  if owner and ARGV[3] then redis.call('ZREM', ARGV[3] .. 'queued:' .. owner, ARGV[4]) end
+  counted = owner or counted
+  if counted and ARGV[3] then redis.call('ZREM', ARGV[3] .. 'queued:' .. counted, ARGV[4]) end
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'abort', 'finished', now_ms)
   redis.call('XADD', KEYS[2], '*', 'run', '0', 'offset', '0', 'text_offset', '0', 'ids', '[]', 'text', '',
     'finish_reason', 'abort', 'status', 'cancelled')

@@ -75,6 +75,7 @@ class Api:
         add_health_routes(app, self.telemetry, self.readiness)
         app.on_startup.append(self._ensure_group)
         app.on_shutdown.append(self._end_streams)
+        app.on_cleanup.append(self._close_gateway)
         if refresh_queue_stats:
             app.on_startup.append(self._start_stats)
             app.on_cleanup.append(self._stop_stats)
@@ -96,6 +97,9 @@ class Api:
             await asyncio.wait_for(self.client.ensure_group(), timeout=5.0)
         except (asyncio.TimeoutError, OutOfMemoryError, *TRANSIENT_ERRORS) as e:
             log.warning("consumer group not created at startup (%r); the first enqueue will create it", e)
+
+    async def _close_gateway(self, _app: web.Application) -> None:
+        self.gateway.close()  # its grammar pool's children
 
     async def _end_streams(self, _app: web.Application) -> None:
         self.gateway.end_streams()
@@ -145,6 +149,7 @@ class Api:
         if isinstance(data.get("reply_to"), str):  # a tenant's reply streams are its own, like its ids
             data["reply_to"] = self.gateway.redis_id(request, data["reply_to"])
         body = self.gateway.validate(data)
+        await self.gateway.prepare(body)
         result = await self.gateway.enqueue(request, body, rid)
         status = 202 if result.created else 200
         return json_response(

@@ -1,9 +1,12 @@
 """OpenAI's Files and Batch APIs on the queue: /v1/files and /v1/batches.
 
 A batch's lines become ordinary queued requests (ids `<batch id>-<line>`), so a worker crash mid-batch loses
-nothing: its lines are reclaimed like any other request. The batch keeps no process state: its status,
-counts and output are worked out from its lines' status hashes whenever it is read, and the first reader to
-find every line ended writes the output and error files (under a lock, so two API pods cannot both do it).
+nothing: its lines are reclaimed like any other request. Lines go in through the same limits as any request
+(the tenant's waiting cap, tokens per minute, the backlog): a line a limit holds back waits in the batch and
+goes in as capacity frees, when a later read of the batch finds room. The batch keeps no process state: its
+counts are advanced from its lines' status hashes a bounded step per read (see BatchRoutes' batches
+section), and the reader that finds every line ended writes the output and error files (under a lock, so two
+API pods cannot both do it).
 
 Files live in Redis (a hash per file: its bytes and metadata), for as long as results do (the request TTL);
 their size is capped (`SPECSERVE_MAX_FILE_BYTES`). Batch lines run in a band of their own, BATCH_PRIORITY
@@ -32,6 +35,8 @@ LIVE = ("validating", "in_progress", "finalizing", "cancelling")
 MAX_FILES_LISTED = 10_000  # OpenAI's largest `limit` for GET /v1/files, and its default
 # The band batch lines run in (plus a line's own priority): behind interactive requests, whose default is 0.
 BATCH_PRIORITY = 10
+# Lines one poll queues or counts, at most: a poll's cost is bounded whatever the batch's size.
+ADVANCE_LINES = 1000
 
 
 class BatchRoutes:
@@ -148,9 +153,16 @@ class BatchRoutes:
         return json_response(body)
 
     # ---- batches --------------------------------------------------------------------------------------
+    # A batch is a small hash (the batch object, its tenant, its counters) and lists read only when they must
+    # be: `lines` (every valid line: custom id, request id, model; read when the files are written or the
+    # batch is cancelled), `errors` (lines refused when read), `pending` (valid lines a limit held back: they
+    # go in as capacity frees) and `open` (queued lines not yet seen ended). A poll reads the hash, then
+    # advances the batch by at most ADVANCE_LINES of `pending` and `open`, under a short lock so two API pods
+    # do not count the same line twice: never the whole batch (20,000 lines were 3 MB read and rewritten on
+    # every poll).
 
-    def _batch_key(self, batch_id: str) -> str:
-        return self.keys.batch("batch", batch_id)
+    def _batch_key(self, batch_id: str, part: str = "") -> str:
+        return self.keys.batch("batch", batch_id + (f":{part}" if part else ""))
 
     def _index_key(self, request: web.Request) -> str:
         return self.keys.batch("batches", request.get(TENANT_KEY) or "-")
@@ -171,7 +183,7 @@ class BatchRoutes:
         _, content = await self._file(request, file_id, with_data=True)
         batch_id = "batch_" + uuid.uuid4().hex
         now = int(time.time())
-        lines, errors = await self._enqueue_lines(request, batch_id, content, endpoint)
+        lines, errors = await self._read_lines(request, batch_id, content, endpoint)
         batch = {
             "id": batch_id,
             "object": "batch",
@@ -196,22 +208,36 @@ class BatchRoutes:
         }
         if not lines:
             batch["errors"] = {"object": "list", "data": [e["error"] for e in errors][:100]}
-        state = {"batch": batch, "lines": lines, "errors": errors, "tenant": request.get(TENANT_KEY) or ""}
+        ttl = self.client.ttl_ms
+        state = {"batch": orjson.dumps(batch), "tenant": request.get(TENANT_KEY) or ""}
+        state |= {"completed": 0, "failed": len(errors)}
         pipe = self.r.pipeline(transaction=True)
-        pipe.set(self._batch_key(batch_id), orjson.dumps(state), px=self.client.ttl_ms)
+        pipe.hset(self._batch_key(batch_id), mapping=state)
+        for part, rows in (
+            ("lines", [[c, rid, model] for c, rid, model, _ in lines]),
+            ("errors", errors),
+            ("pending", [[rid, wire_body] for _, rid, _, wire_body in lines]),
+        ):
+            if rows:
+                pipe.rpush(self._batch_key(batch_id, part), *map(orjson.dumps, rows))
+        for part in ("", "lines", "errors", "pending"):
+            pipe.pexpire(self._batch_key(batch_id, part), ttl)
         pipe.zadd(self._index_key(request), {batch_id: now})
-        pipe.pexpire(self._index_key(request), self.client.ttl_ms)
+        pipe.pexpire(self._index_key(request), ttl)
         await pipe.execute()
+        if lines:
+            batch = await self._refresh(request, batch_id, batch)  # its first lines go in now
         return json_response(batch)
 
-    async def _enqueue_lines(
+    async def _read_lines(
         self, request: web.Request, batch_id: str, content: bytes, endpoint: str
-    ) -> tuple[list[list[str]], list[dict]]:
-        """Each valid line queued as an ordinary request; ([custom_id, redis id, model], ...) and the lines
-        refused, with why."""
-        lines: list[list[str]] = []
+    ) -> tuple[list[tuple[str, str, str, dict]], list[dict]]:
+        """Each valid line as (custom_id, redis id, model, wire body), and the lines refused, with why.
+        Nothing is queued here: limits hold lines back, never fail them (see _advance)."""
+        lines: list[tuple[str, str, str, dict]] = []
         errors: list[dict] = []
         seen: set[str] = set()
+        tpm = self.client.limits.tenant_tokens_per_minute
         for n, raw in enumerate(content.splitlines(), 1):
             if not raw.strip():
                 continue
@@ -239,59 +265,104 @@ class BatchRoutes:
                 self.gateway.check_priority(request, body)
                 body.priority = min(wire.MAX_PRIORITY, body.priority + BATCH_PRIORITY)
                 body.tenant = request.get(TENANT_KEY) or body.tenant
-                await self.client.enqueue(body, rid, tenant=body.tenant)
-                lines.append([custom_id, rid, body.model or ""])
+                tokens = await self.gateway.tokens_asked(body)
+                if tpm and tokens > tpm:  # no minute would ever admit it: refused now, not held forever
+                    raise QuotaExceeded("tenant_tokens_per_minute", 60)
+                held = {"body": body.to_json().decode(), "tokens": tokens}
+                lines.append((custom_id, rid, body.model or "", held))
             except (orjson.JSONDecodeError, ApiError, QuotaExceeded) as e:
                 code = getattr(e, "code", None) or "invalid_request"
                 message = e.message if isinstance(e, ApiError) else str(e)
-                error = {"code": code, "message": f"line {n}: {message}", "param": getattr(e, "param", None)}
+                param = getattr(e, "param", None) or getattr(e, "limit", None)
+                error = {"code": code, "message": f"line {n}: {message}", "param": param}
                 errors.append({"custom_id": custom_id, "line": n, "error": error})
         return lines, errors
 
-    async def _state(self, request: web.Request, batch_id: str) -> dict:
-        raw = await self.r.get(self._batch_key(batch_id))
-        state = orjson.loads(raw) if raw else None
-        if state is None or (state["tenant"] or None) != request.get(TENANT_KEY):
+    async def _state(self, request: web.Request, batch_id: str) -> tuple[dict, dict]:
+        """The batch object and its counters: the hash alone, whatever the batch's size."""
+        raw = await self.r.hgetall(self._batch_key(batch_id))
+        if not raw or (raw.get("tenant") or None) != request.get(TENANT_KEY):
             raise ApiError(404, f"batch_id: no batch {batch_id!r}", "batch_id", code="not_found")
-        return state
+        return orjson.loads(raw["batch"]), {k: int(raw.get(k, 0)) for k in ("completed", "failed")}
 
-    async def _save(self, state: dict) -> None:
-        key = self._batch_key(state["batch"]["id"])
-        await self.r.set(key, orjson.dumps(state), px=self.client.ttl_ms)
+    async def _save(self, batch: dict) -> None:
+        await self.r.hset(self._batch_key(batch["id"]), "batch", orjson.dumps(batch))
 
-    async def _refresh(self, request: web.Request, state: dict) -> dict:
-        """Counts from the lines' status hashes; the output files once every line has ended."""
-        batch = state["batch"]
+    async def _refresh(self, request: web.Request, batch_id: str, batch: dict | None = None) -> dict:
+        """The batch with its counts, after advancing it by a bounded step; the output files once every line
+        has ended."""
+        if batch is None:
+            batch, _ = await self._state(request, batch_id)
         if batch["status"] not in LIVE:
             return batch
-        pipe = self.r.pipeline(transaction=False)
-        for _, rid, _ in state["lines"]:
-            pipe.hget(self.keys.req(rid), "status")
-        statuses = await pipe.execute()
-        done = sum(s == wire.FINISHED for s in statuses)
-        ended = sum(s in wire.TERMINAL for s in statuses)
-        batch["request_counts"]["completed"] = done
-        batch["request_counts"]["failed"] = len(state["errors"]) + ended - done
-        if batch["status"] == "in_progress" and time.time() > batch["expires_at"]:
-            await self._cancel_lines(state)
-            batch["status"], batch["expired_at"] = "cancelling", int(time.time())
-        if ended < len(state["lines"]):
-            return batch
-        lock = self._batch_key(batch["id"]) + ":finalizing"
-        if not await self.r.set(lock, "1", nx=True, ex=60):
-            return batch  # another API is writing the files now
-        try:
-            await self._finalize(request, state)
-            await self._save(state)
-        finally:
-            await self.r.delete(lock)
+        lock = self._batch_key(batch_id, "advancing")
+        if await self.r.set(lock, "1", nx=True, ex=60):  # else another API is advancing it now
+            try:
+                if batch["status"] == "in_progress" and time.time() > batch["expires_at"]:
+                    batch["status"], batch["expired_at"] = "cancelling", int(time.time())
+                    await self._save(batch)
+                    await self._cancel_lines(batch_id)
+                left = await self._advance(batch_id, fill=batch["status"] == "in_progress")
+                batch, counts = await self._state(request, batch_id)
+                batch["request_counts"] |= counts
+                if left == 0:
+                    await self._finalize(request, batch)
+                await self._save(batch)
+            finally:
+                await self.r.delete(lock)
+        else:
+            batch, counts = await self._state(request, batch_id)
+            batch["request_counts"] |= counts
         return batch
 
-    async def _finalize(self, request: web.Request, state: dict) -> None:
-        batch = state["batch"]
+    async def _advance(self, batch_id: str, fill: bool) -> int:
+        """Queue held-back lines while the limits take them, and count up to ADVANCE_LINES queued lines
+        that have ended; the lines still pending or open. Runs under the batch's `advancing` lock."""
+        pending, open_ = self._batch_key(batch_id, "pending"), self._batch_key(batch_id, "open")
+        ttl = self.client.ttl_ms
+        if fill:
+            queued: list[str] = []
+            for raw in await self.r.lrange(pending, 0, ADVANCE_LINES - 1):
+                rid, held = orjson.loads(raw)
+                body = wire.parse_body(orjson.loads(held["body"]))
+                try:
+                    await self.client.enqueue(body, rid, tenant=body.tenant, tokens=held["tokens"])
+                except QuotaExceeded:
+                    break  # full for now: the rest wait for room, in order
+                queued.append(rid)
+            if queued:  # a crash before this leaves them pending: queued again by id, nothing is added twice
+                pipe = self.r.pipeline(transaction=True)
+                pipe.lpop(pending, len(queued))
+                pipe.rpush(open_, *queued)
+                pipe.pexpire(open_, ttl)
+                await pipe.execute()
+        rids = await self.r.lrange(open_, 0, ADVANCE_LINES - 1)
+        if rids:
+            pipe = self.r.pipeline(transaction=False)
+            for rid in rids:
+                pipe.hget(self.keys.req(rid), "status")
+            statuses = await pipe.execute()
+            ended = [(rid, s) for rid, s in zip(rids, statuses) if s in wire.TERMINAL or s is None]
+            still = [rid for rid, s in zip(rids, statuses) if not (s in wire.TERMINAL or s is None)]
+            done = sum(s == wire.FINISHED for _, s in ended)
+            pipe = self.r.pipeline(transaction=True)
+            pipe.ltrim(open_, len(rids), -1)  # the looked-at ones leave the head; the unended go to the tail
+            if still:
+                pipe.rpush(open_, *still)
+            pipe.hincrby(self._batch_key(batch_id), "completed", done)
+            pipe.hincrby(self._batch_key(batch_id), "failed", len(ended) - done)
+            await pipe.execute()
+        pipe = self.r.pipeline(transaction=False)
+        pipe.llen(pending)
+        pipe.llen(open_)
+        held, running = await pipe.execute()
+        return held + running
+
+    async def _finalize(self, request: web.Request, batch: dict) -> None:
         chat = ENDPOINTS[batch["endpoint"]]
         output, errors = [], []
-        for custom_id, rid, model in state["lines"]:
+        for raw in await self.r.lrange(self._batch_key(batch["id"], "lines"), 0, -1):
+            custom_id, rid, model = orjson.loads(raw)
             result = await self.client.result(rid)
             line_id = "batch_req_" + uuid.uuid4().hex
             if result is not None and result.status == wire.FINISHED:
@@ -304,7 +375,8 @@ class BatchRoutes:
                 message = (result.error if result is not None else None) or f"the request ended {status}"
                 error = {"code": status, "message": message}
                 errors.append({"id": line_id, "custom_id": custom_id, "response": None, "error": error})
-        for e in state["errors"]:
+        for raw in await self.r.lrange(self._batch_key(batch["id"], "errors"), 0, -1):
+            e = orjson.loads(raw)
             line_id = "batch_req_" + uuid.uuid4().hex
             errors.append({"id": line_id, "custom_id": e["custom_id"], "response": None, "error": e["error"]})
         now = int(time.time())
@@ -324,26 +396,27 @@ class BatchRoutes:
         else:
             batch["status"], batch["completed_at"] = "completed", now
 
-    async def _cancel_lines(self, state: dict) -> None:
-        for _, rid, _ in state["lines"]:
-            await self.client.cancel(rid, state["tenant"] or None)
+    async def _cancel_lines(self, batch_id: str) -> None:
+        """Lines still held back never go in (they end cancelled); queued ones are cancelled."""
+        tenant = (await self.r.hget(self._batch_key(batch_id), "tenant")) or None
+        held = await self.r.lrange(self._batch_key(batch_id, "pending"), 0, -1)
+        if held:
+            await self.r.delete(self._batch_key(batch_id, "pending"))
+            await self.r.hincrby(self._batch_key(batch_id), "failed", len(held))
+        for rid in await self.r.lrange(self._batch_key(batch_id, "open"), 0, -1):
+            await self.client.cancel(rid, tenant)
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        state = await self._state(request, request.match_info["id"])
-        before = orjson.dumps(state["batch"])
-        batch = await self._refresh(request, state)
-        if orjson.dumps(batch) != before:
-            await self._save(state)
-        return json_response(batch)
+        return json_response(await self._refresh(request, request.match_info["id"]))
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
-        state = await self._state(request, request.match_info["id"])
-        batch = state["batch"]
+        batch_id = request.match_info["id"]
+        batch, _ = await self._state(request, batch_id)
         if batch["status"] in LIVE and batch["status"] != "cancelling":
             batch["status"], batch["cancelling_at"] = "cancelling", int(time.time())
-            await self._save(state)
-            await self._cancel_lines(state)
-        return json_response(await self._refresh(request, state))
+            await self._save(batch)
+            await self._cancel_lines(batch_id)
+        return json_response(await self._refresh(request, batch_id))
 
     async def list_batches(self, request: web.Request) -> web.Response:
         try:
@@ -356,9 +429,9 @@ class BatchRoutes:
             ids = ids[ids.index(after) + 1 :]
         data = []
         for batch_id in ids[: limit + 1]:
-            raw = await self.r.get(self._batch_key(batch_id))
+            raw = await self.r.hget(self._batch_key(batch_id), "batch")
             if raw:
-                data.append(orjson.loads(raw)["batch"])
+                data.append(orjson.loads(raw))
         page = data[:limit]
         body = {"object": "list", "data": page, "has_more": len(data) > limit}
         body |= {"first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None}

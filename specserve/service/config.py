@@ -38,6 +38,11 @@ class ApiSettings:
     model_stale_s: float = 600.0  # how long the word of a worker that gives no ttl_s for it holds
     max_file_bytes: int = 20 << 20  # an uploaded batch file (held in Redis for the request TTL)
     tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls out of text (openai/tool_calls.py)
+    # Grammars are checked in this many child processes (engine/prepare.py GrammarPool), each job within
+    # the budget; vLLM's max_logprobs bounds logprobs and prompt_logprobs.
+    prepare_workers: int = 2
+    prepare_timeout_s: float = 2.0
+    max_logprobs: int = 20
 
 
 _LIMITS, _API, _QUEUE = HttpLimits(), ApiSettings(), ConsumerConfig()
@@ -67,6 +72,11 @@ class WorkerConfig:
     fair_share: FairShare = FairShare()  # the ready queue's bands and round robin (queue/ready.py)
     limits: Limits = Limits()  # the API's admission limits, applied to raw XADDs as they are sorted in
     served_model_names: tuple[str, ...] = ()  # the model's names, primary first (none: the engine's)
+    # Tokenizing, bad words and grammar compiles run in this many threads (engine/prepare.py PreparePool),
+    # each request within the budget
+    prepare_workers: int = _API.prepare_workers
+    prepare_timeout_s: float = _API.prepare_timeout_s
+    max_logprobs: int = _API.max_logprobs
 
     @property
     def heartbeat_s(self) -> float:
@@ -322,6 +332,23 @@ class ServiceConfig:
     durable_enqueue_timeout: float = _opt(
         "SPECSERVE_DURABLE_ENQUEUE_TIMEOUT", 1.0, "seconds an enqueue waits for its replicas"
     )
+    prepare_workers: int = _opt(
+        "SPECSERVE_PREPARE_WORKERS",
+        _API.prepare_workers,
+        "requests prepared at once off the event loop and the step thread: grammar checks (API, child "
+        "processes), tokenizing, bad words and grammar compiles (worker, threads)",
+    )
+    prepare_timeout: float = _opt(
+        "SPECSERVE_PREPARE_TIMEOUT",
+        _API.prepare_timeout_s,
+        "seconds one request's preparation may take; past it the request is refused naming the field "
+        "(structured_outputs, tools, bad_words, prompt, messages)",
+    )
+    max_logprobs: int = _opt(
+        "SPECSERVE_MAX_LOGPROBS",
+        _API.max_logprobs,
+        "most alternatives logprobs and prompt_logprobs may ask for (vLLM's --max-logprobs)",
+    )
     max_backlog: int = _opt(
         "SPECSERVE_MAX_BACKLOG", 0, "requests waiting for a worker, all tenants; more get 429 (0: no cap)"
     )
@@ -332,6 +359,13 @@ class ServiceConfig:
         "SPECSERVE_TENANT_TOKENS_PER_MINUTE",
         0,
         "tokens (max_tokens asked) one API key may ask for a minute; more get 429 (0: no cap)",
+    )
+    default_tenant: str = _opt(
+        "SPECSERVE_DEFAULT_TENANT",
+        Limits.default_tenant,
+        "the tenant whose limits (waiting cap, tokens per minute) a raw XADD naming no tenant counts "
+        "against; '~' (no API key's tenant can be named so) gives such entries a quota of their own; "
+        "empty: none",
     )
     fair_share_quantum: int = _opt(
         "SPECSERVE_FAIR_SHARE_QUANTUM",
@@ -377,9 +411,12 @@ class ServiceConfig:
         if self.speculative_method in ("draft_model",) and not self.speculative_model:
             raise ValueError("--speculative-method draft_model needs --speculative-model")
         limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
-        for name in (*limits, "dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen", "max_file_bytes"):
+        checked = ("dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen", "max_file_bytes")
+        for name in (*limits, *checked, "prepare_workers", "prepare_timeout"):
             if not getattr(self, name) > 0:  # also false for NaN
                 raise ValueError(f"{_env_of(name)}: must be positive")
+        if self.max_logprobs < 0:
+            raise ValueError(f"{_env_of('max_logprobs')}: must be 0 or positive")
         if not self.fair_share_quantum > 0:
             raise ValueError(f"{_env_of('fair_share_quantum')}: must be positive")
         limits = ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute", "oldest_every")
@@ -432,6 +469,9 @@ class ServiceConfig:
             served_models=served_models,
             max_file_bytes=self.max_file_bytes,
             tool_call_parser=self.tool_call_parser,
+            prepare_workers=self.prepare_workers,
+            prepare_timeout_s=self.prepare_timeout,
+            max_logprobs=self.max_logprobs,
         )
 
     def worker_config(self) -> WorkerConfig:
@@ -450,13 +490,18 @@ class ServiceConfig:
             fair_share=FairShare(quantum=self.fair_share_quantum, oldest_every=self.oldest_every),
             limits=self.limits(),
             served_model_names=tuple(self.served_model_names()),
+            prepare_workers=self.prepare_workers,
+            prepare_timeout_s=self.prepare_timeout,
+            max_logprobs=self.max_logprobs,
         )
 
     def durability(self) -> Durability:
         return Durability(self.durable_enqueue, int(self.durable_enqueue_timeout * 1000))
 
     def limits(self) -> Limits:
-        return Limits(self.max_backlog, self.tenant_max_queued, self.tenant_tokens_per_minute)
+        return Limits(
+            self.max_backlog, self.tenant_max_queued, self.tenant_tokens_per_minute, self.default_tenant
+        )
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(

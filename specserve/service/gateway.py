@@ -20,6 +20,8 @@ from aiohttp import web
 from opentelemetry import trace
 
 from specserve.engine.errors import InvalidParameter
+from specserve.engine.grammar import StructuredOutputsParams, constraint_key
+from specserve.engine.prepare import Check, GrammarPool
 from specserve.engine.sampling_params import SamplingParams
 from specserve.queue.client import Enqueued, QueueClient, QuotaExceeded
 from specserve.queue.wire import Delta, RequestBody, WireError, model_aliases, parse_body
@@ -51,11 +53,14 @@ def deadline_after(timeout: Any) -> float:
     return time.time() + timeout
 
 
-def validate(data: dict[str, Any], max_prompt_chars: int | None = None) -> RequestBody:
-    """A wire body as the worker will read it; ApiError naming the field if it would fail there."""
+def validate(
+    data: dict[str, Any], max_prompt_chars: int | None = None, max_logprobs: int = ApiSettings.max_logprobs
+) -> RequestBody:
+    """A wire body as the worker will read it; ApiError naming the field if it would fail there. A
+    constraint's grammar is not built here (see Gateway.prepare)."""
     try:
         body = parse_body(data, max_prompt_chars)
-        SamplingParams.from_dict(body.sampling_fields())
+        SamplingParams.from_dict(body.sampling_fields()).check_logprobs(max_logprobs)
     except (WireError, InvalidParameter) as e:
         raise ApiError(400, str(e), e.field) from None
     return body
@@ -66,12 +71,30 @@ class Gateway:
         self.client = client
         self.telemetry = telemetry
         self.settings = settings
+        self.grammars = GrammarPool(settings.prepare_workers, settings.prepare_timeout_s)
         self._models_ok: dict[str, float] = {}  # model name -> when a live worker last vouched for it
         self._open: set[asyncio.Queue[Any]] = set()  # the queues of the streams being read now
         self._end = asyncio.CancelledError()  # a marker a stream's queue gets: the stream is over
 
     def validate(self, data: dict[str, Any]) -> RequestBody:
-        return validate(data, self.settings.max_prompt_chars)
+        return validate(data, self.settings.max_prompt_chars, self.settings.max_logprobs)
+
+    async def prepare(self, body: RequestBody, tools: list[Check] = ()) -> None:
+        """Build the body's grammar and any tools' schemas in the grammar pool, within its budget: a bad or
+        over-budget one is a 400 naming its field. Nothing is built in this process: xgrammar would bring
+        torch in, and a build holds the event loop for as long as it runs (seconds for `[a-z]{1,60000}`)."""
+        job = list(tools)
+        constraint = body.sampling.get("structured_outputs")
+        if constraint is not None:
+            kind, text = constraint_key(StructuredOutputsParams.from_dict(constraint))
+            job.append((f"structured_outputs.{kind}", kind, text))
+        try:
+            await self.grammars.check(job)
+        except InvalidParameter as e:
+            raise ApiError(400, str(e), e.field) from None
+
+    def close(self) -> None:
+        self.grammars.close()
 
     # ---- models ---------------------------------------------------------------------------------------
 
@@ -165,7 +188,7 @@ class Gateway:
                     carrier.get("traceparent"),
                     carrier.get("tracestate"),
                     tenant=bodies[0].tenant,
-                    tokens=await self._tokens_asked(bodies[0]),
+                    tokens=await self.tokens_asked(bodies[0]),
                 )
             except WireError as e:
                 raise ApiError(400, str(e), e.field) from None
@@ -184,7 +207,7 @@ class Gateway:
             span.set_attribute("specserve.request_id", ",".join(r.id for r in results))
         return results
 
-    async def _tokens_asked(self, body: RequestBody) -> int:
+    async def tokens_asked(self, body: RequestBody) -> int:
         """What a request counts against its tenant's tokens per minute: the output it asks for. `max_tokens:
         null` asks for the rest of the context, as long as the served model's (its workers say)."""
         if not self.client.limits.tenant_tokens_per_minute:

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +23,9 @@ from opentelemetry.trace import Span
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.errors import InvalidParameter
+from specserve.engine.llm_engine import Prepared
 from specserve.engine.outputs import StepDelta, Usage
+from specserve.engine.prepare import PreparePool
 from specserve.engine.sampling_params import SamplingParams
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher
@@ -43,6 +45,15 @@ def prompt_chars(body: RequestBody) -> int:
     if body.messages is not None:
         return sum(len(m["content"]) for m in body.messages)
     return len(body.prompt) if isinstance(body.prompt, str) else 0
+
+
+def quick_to_prepare(body: RequestBody) -> bool:
+    """A short prompt and nothing else to make ready: the loop may prepare it (Runner.start). A grammar, bad
+    words or tools may take seconds (20,000 choices, 256 bad words, 1,500 tools' schemas in the template),
+    so they always go through the preparation pool and its budget."""
+    costly = ("structured_outputs", "bad_words")
+    short = prompt_chars(body) <= LONG_PROMPT_CHARS
+    return short and not body.tools and not any(k in body.sampling for k in costly)
 
 
 def stable_seed(request_id: str) -> int:
@@ -162,8 +173,13 @@ class Runner:
         clock: ServerClock,
         keys: Keys,
         names: tuple[str, ...] = (),
+        *,
+        preparer: PreparePool,
+        max_logprobs: int,
     ) -> None:
         self.engine = engine
+        self.preparer = preparer
+        self.max_logprobs = max_logprobs
         self.keys = keys
         self.names = names or (engine.model_name,)  # the served model's names, primary first
         self.publisher = publisher
@@ -182,6 +198,7 @@ class Runner:
             raise WireError("model", f"unknown model {body.model!r}; this worker serves {list(self.names)}")
         until_full = body.fills_context
         params = SamplingParams.from_dict(body.sampling_fields())
+        params.check_logprobs(self.max_logprobs)
         limit = self.engine.max_model_len
         if not until_full and params.max_tokens > limit:
             raise InvalidParameter(
@@ -191,50 +208,62 @@ class Runner:
             params = dataclasses.replace(params, seed=stable_seed(rid))
         return params, until_full
 
-    def start(self, rid: str, body: RequestBody, prompt: str | list[int] | None = None) -> Started:
-        """Hand a request to the engine now (on the loop: for prompts that tokenize quickly)."""
+    def start(self, rid: str, body: RequestBody) -> Started:
+        """Hand a request to the engine now, preparing it on the loop: only for requests that are quick to
+        prepare (quick_to_prepare); begin() prepares the others in the preparation pool."""
         params, until_full = self.params(rid, body)
         with _as_sent(body):
-            if prompt is None:
-                prompt = (
-                    self.engine.encode_chat(body.messages, body.chat_template_kwargs, body.tools)
-                    if body.messages is not None
-                    else body.prompt
-                )
-            assert prompt is not None
-            if until_full:
-                if isinstance(prompt, str):
-                    prompt = self.engine.tokenizer.encode(prompt)  # as the engine would; we need the length
-                params = dataclasses.replace(
-                    params, max_tokens=max(1, self.engine.max_model_len - len(prompt))
-                )
-            at = time.monotonic()
-            deltas = self.engine.add_request(rid, prompt, params, stream=body.stream, priority=body.priority)
-            return Started(rid, deltas, at)
+            prepared = self.engine.engine.prepare(self._prompt(body), params)
+            return self._hand_over(rid, body, params, until_full, prepared)
 
     async def begin(self, rid: str, body: RequestBody, shown: Shown | None = None) -> Started:
-        """Hand a request to the engine, tokenizing a long prompt in a thread first; a rerun whose earlier
-        runs showed tokens continues after them."""
-        # A constrained rerun starts over rather than resume: its grammar's matcher would have to replay the
-        # shown tokens first. Greedy and seeded reruns repeat what readers saw, and readers skip it.
-        if shown is not None and shown.token_ids and "structured_outputs" not in body.sampling:
+        """Hand a request to the engine, prepared (tokenized, its bad words and grammar made ready) in the
+        preparation pool under its time budget; a rerun whose earlier runs showed tokens continues after
+        them (a constrained one with its grammar's matcher past them)."""
+        if shown is not None and shown.token_ids:
             return await self._resume(rid, body, shown)
-        if prompt_chars(body) <= LONG_PROMPT_CHARS:
+        if quick_to_prepare(body):  # not behind the pool's queue, which a costly request may hold
             return self.start(rid, body)
-        self.params(rid, body)  # a bad field fails before the tokenizer runs
+        params, until_full = self.params(rid, body)  # a bad field fails before the tokenizer runs
+
+        def work(mark: Callable[[str | None], None]) -> Prepared:
+            with _as_sent(body):
+                return self.engine.engine.prepare(self._prompt(body, mark), params, mark)
+
         with self._preparing(), _as_sent(body):
-            if body.messages is not None:
-                prompt = await asyncio.to_thread(
-                    self.engine.encode_chat, body.messages, body.chat_template_kwargs, body.tools
-                )
-            else:
-                # the engine's own encode of text is the same call, so results do not change
-                prompt = await asyncio.to_thread(self.engine.tokenizer.encode, body.prompt)
-        return self.start(rid, body, prompt)
+            prepared = await self.preparer.run(work, self._prompt_field(body))
+            return self._hand_over(rid, body, params, until_full, prepared)
+
+    def _prompt_field(self, body: RequestBody) -> str:
+        return "messages" if body.messages is not None else "prompt"
+
+    def _prompt(
+        self, body: RequestBody, mark: Callable[[str | None], None] = lambda _: None
+    ) -> str | list[int]:
+        """The prompt as the engine takes it: a chat through the model's template, else as given."""
+        if body.messages is None:
+            assert body.prompt is not None
+            return body.prompt
+        mark("tools" if body.tools else "messages")
+        prompt = self.engine.encode_chat(body.messages, body.chat_template_kwargs, body.tools)
+        mark("messages")
+        return prompt
+
+    def _hand_over(
+        self, rid: str, body: RequestBody, params: SamplingParams, until_full: bool, prepared: Prepared
+    ) -> Started:
+        if until_full:
+            budget = max(1, self.engine.max_model_len - len(prepared.prompt_ids))
+            params = dataclasses.replace(params, max_tokens=budget)
+        at = time.monotonic()
+        deltas = self.engine.add_request(
+            rid, prepared.prompt_ids, params, stream=body.stream, priority=body.priority, prepared=prepared
+        )
+        return Started(rid, deltas, at)
 
     @contextlib.contextmanager
     def _preparing(self) -> Iterator[None]:
-        """Counts requests being tokenized off the loop: they hold a batch slot the engine cannot see yet."""
+        """Counts requests being prepared off the loop: they hold a batch slot the engine cannot see yet."""
         self.preparing += 1
         try:
             yield
@@ -244,21 +273,23 @@ class Runner:
     async def _resume(self, rid: str, body: RequestBody, shown: Shown) -> Started:
         """Continue a request from the tokens a reader has been shown: the prompt grows by them, the budget
         shrinks by them, and the output is numbered after them, so the reader sees one sequence, nothing
-        replayed (docs/wire-format.md, Reading rule)."""
+        replayed (docs/wire-format.md, Reading rule). A constrained request's matcher starts past them: the
+        answer readers see is one the grammar accepts, the shown part and the rest together."""
         params, until_full = self.params(rid, body)
 
-        def prepare() -> tuple[list[int], int, int]:
-            if body.messages is not None:
-                prompt = self.engine.encode_chat(body.messages, body.chat_template_kwargs, body.tools)
-            elif isinstance(body.prompt, str):
-                prompt = self.engine.tokenizer.encode(body.prompt)
-            else:
-                prompt = list(body.prompt or [])
-            return (prompt, *resume_point(self.engine.tokenizer, prompt, shown.token_ids, shown.text))
+        def work(mark: Callable[[str | None], None]) -> tuple[Prepared, int, int]:
+            with _as_sent(body):
+                prompt = self._prompt(body, mark)
+                if isinstance(prompt, str):
+                    prompt = self.engine.tokenizer.encode(prompt)
+                n, chars = resume_point(self.engine.tokenizer, prompt, shown.token_ids, shown.text)
+                whole = self.engine.engine.prepare(prompt + shown.token_ids[:n], params, mark)
+                return dataclasses.replace(whole, grammar_prefix=tuple(shown.token_ids[:n])), n, chars
 
         with self._preparing(), _as_sent(body):
-            prompt, n, chars = await asyncio.to_thread(prepare)
+            prepared, n, chars = await self.preparer.run(work, self._prompt_field(body))
         given = shown.token_ids[:n]
+        prompt_len = len(prepared.prompt_ids) - n
         at = time.monotonic()
         last = given[-1] if given else None
         eos = set() if params.ignore_eos else self.engine.engine.eos_token_ids
@@ -266,13 +297,13 @@ class Runner:
         if not until_full and n >= params.max_tokens or last in stop_ids:
             # the earlier run made every token and died before its final entry: only that is left to write
             reason = "stop" if last in stop_ids else "length"
-            return Started(rid, _ended(rid, reason, len(prompt) + n), at, n, chars, given, shown.text[:chars])
-        budget = self.engine.max_model_len - len(prompt) - n if until_full else params.max_tokens - n
+            return Started(rid, _ended(rid, reason, prompt_len + n), at, n, chars, given, shown.text[:chars])
+        budget = self.engine.max_model_len - prompt_len - n if until_full else params.max_tokens - n
         params = dataclasses.replace(params, max_tokens=max(1, budget))
         if params.seed is not None and not params.greedy:
             params = dataclasses.replace(params, seed=resumed_seed(params.seed, n))
         deltas = self.engine.add_request(
-            rid, prompt + given, params, stream=body.stream, priority=body.priority
+            rid, prepared.prompt_ids, params, stream=body.stream, priority=body.priority, prepared=prepared
         )
         return Started(rid, deltas, at, n, chars, given, shown.text[:chars])
 

@@ -24,6 +24,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.errors import InvalidParameter
+from specserve.engine.prepare import PreparePool
 from specserve.queue import outputs, wire
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever, server_keys
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
@@ -36,13 +37,12 @@ from specserve.service.config import WorkerConfig
 from specserve.service.outcome import Ending, Final, Outcome, finalize, reply_fields, unstarted
 from specserve.service.routing import PrefixRouting
 from specserve.service.running import (
-    LONG_PROMPT_CHARS,
     RequestState,
     Runner,
     ServerClock,
     Shown,
     Started,
-    prompt_chars,
+    quick_to_prepare,
 )
 from specserve.service.telemetry import Telemetry, access_line, access_log, cache_config_info
 
@@ -97,7 +97,14 @@ class Worker:
         self._ready_waiting = 0  # entries in the ready queue, as the last take saw it
         self.clock = ServerClock()
         self.runner = Runner(
-            engine, self.publisher, self.telemetry, self.clock, keys, self.cfg.served_model_names
+            engine,
+            self.publisher,
+            self.telemetry,
+            self.clock,
+            keys,
+            self.cfg.served_model_names,
+            preparer=PreparePool(self.cfg.prepare_workers, self.cfg.prepare_timeout_s),
+            max_logprobs=self.cfg.max_logprobs,
         )
         self.telemetry.engine.cache_config = cache_config_info(engine)
         self.routing: PrefixRouting | None = None
@@ -174,6 +181,7 @@ class Worker:
     async def close(self) -> None:
         self.draining = self._closed = True
         self.publisher.stop()
+        self.runner.preparer.close()
         watch = [self._arrival] if self._arrival is not None else []
         await self._stop(self._pulling + self._background + list(self._detached) + watch)
         await self.conns.aclose()
@@ -456,7 +464,7 @@ class Worker:
                 continue
             if body.deadline is not None and body.deadline <= now:
                 continue
-            if prompt_chars(body) > LONG_PROMPT_CHARS:
+            if not quick_to_prepare(body):
                 continue
             try:
                 early[e.entry_id] = self.runner.start(rid, body)

@@ -50,7 +50,6 @@ STRUCTURED = {"response_format", "structured_outputs", *GUIDED}
 # vLLM's extras: tokens named "token_id:<id>", and the prompt's own logprobs
 LOGPROBS = {"logprobs", "return_tokens_as_token_ids", "prompt_logprobs"}
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in a worker's batch
-MAX_LOGPROBS = 20  # vLLM's bound for both routes (OpenAI's completions stop at 5, its chat at 20)
 COMPLETION_FIELDS = (
     COMMON | EXTENSIONS | ADJUSTMENTS | STRUCTURED | LOGPROBS | {"prompt", "echo", "best_of", "suffix"}
 )
@@ -151,14 +150,15 @@ def _structured_field(param: str, data: dict[str, Any]) -> str:
     return sent or param
 
 
-def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
+def _logprobs(data: dict[str, Any], chat: bool, most: int) -> int | None:
     """How many top logprobs the wire asks for (0: the chosen tokens' only), None for none. Chat says it
-    as `logprobs: true` and `top_logprobs: n`; completions as `logprobs: n`."""
+    as `logprobs: true` and `top_logprobs: n`; completions as `logprobs: n`. At most `most` (vLLM's
+    max_logprobs; OpenAI's completions stop at 5, its chat at 20)."""
 
     def count(name: str) -> int:
         n = data[name]
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_LOGPROBS:
-            raise ApiError(400, f"{name}: must be an integer in [0, {MAX_LOGPROBS}]", name)
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= most:
+            raise ApiError(400, f"{name}: must be an integer in [0, {most}]", name)
         return n
 
     if not chat:
@@ -238,7 +238,7 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
             structured = forced
     if structured is not None:
         body["structured_outputs"] = structured
-    logprobs = _logprobs(data, chat)
+    logprobs = _logprobs(data, chat, gateway.settings.max_logprobs)
     if logprobs is not None:
         body["logprobs"] = logprobs
     if data.get("prompt_logprobs") is not None:

@@ -125,6 +125,7 @@ class OpenAIServing:
 
     async def _answer(self, request: web.Request, data: dict[str, Any]) -> web.StreamResponse:
         body, req = translate(self.gateway, data, self.chat)
+        await self.gateway.prepare(body, req.tools.checks() if req.tools is not None else [])
         # n choices are n wire requests (vLLM v1 fans out the same way); their prompt's blocks are shared
         # through the prefix cache once the first has computed them.
         bodies = choice_bodies(body, req.n)

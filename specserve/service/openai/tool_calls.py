@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specserve.engine.errors import InvalidParameter
-from specserve.engine.grammar import StructuredOutputsParams
+from specserve.engine.grammar import StructuredOutputsParams, constraint_key
+from specserve.engine.prepare import Check
 from specserve.queue.wire import WireError, parse_tools
 from specserve.service.http import ApiError
 
@@ -407,6 +408,16 @@ class ToolPlan:
             return {"json": required_schema(self.tools or [], self.parallel)}
         return None
 
+    def checks(self) -> list[Check]:
+        """The grammars a forced call is generated under, one per tool, for the API's grammar pool
+        (Gateway.prepare): a bad schema is named as the tool's, not blamed on a constraint the client never
+        sent."""
+        out: list[Check] = []
+        for field, params in _forced_parameters(self):
+            kind, text = constraint_key(StructuredOutputsParams(json=params))
+            out.append((field, kind, text))
+        return out
+
     def _function(self, name: str | None) -> dict[str, Any]:
         return next(t["function"] for t in self.tools or [] if t["function"]["name"] == name)
 
@@ -482,20 +493,20 @@ def tool_plan(data: dict[str, Any], parser: str) -> ToolPlan:
     elif choice != NONE and not tools:
         raise ApiError(400, f"tool_choice: {choice!r} needs tools", "tool_choice")
     plan = ToolPlan(choice, tools, name, True if parallel is None else parallel, parser)
-    if plan.mode in (NAMED, REQUIRED):
-        _check_parameters(plan)
+    for field, params in _forced_parameters(plan):
+        try:
+            StructuredOutputsParams(json=params)  # its shape and size; its grammar is built in checks()
+        except InvalidParameter as e:
+            raise ApiError(400, f"{field}: {e.message}", field) from None
     return plan
 
 
-def _check_parameters(plan: ToolPlan) -> None:
-    """The schemas a forced call is generated under compile, or the tool is named (its `parameters` are
-    built into a grammar; a bad one would otherwise be blamed on a constraint the client never sent)."""
-    for i, tool in enumerate(plan.tools or []):
-        fn = tool["function"]
-        if plan.mode == NAMED and fn["name"] != plan.name:
-            continue
-        try:
-            StructuredOutputsParams(json=_parameters(fn))
-        except InvalidParameter as e:
-            field = f"tools[{i}].function.parameters"
-            raise ApiError(400, f"{field}: {e.message}", field) from None
+def _forced_parameters(plan: ToolPlan) -> list[tuple[str, dict[str, Any]]]:
+    """(field, schema) of each tool whose parameters a forced call is generated under."""
+    if plan.mode not in (NAMED, REQUIRED):
+        return []
+    return [
+        (f"tools[{i}].function.parameters", _parameters(tool["function"]))
+        for i, tool in enumerate(plan.tools or [])
+        if plan.mode != NAMED or tool["function"]["name"] == plan.name
+    ]
