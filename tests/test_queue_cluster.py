@@ -336,3 +336,12 @@ def test_specserve_api_and_worker_processes_serve_from_a_cluster_url(
             proc.wait(timeout=60)
     assert status == 200, answer
     assert answer["choices"][0]["text"] == ref.text
+
+
+@pytest.mark.slow
+def test_the_batch_api_e2e_runs_unchanged_on_a_cluster(valkey_cluster, tiny_model_dir, tiny_engines) -> None:
+    """The Files and Batch APIs' own end-to-end test (tests/test_batch_api.py), given the cluster: the batch's
+    hash, lists and lock, the files and the lines' requests all on the cluster."""
+    from test_batch_api import test_a_batch_through_the_openai_client
+
+    test_a_batch_through_the_openai_client(valkey_cluster, tiny_model_dir, tiny_engines)
