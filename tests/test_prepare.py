@@ -163,3 +163,18 @@ def test_a_slow_compile_runs_beside_the_engine_and_is_refused_past_its_budget(ti
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_only_the_first_of_n_choices_computes_the_prompts_logprobs():
+    """n choices of one prompt share its prompt_logprobs: the first asks for them and the answer gives them
+    to every choice, so n = 16 costs one vocabulary-wide top-k over the prompt, not 16."""
+    from specserve.queue.wire import parse_body
+    from specserve.service.openai.serving import choice_bodies
+
+    body = parse_body(
+        {"prompt": "x " * 1000, "max_tokens": 8, "seed": 7, "logprobs": 20, "prompt_logprobs": 20}
+    )
+    bodies = choice_bodies(body, 16)
+    assert [b.sampling.get("prompt_logprobs") for b in bodies] == [20] + [None] * 15
+    assert [b.sampling["seed"] for b in bodies] == [7 + i for i in range(16)]
+    assert all(b.sampling["logprobs"] == 20 for b in bodies)

@@ -14,13 +14,13 @@ Why deficit round robin by tokens, not by requests: a tenant's cost is what it a
 prompt and its max_tokens), so a tenant sending long generations cannot take more of the engine's time than
 one sending short ones just by sending as many requests.
 
-Why a tenant whose queue was empty joins the ring at its head, and why credit granted is spent at once:
-otherwise the order of arrival decided the share. A tenant alone in a band is granted a quantum each time
-its credit runs short, and with the grant it was moved behind the others; a tenant arriving beside it was
-granted its quantum, moved behind, and waited out the first tenant's fresh quantum too: a burst that landed
-first held back a small tenant's few for up to two quanta of its own (with quantum 256 and requests of ~28
-tokens, about 18 requests; tests/test_priority_fairness.py). As in fq_codel's new-flows list, a newly
-active tenant is served first, for up to one quantum, and the round robin then goes on as before.
+Why a tenant whose queue was empty joins the ring at its head, and why a turn's grant is spent in that turn:
+otherwise the order of arrival decided the share. A tenant was granted its quantum and moved behind the
+others in one go, to spend it a round later; a tenant arriving beside a running burst was granted, moved
+behind, and waited out the burst's leftover credit and its fresh quantum too: a burst that landed first held
+back a small tenant's few for up to two quanta of the burst (with quantum 256 and requests of ~28 tokens,
+about 18 requests; tests/test_priority_fairness.py). Now a turn begins with its grant and the tenant is
+served at once, and, as in fq_codel's new-flows list, a newly active tenant takes the next turn.
 
 Starvation is bounded by one rule: every `oldest_every`-th admission (all workers together) takes the
 request that has waited longest, whatever its band or tenant. A request that is the oldest waiting one is
@@ -29,7 +29,8 @@ m x `oldest_every`.
 
 Keys ({prefix}:ready:...): `bands` (sorted set of bands with waiting work, scored by priority), `ring:<band>`
 (list: the band's tenants with waiting work, in round-robin order), `q:<band>:<tenant>` (list of
-"<entry id> <cost>"), `deficit:<band>` (hash: tenant -> tokens of credit), `age` (sorted set of every waiting
+"<entry id> <cost>"), `deficit:<band>` (hash: tenant -> tokens of credit), `grant:<band>` (the tenant whose
+turn's quantum has been granted), `age` (sorted set of every waiting
 entry, scored by its enqueue time), `turn` (admissions counter). A request without a tenant is the tenant
 `~`, a name no tenant can have.
 """
@@ -170,8 +171,11 @@ local function split(s)
   for part in string.gmatch(s, '[^ ]+') do out[#out + 1] = part end
   return out
 end
+-- The ring's head has the turn; `grant:<band>` names whom the current turn was granted to. A head not granted
+-- yet (it just came round, or just arrived) is granted a quantum as its turn begins; it is served while its
+-- credit covers its next request, and then the turn passes (what credit is left stays its own).
 local function drr(band)
-  local ring, dk = R .. 'ring:' .. band, R .. 'deficit:' .. band
+  local ring, dk, granted = R .. 'ring:' .. band, R .. 'deficit:' .. band, R .. 'grant:' .. band
   for _ = 1, 100000 do
     local t = redis.call('LINDEX', ring, 0)
     if not t then return nil end
@@ -182,18 +186,17 @@ local function drr(band)
     else
       local eid, cost = unpack(split(head))
       local d = tonumber(redis.call('HGET', dk, t) or '0')
+      if redis.call('GET', granted) ~= t then
+        d = d + quantum
+        redis.call('HSET', dk, t, d)
+        redis.call('SET', granted, t)
+      end
       if d >= tonumber(cost) then
         redis.call('LPOP', qkey(band, t))
         redis.call('HSET', dk, t, d - tonumber(cost))
         return eid, cost, t
       end
-      d = d + quantum
-      if d >= tonumber(cost) then
-        redis.call('LPOP', qkey(band, t))
-        redis.call('HSET', dk, t, d - tonumber(cost))
-        return eid, cost, t
-      end
-      redis.call('HSET', dk, t, d)
+      redis.call('DEL', granted)
       redis.call('LMOVE', ring, ring, 'LEFT', 'RIGHT')
     end
   end
@@ -235,7 +238,7 @@ while #out - 1 < n and tries < n + 1000 do
     end
     if redis.call('LLEN', R .. 'ring:' .. band) == 0 then
       redis.call('ZREM', R .. 'bands', band)
-      redis.call('DEL', R .. 'deficit:' .. band)
+      redis.call('DEL', R .. 'deficit:' .. band, R .. 'grant:' .. band)
     end
   end
 end

@@ -115,8 +115,9 @@ def completion_body(
         else:
             choice = {"index": index, "text": r.text, "logprobs": logprobs}
         choice["finish_reason"] = reason
-        if r.prompt_logprobs is not None and not chat:  # vLLM puts them on each completion choice
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(r.prompt_logprobs, as_ids)
+        shared = results[0].prompt_logprobs  # only the first choice asked for them (serving.choice_bodies)
+        if shared is not None and not chat:  # vLLM puts them on each completion choice
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(shared, as_ids)
         choices.append(choice)
     obj = "chat.completion" if chat else "text_completion"
     body = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}

@@ -40,16 +40,23 @@ def _nth_seed(seed: int, i: int) -> int:
 
 def choice_bodies(body: RequestBody, n: int) -> list[RequestBody]:
     """The wire request of each of n choices: the same prompt and parameters, each sampling from a stream
-    of its own (seed + i when a seed is given, as vLLM's; else the worker derives one from each id)."""
+    of its own (seed + i when a seed is given, as vLLM's; else the worker derives one from each id).
+    Only the first asks for prompt_logprobs: they are the prompt's, the same for every choice, and each
+    request asking for them computes its whole prompt with a vocabulary-wide top-k at every position (n = 16
+    of a 2,000-character prompt held a short request beside them 35 s, tests/chaos/test_stall.py); the
+    answer gives the first's to every choice."""
     if n == 1:
         return [body]
     seed = body.sampling.get("seed")
-    return [
-        body
-        if seed is None
-        else dataclasses.replace(body, sampling={**body.sampling, "seed": _nth_seed(seed, i)})
-        for i in range(n)
-    ]
+    out = []
+    for i in range(n):
+        sampling = dict(body.sampling)
+        if seed is not None:
+            sampling["seed"] = _nth_seed(seed, i)
+        if i:
+            sampling.pop("prompt_logprobs", None)
+        out.append(dataclasses.replace(body, sampling=sampling))
+    return out
 
 
 class ChoiceOutput:
@@ -252,7 +259,10 @@ class OpenAIServing:
                 await sse_send(resp, shaper.chunk(index, None, out.finish_reason(d.final.finish_reason)))
 
         await self.open_stream(resp, shaper)
+        shared = choices[0][0].prompt_logprobs  # only the first choice asked for them (choice_bodies)
         for index, (first, _) in enumerate(choices):
+            if index and shared is not None and not req.chat:  # vLLM puts them on each completion choice
+                first = dataclasses.replace(first, prompt_logprobs=shared)
             await send(index, first)
         await merge_choices(choices, finals, send)
         ended = [f for f in finals if f is not None]
