@@ -53,6 +53,21 @@ EXTRA_VALUES: dict[str, dict[str, Any]] = {
         },
         "worker": {"keda": {"enabled": True}},
     },
+    "external-cluster": {
+        "redis": {
+            "mode": "external",
+            "external": {
+                "host": "clustercfg.example.com",
+                "existingSecret": "redis-auth",
+                "tls": {"enabled": True, "caSecret": "redis-ca"},
+                "cluster": {
+                    "enabled": True,
+                    "seedNodes": ["node-b.example.com:6379", "node-c.example.com:6380"],
+                },
+            },
+        },
+        "worker": {"keda": {"enabled": True}},
+    },
     "features-off": {
         "metrics": {"podAnnotations": False},
         "networkPolicy": {"enabled": False},
@@ -593,6 +608,26 @@ def test_keda_authenticates_like_the_workers(value_set: str) -> None:
         assert rendered_secrets[refs["username"]["name"]][refs["username"]["key"]] == url.username
 
 
+def test_an_external_cluster_gives_keda_the_tagged_stream_and_the_workers_their_seed_nodes() -> None:
+    docs = rendered("external-cluster")
+    dep = deployment(docs, "worker")
+    env = env_of(container(dep, "worker"))
+    cfg = from_args(environ=kubelet_env(container(dep, "worker")))
+    keys = Keys(cfg.prefix, cluster=True)  # what the service names its keys on a cluster
+    assert cfg.seed_nodes() == ["node-b.example.com:6379", "node-c.example.com:6380"]
+    assert urlsplit(env["REDIS_URL"]).hostname == "clustercfg.example.com"
+    for trigger in one(docs, "ScaledObject")["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "redis-cluster-streams"
+        assert (meta["stream"], meta["consumerGroup"]) == (keys.requests, keys.group)
+        assert meta["addresses"].split(",") == [
+            "clustercfg.example.com:6379",
+            "node-b.example.com:6379",
+            "node-c.example.com:6380",
+        ]
+        assert "address" not in meta and "databaseIndex" not in meta
+
+
 def test_keda_is_off_by_default_and_workers_keep_their_replicas() -> None:
     docs = rendered("default")
     assert find(docs, "ScaledObject") == [] and find(docs, "TriggerAuthentication") == []
@@ -1015,6 +1050,8 @@ def test_bundled_valkey_command_line_runs_and_exposes_what_keda_reads(tmp_path: 
         {"model": {"source": "pvc", "path": "/models/m"}},
         {"redis": {"mode": "cluster"}},
         {"redis": {"external": {"password": "p@ss:word"}}},
+        {"redis": {"mode": "external", "db": 2, "external": {"host": "h", "cluster": {"enabled": True}}}},
+        {"redis": {"external": {"cluster": {"seedNodes": ["no-port"]}}}},
         {"prefix": "has space"},
         {"api": {"auth": {"keys": ["a,b"]}}},
         {"metrics": {"serviceMonitor": {"interval": "soon"}}},

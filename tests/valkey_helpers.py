@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from specserve.queue.client import QueueClient
-from specserve.queue.connection import connect
+from specserve.queue.connection import open_redis
 from specserve.queue.keys import Keys
 
 T = TypeVar("T")
@@ -79,9 +79,9 @@ async def service_stack(
     engine = AsyncLLMEngine(llm_engine)
     await engine.start()
     keys = Keys(prefix)
-    worker_redis = connect(url)
+    worker_redis = await open_redis(url)  # a cluster's client where `url` names a cluster node
     worker = Worker(engine, worker_redis, keys, name, WorkerConfig(**worker_cfg), telemetry or Telemetry())
-    client = QueueClient(connect(url), keys)
+    client = QueueClient(await open_redis(url), keys)
     if start_worker:
         await worker.start()
     try:

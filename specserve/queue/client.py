@@ -12,7 +12,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 from specserve.queue import scripts
-from specserve.queue.connection import Connections, connect
+from specserve.queue.connection import Connections, NotReplicated, connect, server_keys
 from specserve.queue.consumer import ensure_group
 from specserve.queue.keys import DEFAULT_PREFIX, DEFAULT_TTL_MS, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
@@ -52,6 +52,15 @@ class Limits:
     default_tenant: str = "~"
 
 
+@dataclass(frozen=True)
+class Durability:
+    """How many replicas must hold an enqueue before it is accepted (WAIT), and for how long to wait for
+    them; 0 replicas: accepted once the master has it (a failover may lose it)."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+
 class QuotaExceeded(Exception):
     """A limit refused the request; nothing was added. `limit` names it; retry after `retry_after` s."""
 
@@ -68,13 +77,21 @@ class QueueClient:
         keys: Keys | None = None,
         ttl_ms: int = DEFAULT_TTL_MS,
         limits: Limits | None = None,
+        durable: Durability | None = None,
     ) -> None:
         self.r = redis
-        self.keys = keys or Keys()
+        self.keys = server_keys(redis, keys or Keys())
         self.ttl_ms = ttl_ms
         self.limits = limits or Limits()
-        self.conns = Connections(redis)
+        self.conns = Connections(redis, route=self.keys.requests)
         self.fast = self.conns.fast  # enqueue and the reader's wake-ups: a round trip each per request
+        self.durable = durable or Durability()
+        # WAIT holds its connection until the replicas answer: durable enqueues get one of their own, so the
+        # readers' wake-ups never queue behind it. WAIT counts the writes of the connection it is sent on,
+        # so each enqueue and its WAIT go out together on this one.
+        self._durable_conn = (
+            self.conns.blocking(self.durable.timeout_ms) if self.durable.replicas > 0 else None
+        )
         self.reader = OutputReader(self.conns, self.keys)
         self._reader_task: asyncio.Task[None] | None = None
         # The workers' group is created once per client, not on every enqueue; should the server lose it
@@ -145,7 +162,7 @@ class QueueClient:
             args += [request_id, parsed.to_json()]
         if not self._group_ready:
             await self.ensure_group()
-        reply = await self.fast.execute(
+        command = (
             "EVAL",
             scripts.ENQUEUE,
             1 + len(ids),
@@ -162,8 +179,12 @@ class QueueClient:
             self.limits.tenant_tokens_per_minute,
             tokens,
             *args,
-            retries=2,  # idempotent by id, so a retry after a lost connection adds nothing twice
         )
+        if self._durable_conn is None:
+            # idempotent by id, so a retry after a lost connection adds nothing twice
+            reply = await self.fast.execute(*command, retries=2)
+        else:
+            reply = await self._enqueue_durably(command)
         if reply and reply[0] == -1:
             _, limit, *rest = reply
             raise QuotaExceeded(str(limit), int(rest[0]) if rest else 1)
@@ -171,6 +192,19 @@ class QueueClient:
             Enqueued(i, True, "queued", detail) if created else Enqueued(i, False, detail)
             for i, (created, detail) in zip(ids, reply)
         ]
+
+    async def _enqueue_durably(self, command: tuple[str | int, ...]) -> list:
+        """ENQUEUE, then WAIT for the replicas. Too few in time raises NotReplicated: the requests stay
+        queued on the master (they run if it lives), and a retry with the same ids adds nothing and waits
+        again, so a producer that retries until accepted gets each request exactly once."""
+        assert self._durable_conn is not None
+        d = self.durable
+        reply, acked = await self._durable_conn.pipeline([command, ("WAIT", d.replicas, d.timeout_ms)])
+        if int(acked) < d.replicas:
+            raise NotReplicated(
+                f"{acked} of {d.replicas} replicas acknowledged the enqueue within {d.timeout_ms} ms"
+            )
+        return reply
 
     async def info(self, request_id: str) -> dict[str, str]:
         """The raw status hash ({} when unknown or expired)."""

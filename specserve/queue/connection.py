@@ -4,16 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import BusyLoadingError, OutOfMemoryError, ReadOnlyError
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from specserve.queue.keys import Keys
 from specserve.queue.resp import RespClient
 
 log = logging.getLogger(__name__)
@@ -23,14 +37,26 @@ T = TypeVar("T")
 # now a replica answers READONLY until clients reconnect to the new one; a full server (maxmemory with
 # noeviction) answers OOM to writes until results expire or an operator makes room. All of these are worth
 # retrying: a worker's outputs and claims wait for the server, never dead-letter or drop a request.
-TRANSIENT_ERRORS: tuple[type[Exception], ...] = (
+# On a cluster, MOVED / ASK (the slot has another owner now), TRYAGAIN (a slot half migrated) and CLUSTERDOWN
+# (a master lost, its replica not yet promoted) all mean the command did not run: retrying it is always safe.
+REDIRECT_ERRORS: tuple[type[Exception], ...] = (AskError, TryAgainError, ClusterDownError)
+# The server away, restarting, failing over or moving a slot: nothing was done, and the same call is worth
+# making again (the API's 503 "retry later").
+UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     BusyLoadingError,
     ReadOnlyError,
-    OutOfMemoryError,
-    OSError,
+    *REDIRECT_ERRORS,
+    ClusterError,
+    SlotNotCoveredError,
 )
+TRANSIENT_ERRORS: tuple[type[Exception], ...] = (*UNAVAILABLE_ERRORS, OutOfMemoryError, OSError)
+
+
+class NotReplicated(RedisTimeoutError):
+    """Fewer replicas than asked acknowledged a write in time (WAIT): it may not survive a failover."""
+
 
 BLOCK_MS = 2000  # longest blocking XREADGROUP/XREAD; the socket timeout must exceed it
 
@@ -61,6 +87,80 @@ def connect(
     return Redis(connection_pool=pool)
 
 
+def _on_node(url: str, node: str) -> str:
+    """`url` with its host:port replaced by `node`'s (same scheme, credentials, options)."""
+    parts = urlsplit(url)
+    auth = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{auth}@{node}" if auth else node))
+
+
+async def _cluster_enabled(url: str) -> bool:
+    probe = Redis.from_url(url, socket_connect_timeout=5.0, socket_timeout=10.0, decode_responses=True)
+    try:
+        try:
+            info = await probe.info("cluster")
+        except ResponseError:  # an ACL user without INFO: CLUSTER INFO answers only on a cluster
+            try:
+                await probe.execute_command("CLUSTER", "INFO")
+            except ResponseError:
+                return False
+            return True
+    finally:
+        await probe.aclose()
+    return str(info.get("cluster_enabled", "0")) == "1"
+
+
+async def is_cluster(url: str, seeds: Sequence[str] = ()) -> bool:
+    """Whether the server at `url` (else the first of `seeds` that answers) is a node of a Redis / Valkey
+    Cluster (`INFO cluster`'s cluster_enabled): the same REDIS_URL names a single instance or any node."""
+    for i, candidate in enumerate([url, *(_on_node(url, s) for s in seeds)]):
+        try:
+            return await _cluster_enabled(candidate)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            if i == len(seeds):
+                raise
+    raise AssertionError("unreachable")
+
+
+def connect_cluster(
+    url: str,
+    *,
+    seeds: Sequence[str] = (),
+    max_connections: int = 64,
+    socket_timeout: float = BLOCK_MS / 1000 + 5.0,
+) -> RedisCluster:
+    """redis-py's cluster client, starting from the node `url` names and `seeds` (host:port): it finds the
+    others itself, follows MOVED and ASK, and refreshes its slot map after a failover."""
+    nodes = [ClusterNode(host, int(port)) for host, _, port in (s.rpartition(":") for s in seeds)]
+    return RedisCluster.from_url(
+        url,
+        startup_nodes=nodes or None,
+        max_connections=max_connections,
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=5.0,
+        socket_keepalive=True,
+        decode_responses=True,
+        retry=Retry(ExponentialBackoff(cap=0.5, base=0.02), retries=6),
+        require_full_coverage=False,  # a shard whose master is down must not stop the others being served
+    )
+
+
+async def open_redis(url: str, seeds: Sequence[str] = (), **kw: float | int) -> Redis | RedisCluster:
+    """`connect`, or `connect_cluster` where the server says it is a cluster node (initialised)."""
+    if not await is_cluster(url, seeds):
+        return connect(url, **kw)  # type: ignore[arg-type]
+    kw.pop("pool_timeout", None)
+    client = connect_cluster(url, seeds=seeds, **kw)  # type: ignore[arg-type]
+    await client.initialize()
+    return client
+
+
+def server_keys(redis: Redis | RedisCluster, keys: Keys) -> Keys:
+    """The key names as this server needs them: hash-tagged on a cluster (queue/keys.py)."""
+    cluster = isinstance(redis, RedisCluster)
+    return keys if keys.cluster == cluster else replace(keys, cluster=cluster)
+
+
 class Connections:
     """The Redis connections of one part of a process (a worker, a queue client), held and closed together.
 
@@ -68,15 +168,19 @@ class Connections:
     round trips (a hop through Redis costs half with it, see queue/resp.py); a blocking read (XREAD BLOCK)
     gets a lean client of its own from `blocking()`, as it would hold up everyone behind it. The parts that
     use them (StreamConsumer, Publisher, OutputReader) never close them: their owner does, with `aclose()`.
+
+    On a cluster, the lean clients talk to the master of `route`'s slot: every key shares that slot (see
+    queue/keys.py).
     """
 
-    def __init__(self, redis: Redis) -> None:
+    def __init__(self, redis: Redis | RedisCluster, route: str = "") -> None:
         self.redis = redis
-        self.fast = RespClient(redis)
+        self.route = route
+        self.fast = RespClient(redis, route=route)
         self._blocking: list[RespClient] = []
 
     def blocking(self, block_ms: int) -> RespClient:
-        client = RespClient(self.redis, block_ms=block_ms)
+        client = RespClient(self.redis, block_ms=block_ms, route=self.route)
         self._blocking.append(client)
         return client
 

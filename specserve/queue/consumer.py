@@ -298,11 +298,12 @@ class StreamConsumer:
         pipe = self.r.pipeline(transaction=False)
         pipe.xinfo_groups(self.keys.requests)
         pipe.xinfo_consumers(self.keys.requests, self.keys.group)
-        pipe.time()
         try:
-            groups, consumers, (sec, usec) = await pipe.execute()
+            groups, consumers = await pipe.execute()
         except ResponseError:  # no stream (or no group) yet
             return QueueStats(0, 0, 0.0, 0)
+        # the server's clock, from the master holding the stream: a cluster's pipeline takes no TIME
+        sec, usec = (int(x) for x in await self._fast.execute("TIME"))
         g = next((g for g in groups if g["name"] == self.keys.group), None)
         if g is None:
             return QueueStats(0, 0, 0.0, 0)

@@ -1,4 +1,10 @@
-"""Every Redis key name the service uses, in one place, so the wire format has a single source of truth."""
+"""Every Redis key name the service uses, in one place, so the wire format has a single source of truth.
+
+On Redis Cluster every key carries the hash tag `{<prefix>}` (`{specserve}:requests`, `{specserve}:req:<id>`):
+the scripts of queue/scripts.py and queue/ready.py each touch a request's keys together with the request
+stream, the ready queue and its tenant's counters, and Cluster runs a script only when all its keys share one
+slot. On a single instance the names stay untagged (`specserve:requests`), as producers already use them.
+"""
 
 from __future__ import annotations
 
@@ -19,65 +25,80 @@ def valid_request_id(request_id: object) -> bool:
 @dataclass(frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
+    cluster: bool = False  # the server is a Redis Cluster: every key in the one slot of `{prefix}`
+
+    @property
+    def base(self) -> str:
+        """What every key name starts with: the prefix, hash-tagged on a cluster."""
+        return f"{{{self.prefix}}}" if self.cluster else self.prefix
 
     @property
     def requests(self) -> str:
         """The request stream producers XADD to."""
-        return f"{self.prefix}:requests"
+        return f"{self.base}:requests"
 
     @property
     def group(self) -> str:
         """The consumer group every worker reads the request stream with."""
-        return f"{self.prefix}:workers"
+        return f"{self.base}:workers"
 
     @property
     def dead(self) -> str:
         """Dead letters: requests delivered too many times."""
-        return f"{self.prefix}:dead"
+        return f"{self.base}:dead"
 
     @property
     def models(self) -> str:
         """Hash: served model name -> JSON info refreshed by live workers."""
-        return f"{self.prefix}:models"
+        return f"{self.base}:models"
 
     @property
     def keyed(self) -> str:
         """String: set by an API with keys, so that one without keys does not serve their tenants' requests
         to anyone unless told to."""
-        return f"{self.prefix}:keyed"
+        return f"{self.base}:keyed"
 
     def req(self, request_id: str) -> str:
         """Status hash of one request."""
-        return f"{self.prefix}:req:{request_id}"
+        return f"{self.base}:req:{request_id}"
 
     def out(self, request_id: str) -> str:
         """Output stream of one request."""
-        return f"{self.prefix}:out:{request_id}"
+        return f"{self.base}:out:{request_id}"
 
     @property
     def quota(self) -> str:
         """Prefix of the admission-limit keys: quota:queued:<tenant> (a sorted set of request ids) and
         quota:tpm:<tenant>:<minute> (tokens asked for in that minute)."""
-        return f"{self.prefix}:quota:"
+        return f"{self.base}:quota:"
 
     def reply(self, name: str) -> str:
         """A producer's reply stream: the final results (and, if asked, deltas) of the requests naming it."""
-        return f"{self.prefix}:reply:{name}"
+        return f"{self.base}:reply:{name}"
 
     def warm(self, route_key: str) -> str:
         """Sorted set: the workers that recently started a request with this routing key (queue/routing.py),
         scored by when that stops counting."""
-        return f"{self.prefix}:warm:{route_key}"
+        return f"{self.base}:warm:{route_key}"
 
     @property
     def load(self) -> str:
         """Hash: worker -> "in-flight free-room server-ms", refreshed by workers that route by prefix."""
-        return f"{self.prefix}:load"
+        return f"{self.base}:load"
 
     def passes(self, worker: str) -> str:
         """Stream of the entries other workers passed to this one (queue/routing.py)."""
-        return f"{self.prefix}:pass:{worker}"
+        return f"{self.base}:pass:{worker}"
 
     def wake(self, reader_id: str) -> str:
         """Private stream an output reader blocks on alongside its output streams, to be woken up."""
-        return f"{self.prefix}:wake:{reader_id}"
+        return f"{self.base}:wake:{reader_id}"
+
+    @property
+    def ready(self) -> str:
+        """Prefix of the ready queue's keys (queue/ready.py)."""
+        return f"{self.base}:ready:"
+
+    def batch(self, kind: str, name: str) -> str:
+        """The batch API's keys: file:<id>, files:<tenant>, batch:<id>, batches:<tenant>."""
+        return f"{self.base}:{kind}:{name}"

@@ -340,7 +340,7 @@ class ReadyQueue:
 
 
 def ready_prefix(keys: Keys) -> str:
-    return f"{keys.prefix}:ready:"
+    return keys.ready
 
 
 async def waiting_by_band(fast: RespClient, keys: Keys) -> dict[tuple[int, str], int]:

@@ -13,6 +13,10 @@ The server, credentials, database and TLS context are those of the redis-py clie
 errors are redis-py's exceptions, so callers' handling of transient errors (TRANSIENT_ERRORS) is unchanged.
 A lost connection fails what was in flight with ConnectionError and the next command connects again; a
 READONLY reply (a failed-over primary) drops the connection, so the next one reaches the new primary.
+On a cluster it talks to the master of one slot (every key of the service shares it, queue/keys.py); a
+MOVED, ASK or CLUSTERDOWN reply drops the connection too, and each new connection asks the cluster client for
+a fresh slot map first, so after a failover or a slot move the next command reaches the slot's new owner.
+These replies mean the command did not run, so `execute` retries them whatever the command.
 
 Binary-safe: replies are decoded as UTF-8 with surrogateescape, so bytes that are not UTF-8 (anyone can XADD
 them) come back as lone surrogates instead of failing the whole reply, and with it every command behind it
@@ -32,9 +36,10 @@ from typing import Any
 
 import hiredis
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 try:  # redis-py maps an error reply to its exception class here (LOADING -> BusyLoadingError, ...)
@@ -63,22 +68,39 @@ class Endpoint:
     @classmethod
     def of(cls, redis: Redis) -> Endpoint:
         """Where a redis-py client connects, with the same credentials and TLS settings."""
-        pool = redis.connection_pool
-        kw = pool.connection_kwargs
+        return cls._of(redis.connection_pool.connection_class, redis.connection_pool.connection_kwargs)
+
+    @classmethod
+    def of_slot(cls, cluster: RedisCluster, key: str) -> Endpoint:
+        """The master of `key`'s slot, as the cluster client's slot map has it."""
+        node = cluster.get_node_from_key(key)
+        if node is None:
+            raise ClusterDownError(f"no master holds the slot of {key}")
+        return cls._of(node.connection_class, node.connection_kwargs)
+
+    @classmethod
+    def _of(cls, connection_class: type, kw: dict[str, Any]) -> Endpoint:
         context = None
-        if issubclass(pool.connection_class, SSLConnection):
+        if issubclass(connection_class, SSLConnection):
             # redis-py builds its TLS context from the URL's ssl_* arguments: build the same one.
-            context = pool.connection_class(**kw).ssl_context.get()
+            context = connection_class(**kw).ssl_context.get()
         return cls(
             host=kw.get("host", "127.0.0.1"),
             port=int(kw.get("port", 6379)),
-            path=kw.get("path") if issubclass(pool.connection_class, UnixDomainSocketConnection) else None,
+            path=kw.get("path") if issubclass(connection_class, UnixDomainSocketConnection) else None,
             username=kw.get("username"),
             password=kw.get("password"),
             db=int(kw.get("db") or 0),
             ssl=context,
             connect_timeout=float(kw.get("socket_connect_timeout") or 5.0),
         )
+
+
+# Replies after which this connection no longer reaches the owner of the slot (or the primary).
+_MOVED_ON = (ReadOnlyError, AskError, ClusterDownError)
+# Replies that say the command did not run: retried by `execute` whatever the command.
+_NOT_RUN = (AskError, ClusterDownError, TryAgainError)
+NOT_RUN_RETRIES = 40  # with the backoff below (capped at 0.25 s): about 8 s, a cluster's failover and more
 
 
 class _Protocol(asyncio.Protocol):
@@ -131,7 +153,7 @@ class _Protocol(asyncio.Protocol):
             future, _ = self.waiting.popleft()
             if not future.done():  # its caller may have given up; the reply still held its place
                 future.set_result(reply)
-            if isinstance(reply, ReadOnlyError) and self.transport is not None:
+            if isinstance(reply, _MOVED_ON) and self.transport is not None:
                 self.transport.close()  # talking to a replica now: reconnect to whoever is primary
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -169,9 +191,13 @@ class RespClient:
     runs blocking reads (XREAD ... BLOCK block_ms).
     """
 
-    def __init__(self, redis: Redis, block_ms: int = 0) -> None:
+    def __init__(self, redis: Redis | RedisCluster, block_ms: int = 0, route: str = "") -> None:
         self._redis = redis
-        socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout") or 30.0
+        self._route = route  # a cluster: the key whose slot's master this client talks to
+        if isinstance(redis, RedisCluster):
+            socket_timeout = redis.nodes_manager.connection_kwargs.get("socket_timeout") or 30.0
+        else:
+            socket_timeout = redis.connection_pool.connection_kwargs.get("socket_timeout") or 30.0
         self.timeout = float(socket_timeout) + block_ms / 1000
         self._endpoint: Endpoint | None = None  # resolved at the first connect, as redis-py does
         self._proto: _Protocol | None = None
@@ -182,16 +208,23 @@ class RespClient:
         """One command; an error reply raises. `retries`: for idempotent commands, how many more tries
         after a lost connection or a timeout (as redis-py's client retries them)."""
         data = hiredis.pack_command(args)
-        for attempt in range(retries + 1):
+        attempt = not_run = 0
+        while True:
             try:
                 proto = await self._ready()
                 (future,) = proto.send(data, 1)
                 reply = await future
-                break
             except (RedisConnectionError, RedisTimeoutError):
                 if attempt == retries or self._closed:
                     raise
                 await asyncio.sleep(0.02 * 2**attempt)
+                attempt += 1
+                continue
+            if isinstance(reply, _NOT_RUN) and not_run < NOT_RUN_RETRIES and not self._closed:
+                await asyncio.sleep(min(0.25, 0.01 * 2**not_run))
+                not_run += 1
+                continue
+            break
         if isinstance(reply, Exception):
             raise reply
         return reply
@@ -233,7 +266,12 @@ class RespClient:
                 self._connecting = None
 
     async def _connect(self) -> _Protocol:
-        if self._endpoint is None:
+        if isinstance(self._redis, RedisCluster):
+            # Each new connection follows the cluster's current map: the last one may have ended with the
+            # slot's master (a failover) or with the slot moving away.
+            await self._redis.nodes_manager.initialize()
+            self._endpoint = Endpoint.of_slot(self._redis, self._route)
+        elif self._endpoint is None:
             self._endpoint = Endpoint.of(self._redis)
         e = self._endpoint
         loop = asyncio.get_running_loop()

@@ -173,13 +173,22 @@ end
 # output field/value pairs, m, then m reply field/value pairs, the reply stream's maxlen, then hash pairs.
 # Returns 1 when written, 0 when the entry is not this consumer's, and REPLY_NOT_A_STREAM, having written
 # nothing, when the reply stream's key holds another type.
+# Safe to run again: a publisher resends its finals when a reply was lost (a failover mid-call), and a run
+# that already landed answers 1 again, writing nothing twice (the status hash names this entry, this worker
+# and a terminal status). On a promoted replica that missed the first run the entry is still pending with this
+# worker (its claim was replicated before the tokens it made), so the final is written there once.
 REPLY_NOT_A_STREAM = -1
 FINISH = (
     _NOW
+    + _TERMINAL
     + _REPLY_WRITABLE
     + """
 local p = redis.call('XPENDING', KEYS[3], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+if #p == 0 or p[1][2] ~= ARGV[2] then
+  local st, entry, worker = unpack(redis.call('HMGET', KEYS[2], 'status', 'entry', 'worker'))
+  if st and terminal(st) and entry == ARGV[3] and worker == ARGV[2] then return 1 end
+  return 0
+end
 local n = tonumber(ARGV[6])
 local at = 7 + 2 * n
 local m = tonumber(ARGV[at])

@@ -50,11 +50,11 @@ class BatchRoutes:
     # ---- files ----------------------------------------------------------------------------------------
 
     def _file_key(self, file_id: str) -> str:
-        return f"{self.keys.prefix}:file:{file_id}"
+        return self.keys.batch("file", file_id)
 
     def _files_key(self, request: web.Request) -> str:
         """A tenant's file ids by creation time (GET /v1/files); the files themselves expire on their own."""
-        return f"{self.keys.prefix}:files:{request.get(TENANT_KEY) or '-'}"
+        return self.keys.batch("files", request.get(TENANT_KEY) or "-")
 
     async def _put_file(self, request: web.Request, data: bytes, filename: str, purpose: str) -> dict:
         file_id = "file-" + uuid.uuid4().hex
@@ -162,10 +162,10 @@ class BatchRoutes:
     # every poll).
 
     def _batch_key(self, batch_id: str, part: str = "") -> str:
-        return f"{self.keys.prefix}:batch:{batch_id}" + (f":{part}" if part else "")
+        return self.keys.batch("batch", batch_id + (f":{part}" if part else ""))
 
     def _index_key(self, request: web.Request) -> str:
-        return f"{self.keys.prefix}:batches:{request.get(TENANT_KEY) or '-'}"
+        return self.keys.batch("batches", request.get(TENANT_KEY) or "-")
 
     async def create_batch(self, request: web.Request) -> web.Response:
         data = await read_json(request)

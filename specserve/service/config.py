@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from specserve.queue.client import Limits
+from specserve.queue.client import Durability, Limits
 from specserve.queue.consumer import ConsumerConfig
 from specserve.queue.keys import DEFAULT_PREFIX
 from specserve.queue.ready import FairShare
@@ -113,6 +113,13 @@ def _opt(env: str | None, default: Any, help: str, flag: str | None = None, **kw
 class ServiceConfig:
     redis_url: str | None = _opt(
         "REDIS_URL", None, "Redis/Valkey URL (redis:// or rediss://); none: embedded"
+    )
+    redis_seed_nodes: str | None = _opt(
+        "SPECSERVE_REDIS_SEED_NODES",
+        None,
+        "more nodes of a Redis Cluster (host:port, space- or comma-separated) to find it by when REDIS_URL's "
+        "node is down; same credentials and TLS as REDIS_URL",
+        nargs="+",
     )
     prefix: str = _opt("SPECSERVE_PREFIX", DEFAULT_PREFIX, "prefix of every Redis key")
     model: str | None = _opt(
@@ -322,6 +329,15 @@ class ServiceConfig:
         "<tool_call>{...}</tool_call>, Qwen's and Hermes' format; llama3_json: Llama 3.x's JSON)",
         choices=TOOL_CALL_PARSERS,
     )
+    durable_enqueue: int = _opt(
+        "SPECSERVE_DURABLE_ENQUEUE",
+        0,
+        "replicas that must hold an enqueue (WAIT) before it is accepted, so a failover cannot lose it; "
+        "fewer in time: 503, retry with the same id (0: off)",
+    )
+    durable_enqueue_timeout: float = _opt(
+        "SPECSERVE_DURABLE_ENQUEUE_TIMEOUT", 1.0, "seconds an enqueue waits for its replicas"
+    )
     prepare_workers: int = _opt(
         "SPECSERVE_PREPARE_WORKERS",
         _API.prepare_workers,
@@ -435,6 +451,9 @@ class ServiceConfig:
                 kw[name] = getattr(self, name)
         return kw
 
+    def seed_nodes(self) -> list[str]:
+        return (self.redis_seed_nodes or "").replace(",", " ").split()
+
     def served_model_names(self) -> list[str]:
         """The names the model is served under, primary first: --served-model-name, else --model."""
         names = (self.served_model_name or "").replace(",", " ").split()
@@ -481,6 +500,9 @@ class ServiceConfig:
             prepare_timeout_s=self.prepare_timeout,
             max_logprobs=self.max_logprobs,
         )
+
+    def durability(self) -> Durability:
+        return Durability(self.durable_enqueue, int(self.durable_enqueue_timeout * 1000))
 
     def limits(self) -> Limits:
         return Limits(

@@ -17,10 +17,9 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from redis.exceptions import BusyLoadingError, OutOfMemoryError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import OutOfMemoryError
 
+from specserve.queue.connection import UNAVAILABLE_ERRORS
 from specserve.queue.wire import MAX_JSON_DEPTH, too_deep
 from specserve.service.config import HttpLimits
 
@@ -171,8 +170,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             "redis_out_of_memory",
             5,
         )
-    except (RedisConnectionError, RedisTimeoutError, BusyLoadingError) as e:
-        # The queue's Redis is away (down, restarting, loading its append-only file).
+    except UNAVAILABLE_ERRORS as e:
+        # The queue's Redis is away (down, restarting, loading its append-only file, failing over).
         log.warning("Redis unavailable on %s %s: %s", request.method, request.path, e)
         return _retry_later("the queue's Redis is unavailable; nothing was done", "redis_unavailable", 2)
     except Exception:  # any handler's bug: the client gets a JSON 500, the server keeps serving

@@ -16,7 +16,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from specserve.queue.client import QueueClient
-from specserve.queue.connection import TRANSIENT_ERRORS, connect
+from specserve.queue.connection import TRANSIENT_ERRORS, connect, open_redis, server_keys
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
 from specserve.service.api import Api, add_health_routes
@@ -160,8 +160,10 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
         check_api_exposure(cfg)
     stop = _stop_event()
     url, server = await resolve_redis(cfg, start_embedded=with_worker)
-    redis = connect(url)
-    keys = Keys(cfg.prefix)
+    redis = await open_redis(
+        url, cfg.seed_nodes()
+    )  # a cluster's client when the server at `url` is a cluster node
+    keys = server_keys(redis, Keys(cfg.prefix))
     # An API-only process has no engine: it exports no engine series rather than ones stuck at 0.
     telemetry = Telemetry(
         "specserve",
@@ -173,7 +175,9 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     stats_task: asyncio.Task[None] | None = None
     worker = None
     runners: list[web.AppRunner] = []
-    client = QueueClient(redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits())
+    client = QueueClient(
+        redis, keys, ttl_ms=int(cfg.result_ttl * 1000), limits=cfg.limits(), durable=cfg.durability()
+    )
     try:
         if with_api:
             await guard_tenant_data(redis, keys, cfg)

@@ -26,7 +26,7 @@ from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.errors import InvalidParameter
 from specserve.engine.prepare import PreparePool
 from specserve.queue import outputs, wire
-from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever
+from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever, server_keys
 from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
@@ -77,12 +77,13 @@ class Worker:
     ) -> None:
         self.engine = engine
         self.r = redis
-        self.keys = keys
+        self.keys = keys = server_keys(redis, keys)
         self.name = name
         self.cfg = config or WorkerConfig()
         self.telemetry = telemetry or Telemetry()
         ttl_ms = int(self.cfg.ttl_s * 1000)
-        self.conns = Connections(redis)  # claims, cancellation checks, outputs: the lean client
+        # claims, cancellation checks, outputs: the lean client
+        self.conns = Connections(redis, route=keys.requests)
         self.consumer = StreamConsumer(
             self.conns,
             keys,

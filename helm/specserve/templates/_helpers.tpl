@@ -49,8 +49,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
 {{/* Redis keys: must match specserve/queue (stream "<prefix>:requests", group "<prefix>:workers"). */}}
-{{- define "specserve.requestStream" -}}{{ .Values.prefix }}:requests{{- end }}
-{{- define "specserve.consumerGroup" -}}{{ .Values.prefix }}:workers{{- end }}
+{{/* On a cluster every key is hash-tagged `{<prefix>}` (specserve/queue/keys.py). */}}
+{{- define "specserve.redisCluster" -}}
+{{- and (eq .Values.redis.mode "external") .Values.redis.external.cluster.enabled }}
+{{- end }}
+{{- define "specserve.keyBase" -}}
+{{- if eq (include "specserve.redisCluster" .) "true" }}{{ printf "{%s}" .Values.prefix }}{{ else }}{{ .Values.prefix }}{{ end }}
+{{- end }}
+{{- define "specserve.requestStream" -}}{{ include "specserve.keyBase" . }}:requests{{- end }}
+{{- define "specserve.consumerGroup" -}}{{ include "specserve.keyBase" . }}:workers{{- end }}
 
 {{/* Images. The variant suffix keeps one repository for the CUDA and the CPU build of the same version; a tag
 given with its suffix already (`0.2.0-cuda`) is the version, so the suffix is not doubled. */}}
@@ -223,6 +230,10 @@ so the password never appears in the rendered manifest.
 {{- end }}
 - name: REDIS_URL
   value: {{ include "specserve.redisURL" $ | quote }}
+{{- if and (eq (include "specserve.redisCluster" $) "true") $.Values.redis.external.cluster.seedNodes }}
+- name: SPECSERVE_REDIS_SEED_NODES
+  value: {{ join "," $.Values.redis.external.cluster.seedNodes | quote }}
+{{- end }}
 - name: SPECSERVE_PREFIX
   value: {{ $.Values.prefix | quote }}
 - name: SPECSERVE_MAX_BACKLOG
