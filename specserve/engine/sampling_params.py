@@ -12,7 +12,7 @@ from specserve.engine.grammar import StructuredOutputsParams
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
 # The proposers a worker may hold (spec/config.py), which a request may also name as its `speculation`
-SPECULATION_METHODS = ("ngram", "draft_model", "suffix")
+SPECULATION_METHODS = ("ngram", "draft_model", "suffix", "eagle3")
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound (completions' logprobs allows 5; vLLM takes 20 for both)
 # What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
 # whole engine (every running request) down with it.
