@@ -10,13 +10,15 @@ EOS respected; half greedy, half sampled (temperature 0.7, top_p 0.95, a seed ea
    position (how often draft j was accepted given it was proposed) and mean acceptance length (tokens per
    verify step, the bonus token included).
 2. 8 and 32 requests in flight, closed loop, `auto` with eagle3 against off.
+3. `--capture-overhead`: what capturing the head's three layers costs a target step that drafts nothing
+   (ModelRunner.run against run_capturing on the same decode steps of 1 and 8 sequences, ABBA).
 
 Greedy outputs must be identical across the three engines (verification is lossless); the script says so.
 The head is read from --head (default: /work/cache/eagle3/smollm2-135m-instruct/); where none is there it
 is trained first with tools/train_eagle.py.
 
     python bench/eagle3.py [--head DIR] [--requests 16] [--concurrency 8,32] [--loaded-requests 16,48]
-                           [--k 4] [--max-tokens 128] [--dtype bfloat16]
+                           [--k 4] [--max-tokens 128] [--dtype bfloat16] [--capture-overhead]
 """
 
 from __future__ import annotations
@@ -131,6 +133,32 @@ def split(run: Run, traffic: list[ChatRequest], greedy: bool) -> float:
     return tokens / sum(run.latencies[i] for i in idx)
 
 
+def capture_overhead(model: str | None, dtype: str, steps: int) -> None:
+    """Decode steps of 1 and 8 sequences with a 256-token context, with and without capture, ABBA."""
+    from specserve import LLM
+    from specserve.engine.model_runner import ForwardEntry, ModelRunner
+    from specserve.spec.eagle3.head import default_layer_ids
+
+    llm = LLM(model, dtype=dtype, num_kv_blocks=160)
+    target = llm.engine.model
+    runner = ModelRunner(target, 160, 16)
+    layers = default_layer_ids(target.cfg.num_layers)
+    for batch in (1, 8):
+        entries = [ForwardEntry([7], 256, list(range(17 * i, 17 * i + 17)), 1, True) for i in range(batch)]
+        plain = [ForwardEntry(e.token_ids, e.start_pos, e.block_table, 1) for e in entries]
+        times = {"plain": 0.0, "capture": 0.0}
+        for name in ("plain", "capture", "capture", "plain") * 2:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if name == "plain":
+                    runner.run(plain)
+                else:
+                    runner.run_capturing(entries, layers)
+            times[name] += time.perf_counter() - t0
+        ratio = times["capture"] / times["plain"]
+        print(f"batch {batch}: capture / plain step time {ratio:.3f} ({steps * 4} steps each)", flush=True)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head", type=Path, default=DEFAULT_HEAD)
@@ -142,6 +170,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--capture-overhead", action="store_true", help="only part 3 (no head needed)")
+    p.add_argument("--steps", type=int, default=50, help="steps per timed block of --capture-overhead")
     args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.loaded_requests = [int(x) for x in args.loaded_requests.split(",") if x]
@@ -154,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from specserve import LLM
 
+    if args.capture_overhead:
+        print(f"CPU: {cpu_line()} | {args.dtype} | load {os.getloadavg()[0]:.1f}", flush=True)
+        capture_overhead(args.model, args.dtype, args.steps)
+        return 0
     head = ensure_head(args.head, args.model)
     common = {"dtype": args.dtype, "max_num_seqs": max([1, *args.concurrency])}
     engines = {
