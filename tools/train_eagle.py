@@ -113,8 +113,9 @@ def log(msg: str) -> None:
 # -- the target -------------------------------------------------------------------------------------------
 
 
-def load_target(target: str | None):
-    """(model fp32 eval, tokenizer, name) through transformers; a .gguf through its gguf_file loading."""
+def load_target(target: str | None, cache: Path | None = None):
+    """(model fp32 eval, tokenizer, name) through transformers; a .gguf through its gguf_file loading, kept
+    dequantized in `cache` (an HF directory) so that a resumed run does not dequantize it again."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.models.loader import demo_model_path
@@ -122,8 +123,17 @@ def load_target(target: str | None):
 
     path = demo_model_path() if target is None else resolve_model(target)
     if path.is_file() and path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if cache is not None and (cache / "config.json").exists():
+            model = AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(cache)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            )
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            if cache is not None:
+                model.save_pretrained(cache)
+                tokenizer.save_pretrained(cache)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -321,9 +331,12 @@ def generate(args, model, tokenizer, layer_ids, prompts: list[str], deadline: fl
     starts = [s for s in range(0, len(prompts), batch) if s not in done]
     bar = progress(len(prompts), "target answers", initial=len(prompts) - len(starts) * batch)
     rng = random.Random(args.seed + 1)
-    sampled = {s for s in range(0, len(prompts), batch) if rng.random() < args.sampled_fraction}
+    # the first batch is greedy: a run cut short still has greedy held-out answers for its figure
+    sampled = {s for s in range(batch, len(prompts), batch) if rng.random() < args.sampled_fraction}
+    written = 0
     for start in starts:
-        if time.monotonic() > deadline:
+        # past the time share, stop, but never before one shard exists: the run needs answers to train on
+        if time.monotonic() > deadline and (done or written):
             log(f"generation: time share spent, {len(list(samples_dir.glob('shard_*.pt')))} shards on disk")
             break
         chunk = prompts[start : start + batch]
@@ -347,6 +360,7 @@ def generate(args, model, tokenizer, layer_ids, prompts: list[str], deadline: fl
         tmp = samples_dir / f"shard_{start:06d}.tmp"
         torch.save(shard, tmp)
         tmp.rename(samples_dir / f"shard_{start:06d}.pt")  # a killed run never leaves half a shard
+        written += 1
         bar.update(len(chunk))
         bar.set_postfix_str(f"{sum(len(s) for s in seqs)} tokens")
     bar.close()
@@ -712,7 +726,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.resume and (work / "train_state.pt").exists():
         raise SystemExit(f"{work} holds a run: pass --resume to continue it, or another --work / --out")
 
-    model, tokenizer, name = load_target(args.target)
+    model, tokenizer, name = load_target(args.target, work / "target")
     num_layers = len(decoder_layers(model))
     layer_ids = (
         tuple(int(x) for x in args.layer_ids.split(",")) if args.layer_ids else default_layer_ids(num_layers)
