@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_eagle3_head import CFG
 
-from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3
+from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3, random_eagle3
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import train_eagle  # noqa: E402
@@ -129,3 +130,90 @@ def test_draft_vocabulary_is_the_most_frequent_answer_tokens(coverage, lo, hi, e
     ids, table = train_eagle.choose_vocab(samples, 12, coverage, lo, hi)
     assert ids.tolist() == expected
     assert table[len(expected)] == {"train": covered, "heldout": 0.0}  # the held-out answer is token 8
+
+
+def test_the_chain_loss_compares_each_draft_with_the_target_at_the_position_it_drafts():
+    """ttt_loss against the same loss written out: step s at row i drafts the token at i + s + 2, so it
+    meets the target's distribution at position i + s + 1, counted where that token is an answer token."""
+    cfg = CFG
+    head = random_eagle3(cfg, seed=11)
+    g = torch.Generator().manual_seed(12)
+    vd, steps, decay = cfg.draft_vocab_size, 3, 0.8
+    lm_rows = torch.randn(vd, 5, generator=g)
+    samples = []
+    for n, prompt_len in ((14, 7), (11, 9), (9, 6)):
+        samples.append(
+            train_eagle.Sample(
+                tokens=torch.randint(0, cfg.target_vocab_size, (n,), generator=g),
+                prompt_len=prompt_len,
+                aux=torch.randn(n, 3 * cfg.target_hidden_size, generator=g).bfloat16(),
+                last=torch.randn(n, 5, generator=g).bfloat16(),
+                greedy_next=head.draft_to_target(torch.randint(0, vd, (n,), generator=g)),
+                greedy=True,
+                holdout=False,
+            )
+        )
+    batch = train_eagle.collate(samples, head, max_len=64)
+    with torch.no_grad():
+        loss, agree = train_eagle.ttt_loss(head, lm_rows, batch, steps, decay)
+        ids, aux, positions = batch[0], batch[1], batch[2]
+        chain = head.forward_chain(ids, head.fuse(aux.float()), positions, steps)
+    want_loss, want_agree = 0.0, []
+    for s in range(steps):
+        ce, hits, count = 0.0, 0, 0
+        for r, smp in enumerate(samples):
+            n = len(smp.tokens)
+            for i in range(n - 1):
+                if i + s + 2 < n and i + s + 2 >= smp.prompt_len:
+                    p = (smp.last[i + s + 1].float() @ lm_rows.T).softmax(-1)
+                    ce += float(-(p * chain[s][r, i].log_softmax(-1)).sum())
+                    want = int(
+                        (head.draft_to_target(torch.arange(vd)) == smp.greedy_next[i + s + 1]).nonzero()
+                    )
+                    hits += int(chain[s][r, i].argmax()) == want
+                    count += 1
+        want_loss += decay**s * ce / count
+        want_agree.append(hits / count)
+    assert float(loss) == pytest.approx(want_loss, rel=1e-4)
+    assert agree == pytest.approx(want_agree)
+
+
+def test_the_heldout_figure_is_chain_drafting_with_the_dense_forward():
+    """evaluate() against drafting written out with forward_dense: from each answer position, k greedy
+    drafts, each fed the one before and its hidden_out, accepted while they equal the continuation. The
+    answer is the head's own step-0 prediction, so first drafts are accepted and later ones vary."""
+    head = random_eagle3(CFG, seed=13)
+    g = torch.Generator().manual_seed(14)
+    n, prompt_len, k = 16, 5, 3
+    aux = torch.randn(n, 3 * CFG.target_hidden_size, generator=g).bfloat16()
+    fused = head.fuse(aux.float())[None]
+    tokens = torch.randint(0, CFG.target_vocab_size, (n,), generator=g)
+    with torch.no_grad():
+        for i in range(prompt_len - 2, n - 2):  # token i + 2 is the head's argmax at row i
+            logits, _ = head.forward_dense(
+                tokens[None, 1 : i + 2], fused[:, : i + 1], torch.arange(i + 1)[None]
+            )
+            tokens[i + 2] = head.draft_to_target(logits[0, -1].argmax())
+    greedy_next = torch.cat([tokens[1:], tokens[:1]])
+    sample = train_eagle.Sample(tokens, prompt_len, aux, torch.zeros(n, 1), greedy_next, True, True)
+    with torch.no_grad():
+        figure = train_eagle.evaluate(head, [sample], k, max_len=64)
+
+    accepted, rows = [0] * k, 0
+    with torch.no_grad():
+        for i in range(prompt_len - 1, n - 1 - k):  # the target's token i + 1 is an answer token
+            ids, hid, pos = tokens[None, 1 : i + 2], fused[:, : i + 1], torch.arange(i + 1)[None]
+            ok = True
+            for j in range(k):
+                logits, out = head.forward_dense(ids, hid, pos)
+                draft = head.draft_to_target(logits[0, -1].argmax())
+                ok = ok and int(draft) == int(tokens[i + j + 2])
+                accepted[j] += ok
+                ids = torch.cat([ids, draft.view(1, 1)], dim=1)
+                hid = torch.cat([hid, out[:, -1:]], dim=1)
+                pos = torch.arange(ids.shape[1])[None]
+            rows += 1
+    assert figure["rows"] == rows
+    assert figure["accepted_through_position"] == pytest.approx([a / rows for a in accepted], abs=1e-4)
+    assert figure["accepted_through_position"][0] == 1.0
+    assert figure["mean_acceptance_length"] == pytest.approx(1 + sum(accepted) / rows, abs=1e-3)

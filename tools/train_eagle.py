@@ -539,27 +539,33 @@ def ttt_loss(head: Eagle3Head, lm_rows: torch.Tensor, batch, steps: int, decay: 
     """Soft cross-entropy of each chain step against the target at the position it drafts; the loss and
     the per-step top-1 agreement with the target's argmax (answer positions only)."""
     ids, aux, positions, last, answer, nxt, _ = batch
-    fused = head.fuse(aux.float())
-    chain = head.forward_chain(ids, fused, positions, steps)
+    w = ids.shape[1]
+    # a row before the first answer token minus the chain's reach drafts no answer token at any step: it
+    # serves as context only
+    starts = [int(a.nonzero()[0]) if a.any() else w for a in answer]
+    first = min(w - 1, max(0, min(starts) - steps - 1))
+    chain = head.forward_chain(ids, head.fuse(aux.float()), positions, steps, first_row=first)
     probs = teacher_probs(head, lm_rows, last)  # [B, W + 1, Vd]: row p predicts token p + 1
     t2d_ids = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
     t2d_ids[head.draft_to_target(torch.arange(head.cfg.draft_vocab_size))] = torch.arange(
         head.cfg.draft_vocab_size
     )
-    w = ids.shape[1]
     total = torch.zeros(())
     agree = []
     for s, logits in enumerate(chain):
         # step s at row i drafts the token at position i + s + 2, which the target predicts at i + s + 1
-        rows = w - s
-        target = probs[:, s + 1 : s + 1 + rows]
+        rows = w - s - first
+        if rows <= 1:
+            break
+        lo = first + s + 1
+        target = probs[:, lo : lo + rows]
         mask = torch.zeros(ids.shape[0], rows, dtype=torch.bool)  # the last row's token is past the end
-        mask[:, : rows - 1] = answer[:, s + 2 :]
+        mask[:, : rows - 1] = answer[:, lo + 1 :]
         logp = logits[:, :rows].float().log_softmax(-1)
         ce = -(target * logp).sum(-1)
         n = mask.sum().clamp(min=1)
         total = total + (decay**s) * (ce * mask).sum() / n
-        want = t2d_ids[nxt[:, s + 1 : s + 1 + rows]]
+        want = t2d_ids[nxt[:, lo : lo + rows]]
         hit = (logits[:, :rows].argmax(-1) == want) & mask
         agree.append(float(hit.sum()) / float(n))
     return total, agree
@@ -633,17 +639,18 @@ def evaluate(head: Eagle3Head, samples: list[Sample], k: int, max_len: int) -> d
         if not (s.holdout and s.greedy):
             continue
         ids, aux, positions, last, answer, nxt, toks = collate([s], head, max_len)
-        chain = head.forward_chain(ids, head.fuse(aux.float()), positions, k)
         n = ids.shape[1]
         # verification at row i: the target's own token at i + 1 is in the answer, and its greedy
         # continuation (positions i + 2 .. i + k + 1) is there to compare with
         valid = [i for i in range(n - k) if answer[0, i + 1]]
         if not valid:
             continue
+        first = valid[0]
+        chain = head.forward_chain(ids, head.fuse(aux.float()), positions, k, first_row=first)
         v = torch.tensor(valid)
         ok = torch.ones(len(valid), dtype=torch.bool)
         for j, logits in enumerate(chain):
-            draft = head.draft_to_target(logits[0, v].argmax(-1))
+            draft = head.draft_to_target(logits[0, v - first].argmax(-1))
             # the continuation is the target's: its greedy token after position i + j + 1, which the
             # answer holds when the answer was greedy (checked against the teacher's argmax too)
             want = toks[0, v + j + 2]
