@@ -447,6 +447,18 @@ def test_chain_forward_equals_drafting_with_the_dense_forward(norm_before_residu
                 rows_pos = torch.cat([rows_pos, rows_pos[:, -1:] + 1], dim=1)
 
 
+@pytest.mark.parametrize("first_row", [1, 4, 6])
+def test_chain_forward_from_a_later_row_keeps_the_earlier_rows_as_context(first_row):
+    head = random_eagle3(CFG, seed=10)
+    ids, hidden, positions = _inputs(CFG, t=7)
+    with torch.no_grad():
+        full = head.forward_chain(ids, hidden, positions, 3)
+        later = head.forward_chain(ids, hidden, positions, 3, first_row=first_row)
+    for a, b in zip(full, later):
+        assert b.shape[1] == 7 - first_row
+        torch.testing.assert_close(b, a[:, first_row:], rtol=1e-5, atol=1e-5)
+
+
 def test_rope_scaling_reaches_the_forward():
     scaled = replace(
         CFG,

@@ -351,20 +351,28 @@ class Eagle3Head(nn.Module):
         return self.logits(hidden_out), hidden_out
 
     def forward_chain(
-        self, input_ids: torch.Tensor, fused: torch.Tensor, positions: torch.Tensor, steps: int
+        self,
+        input_ids: torch.Tensor,
+        fused: torch.Tensor,
+        positions: torch.Tensor,
+        steps: int,
+        first_row: int = 0,
     ) -> list[torch.Tensor]:
         """Chain drafting of `steps` tokens from every row at once (EAGLE-3's training-time test).
 
         Step 0 is forward_dense. At step s > 0 row i stands for the draft at position i + s when the target
         has verified up to row i: it reads the argmax of step s - 1 at row i (through d2t) and that step's
         hidden_out, and attends to rows 0..i of step 0 and to its own row at steps 1..s, which is what a
-        dense forward over [rows 0..i ; the s drafts] computes. Returns the draft logits of each step."""
+        dense forward over [rows 0..i ; the s drafts] computes. Rows before `first_row` are context only
+        (their keys and values; no drafts from them). Returns each step's draft logits
+        [B, T - first_row, draft_vocab]."""
         g = self._groups()
         scale = 1.0 / math.sqrt(self.cfg.head_dim)
         q, k0, v0, residual = self._qkv(input_ids, fused, positions)
         k0, v0 = k0.repeat_interleave(g, dim=1), v0.repeat_interleave(g, dim=1)
-        t = q.shape[2]
-        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+        t = k0.shape[2]
+        q, residual, positions = q[:, :, first_row:], residual[:, first_row:], positions[:, first_row:]
+        future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)[first_row:]
         prev_k: list[torch.Tensor] = []
         prev_v: list[torch.Tensor] = []
         all_logits: list[torch.Tensor] = []
@@ -377,7 +385,7 @@ class Eagle3Head(nn.Module):
                 prev_v.append(v.repeat_interleave(g, dim=1))
             scores = (q @ k0.transpose(-1, -2)).float() * scale
             scores = scores.masked_fill(future, float("-inf"))
-            diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in prev_k]  # [B, H, T, 1] each
+            diag = [(q * k).sum(-1, keepdim=True).float() * scale for k in prev_k]  # [B, H, rows, 1] each
             probs = torch.cat([scores, *diag], dim=-1).softmax(-1).to(q.dtype)
             out = probs[..., :t] @ v0
             for j, v in enumerate(prev_v):
