@@ -170,6 +170,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="each engine's KV pool")
     p.add_argument("--capture-overhead", action="store_true", help="only part 3 (no head needed)")
     p.add_argument("--steps", type=int, default=50, help="steps per timed block of --capture-overhead")
     args = p.parse_args(argv)
@@ -189,7 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         capture_overhead(args.model, args.dtype, args.steps)
         return 0
     head = ensure_head(args.head, args.model)
-    common = {"dtype": args.dtype, "max_num_seqs": max([1, *args.concurrency])}
+    # three engines in one process: each KV pool sized here, not a tenth of the machine's memory
+    common = {
+        "dtype": args.dtype,
+        "max_num_seqs": max([1, *args.concurrency]),
+        "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
+    }
     engines = {
         "off": LLM(args.model, **common),
         "ngram": LLM(
