@@ -113,9 +113,8 @@ def log(msg: str) -> None:
 # -- the target -------------------------------------------------------------------------------------------
 
 
-def load_target(target: str | None, cache: Path | None = None):
-    """(model fp32 eval, tokenizer, name) through transformers; a .gguf through its gguf_file loading, kept
-    dequantized in `cache` (an HF directory) so that a resumed run does not dequantize it again."""
+def load_target(target: str | None):
+    """(model fp32 eval, tokenizer, name) through transformers; a .gguf through its gguf_file loading."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from specserve.models.loader import demo_model_path
@@ -123,17 +122,8 @@ def load_target(target: str | None, cache: Path | None = None):
 
     path = demo_model_path() if target is None else resolve_model(target)
     if path.is_file() and path.suffix == ".gguf":
-        if cache is not None and (cache / "config.json").exists():
-            model = AutoModelForCausalLM.from_pretrained(cache, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(cache)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                path.parent, gguf_file=path.name, dtype=torch.float32
-            )
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            if cache is not None:
-                model.save_pretrained(cache)
-                tokenizer.save_pretrained(cache)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -733,7 +723,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.resume and (work / "train_state.pt").exists():
         raise SystemExit(f"{work} holds a run: pass --resume to continue it, or another --work / --out")
 
-    model, tokenizer, name = load_target(args.target, work / "target")
+    model, tokenizer, name = load_target(args.target)
     num_layers = len(decoder_layers(model))
     layer_ids = (
         tuple(int(x) for x in args.layer_ids.split(",")) if args.layer_ids else default_layer_ids(num_layers)
