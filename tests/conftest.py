@@ -81,6 +81,16 @@ TINY_SHAPES = {
         num_key_value_heads=1,
         tie_word_embeddings=True,
     ),
+    # deep enough for EAGLE-3's default captured layers (2, 4, 5), head size 64 so chains take prefills too
+    "llama_8l_hd64": dict(
+        arch="llama",
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
     "mistral": dict(
         arch="mistral",
         hidden_size=64,

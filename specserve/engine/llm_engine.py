@@ -219,8 +219,18 @@ class LLMEngine:
                 num_blocks,
                 block_size,
                 self.block_manager.enable_prefix_caching,
+                self.model_config.num_layers,
+                self.model_config.hidden_size,
+                self.model.embed,
+                self.block_manager.block_table,
             )
             self.spec = build_decoder(config.speculative_config, self.max_model_len, target)
+            if self.spec.capture_layers and self.ranks is not None:
+                self.ranks.close()
+                raise InvalidParameter(
+                    "speculative_config.method",
+                    "eagle3 reads the target's hidden states, which tensor-parallel ranks do not hand back",
+                )
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -496,11 +506,21 @@ class LLMEngine:
             if seq.wants_prompt_rows:  # every row of the chunk (the last may also be the sampling row)
                 num_logits = len(tokens)
                 prompt_rows.append((seq, start, len(tokens) - (1 if s.samples else 0)))
-            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), num_logits))
+            capture = self.spec is not None and self.spec.wants_capture(seq)
+            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), num_logits, capture))
         num_real = len(entries)
         for row in plan.padding:  # padded static batching: computed like HF's padding, then dropped
             entries.append(ForwardEntry([row.token_id], row.position, table(row.seq_id), 1))
-        logits = self.runner.run(entries)
+        if any(e.capture for e in entries):
+            logits, aux = self.runner.run_capturing(entries, self.spec.capture_layers)
+            at = 0
+            for s, e in zip(plan.scheduled, entries):
+                if e.capture:
+                    n = len(e.token_ids)
+                    self.spec.capture(s.seq, e.start_pos, aux[at : at + n])
+                    at += n
+        else:
+            logits = self.runner.run(entries)
         if plan.padding:
             logits = logits[: sum(e.num_logits for e in entries[:num_real])]
         if prompt_rows:

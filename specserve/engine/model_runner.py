@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.models.llama import AttentionInputs, LlamaModel
+from specserve.models.llama import AttentionInputs, Capture, LlamaModel
 
 
 @dataclass
@@ -21,6 +21,7 @@ class ForwardEntry:
     start_pos: int  # position of token_ids[0]
     block_table: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens (0 for a prefill chunk mid-prompt)
+    capture: bool = False  # run_capturing hands back every token's hidden states at the layers it names
 
 
 class ModelRunner:
@@ -96,6 +97,22 @@ class ModelRunner:
         """Float32 logits [sum(num_logits), vocab], rows in entry order."""
         hidden, logit_rows = self.forward(entries)
         return self.model.logits(hidden[logit_rows]).cpu()
+
+    def run_capturing(
+        self, entries: list[ForwardEntry], layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """run's logits, and the hidden states entering `layers` (models/llama.py: Capture) of every token of
+        the entries marked `capture`, [their tokens, len(layers) * hidden] in entry order."""
+        input_ids, positions, attn, logit_rows = self.prepare(entries)
+        rows: list[int] = []
+        base = 0
+        for e in entries:
+            if e.capture:
+                rows.extend(range(base, base + len(e.token_ids)))
+            base += len(e.token_ids)
+        capture = Capture(layers, torch.tensor(rows, dtype=torch.long, device=self.model.device))
+        hidden, aux = self.model.forward_capturing(input_ids, positions, self.kv_caches, attn, capture)
+        return self.model.logits(hidden[logit_rows]).cpu(), aux
 
     def close(self) -> None:
         """Nothing to release here; a tensor-parallel runner stops its other ranks (engine/parallel.py)."""

@@ -12,7 +12,7 @@ from specserve.engine.grammar import StructuredOutputsParams
 MAX_TOKENS_LIMIT = 1 << 20
 MAX_SPECULATIVE_TOKENS = 16
 # The proposers a worker may hold (spec/config.py), which a request may also name as its `speculation`
-SPECULATION_METHODS = ("ngram", "draft_model", "suffix")
+SPECULATION_METHODS = ("ngram", "draft_model", "suffix", "eagle3")
 # What torch.Generator.manual_seed takes: a larger seed raised on the engine's step thread and took the
 # whole engine (every running request) down with it.
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)

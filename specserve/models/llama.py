@@ -59,6 +59,25 @@ def _prepacked_linear(
 Quantize = Callable[[Any], Any]
 
 
+@dataclass(frozen=True)
+class Capture:
+    """Which hidden states a forward hands back beside its output (EAGLE-3's auxiliary states): the residual
+    stream entering each of `layers` (vLLM's convention: layer i's input, which is HF's
+    `output_hidden_states[i]`; `num_layers` names the last layer's output, before the final norm), at the
+    packed token rows `rows` only, so a step copies those rows and nothing else."""
+
+    layers: tuple[int, ...]
+    rows: torch.Tensor  # [n] int64 indices into the step's packed tokens
+
+    def check(self, num_layers: int) -> None:
+        if not self.layers or any(not 0 <= i <= num_layers for i in self.layers):
+            raise ValueError(f"capture layers {self.layers} must lie in [0, {num_layers}]")
+
+    def gather(self, taken: dict[int, torch.Tensor], last: torch.Tensor) -> torch.Tensor:
+        """The captured rows, in `layers` order; `last` is the forward's output (layer num_layers)."""
+        return torch.cat([taken[i] if i in taken else last[self.rows] for i in self.layers], dim=-1)
+
+
 class Layer:
     """One decoder layer's weights, with q/k/v and gate/up fused so each is one matmul. Matrices may be
     dense tensors or quantized (models/quant.py); `quantize` says what each becomes as it is taken."""
@@ -399,7 +418,6 @@ class LlamaModel:
         ys = torch.cat(outs) * weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, token, ys)
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -408,7 +426,35 @@ class LlamaModel:
         attn: AttentionInputs,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] after the last layer (before the final norm)."""
+        return self._forward(input_ids, positions, kv_caches, attn, None)[0]
+
+    def forward_capturing(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionInputs,
+        capture: Capture,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's hidden states, and the residual stream entering each of `capture.layers` at
+        `capture.rows`: [len(rows), len(layers) * hidden], layer by layer along the last dimension."""
+        h, aux = self._forward(input_ids, positions, kv_caches, attn, capture)
+        assert aux is not None
+        return h, aux
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionInputs,
+        capture: Capture | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
+        if capture is not None:
+            capture.check(cfg.num_layers)
+        taken: dict[int, torch.Tensor] = {}
         if int(positions.max()) >= self._rope_len:
             self._rope_cache(max(int(positions.max()) + 1, 2 * self._rope_len))
         fused = self._fused_rope
@@ -425,8 +471,7 @@ class LlamaModel:
             chain, seq_ids = chained
             nat = attn.plan.native
             h = h.contiguous()  # the chain adds into it in place
-            m = chain(
-                h,
+            args = (
                 positions.contiguous(),
                 attn.slot_mapping.contiguous(),
                 list(zip(self._cos, self._sin)),
@@ -438,12 +483,25 @@ class LlamaModel:
                 self.scale,
                 cfg.rms_norm_eps,
             )
-            return h + m
+            if capture is None:
+                return h + chain(h, *args), None
+            # in pieces, split where a captured layer starts: each piece's MLP output is added to the
+            # residual stream before the capture (as the next layer's fused add would)
+            start = 0
+            for stop in (*sorted(set(capture.layers)), cfg.num_layers):
+                if stop > start:
+                    h.add_(chain.segment(start, stop)(h, *args))
+                    start = stop
+                if stop < cfg.num_layers:
+                    taken[stop] = h[capture.rows]
+            return h, capture.gather(taken, h)
         backend = self.backend
         softcap = {"softcap": cfg.attn_softcap} if cfg.attn_softcap else {}
         pending = None  # the last layer's MLP output: added to h by the next layer's norm, in one pass
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h, x = self._add_norm(h, pending, layer.input_norm)
+            if capture is not None and i in capture.layers:  # h is now the stream entering layer i
+                taken[i] = h[capture.rows]
             qkv = self.linear(x, layer.qkv, layer.qkv_bias)
             if layer.q_norm is not None:  # per-head RMSNorm of q and k, before rope
                 qk = qkv[:, : self.q_size + self.kv_size].view(n, nh + nkv, hd)
@@ -497,7 +555,8 @@ class LlamaModel:
             if layer.mlp_out_norm is not None:
                 m = self._rms_norm(m, layer.mlp_out_norm)
             pending = m
-        return h if pending is None else h + pending
+        h = h if pending is None else h + pending
+        return h, None if capture is None else capture.gather(taken, h)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -149,9 +149,13 @@ class ServiceConfig:
         "SPECSERVE_SPEC_METHOD",
         "ngram",
         "speculative decoding (n-gram by default: requests' `auto` drafts only where it pays)",
-        choices=["none", "ngram", "draft_model", "suffix", "suffix,ngram"],
+        choices=["none", "ngram", "draft_model", "suffix", "suffix,ngram", "eagle3", "eagle3,ngram"],
     )
-    speculative_model: str | None = _opt("SPECSERVE_SPEC_MODEL", None, "draft model (method draft_model)")
+    speculative_model: str | None = _opt(
+        "SPECSERVE_SPEC_MODEL",
+        None,
+        "draft model (method draft_model), or an EAGLE-3 head's directory in speculators' format (eagle3)",
+    )
     num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")
     # The engine's knobs (vLLM's names); unset, the engine's own default (engine/config.py) applies.
     max_num_seqs: int | None = _opt("SPECSERVE_MAX_NUM_SEQS", None, "most sequences in a batch", kind=int)
@@ -414,8 +418,9 @@ class ServiceConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.speculative_method in ("draft_model",) and not self.speculative_model:
-            raise ValueError("--speculative-method draft_model needs --speculative-model")
+        for method in ("draft_model", "eagle3"):
+            if method in self.speculative_method.split(",") and not self.speculative_model:
+                raise ValueError(f"--speculative-method {method} needs --speculative-model")
         limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
         checked = ("dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen", "max_file_bytes")
         for name in (*limits, *checked, "prepare_workers", "prepare_timeout"):

@@ -15,7 +15,7 @@ from specserve.engine.sampling_params import SPECULATION_METHODS as METHODS
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int = 4
-    model: str | None = None  # the draft model's path (method "draft_model")
+    model: str | None = None  # the draft model's path (method "draft_model"), the head's ("eagle3")
     prompt_lookup_max: int = 4  # n-gram lengths tried, longest first (method "ngram")
     prompt_lookup_min: int = 1
     # method "suffix" (spec/suffix.py): the trees' depth, how many finished outputs the shared tree holds
@@ -35,6 +35,10 @@ class SpeculativeConfig:
             _fail("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], not {k!r}")
         if "draft_model" in methods and not self.model:
             _fail("model", "(the draft model's path) is required for method draft_model")
+        if "eagle3" in methods and not self.model:
+            _fail("model", "(the EAGLE-3 head's directory) is required for method eagle3")
+        if "draft_model" in methods and "eagle3" in methods:
+            _fail("method", "draft_model and eagle3 both read `model`: one of them at a time")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 _fail(name, f"must be a positive integer, not {getattr(self, name)!r}")

@@ -84,6 +84,9 @@ class SpeculativeDecoder:
         self.num_accepted = 0
         # a new request's starting estimate, per method
         self.workload_acceptance = dict.fromkeys(self.methods, ACCEPTANCE_PRIOR)
+        # a proposer that reads the target's hidden states (EAGLE-3): the layers the forward captures
+        self._capturing = {m: p for m, p in self.proposers.items() if getattr(p, "aux_layers", ())}
+        self.capture_layers: tuple[int, ...] = next((p.aux_layers for p in self._capturing.values()), ())
 
     # ---- scheduling ------------------------------------------------------------------------------------
 
@@ -151,6 +154,23 @@ class SpeculativeDecoder:
             for seq, k in zip(auto, chosen):
                 ks[seq.seq_id] = self._cap(seq, k)
         return ks
+
+    # ---- the target's hidden states --------------------------------------------------------------------
+
+    def wants_capture(self, seq: Sequence) -> bool:
+        """Whether the forward captures this sequence's hidden states: every token of a request that may
+        draft with a capturing proposer, since its head must see each position the target computes."""
+        mode = seq.params.speculation
+        if not self._capturing or mode == "off" or mode == 0:
+            return False
+        if isinstance(mode, str) and mode in self.proposers:
+            return mode in self._capturing
+        return True
+
+    def capture(self, seq: Sequence, start: int, aux: torch.Tensor) -> None:
+        """The states the forward captured of `seq`'s positions [start, start + len(aux))."""
+        for proposer in self._capturing.values():
+            proposer.capture(seq, start, aux)  # type: ignore[attr-defined]
 
     # ---- the step --------------------------------------------------------------------------------------
 

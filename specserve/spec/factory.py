@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,12 @@ class TargetInfo:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = False  # the draft's cache shares prefixes as the target's does
+    # what an EAGLE-3 head reads of the target: its depth and width (the head must match them), its
+    # embedding (a head saved without one takes it), and its block tables (the head's K/V rides on them)
+    num_layers: int = 0
+    hidden_size: int = 0
+    embed: torch.Tensor | None = None
+    block_table: Callable[[int], list[int]] | None = None
 
 
 def build_decoder(config: SpeculativeConfig, max_model_len: int, target: TargetInfo) -> SpeculativeDecoder:
@@ -48,7 +55,26 @@ def _build_proposer(method: str, config: SpeculativeConfig, target: TargetInfo) 
             config.suffix_decoding_max_spec_factor,
             config.suffix_decoding_min_token_prob,
         )
+    if method == "eagle3":
+        return _load_eagle3(Path(config.model), target)
     return _load_draft_model(Path(config.model), target)
+
+
+def _load_eagle3(path: Path, target: TargetInfo) -> Proposer:
+    from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3
+    from specserve.spec.eagle3.proposer import Eagle3Proposer, PagedHead
+
+    if target.block_table is None or target.embed is None:
+        raise ValueError("method eagle3 needs the target's block tables and embedding")
+    cfg = Eagle3Config.from_dir(path)
+    check_target(cfg, target.num_layers, target.hidden_size, target.vocab_size)
+    embed = target.embed.detach().float().cpu()
+    head = load_eagle3(path, torch.float32, "cpu", embed)
+    paged = PagedHead(head, target.dtype, target.device, target.attention_backend)
+    layers = cfg.layer_ids(target.num_layers)
+    return Eagle3Proposer(
+        paged, layers, target.vocab_size, target.num_blocks, target.block_size, target.block_table
+    )
 
 
 def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:

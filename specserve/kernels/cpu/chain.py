@@ -62,6 +62,7 @@ class LayerChain:
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
+        first_layer: int = 0,
     ) -> None:
         if build._lib is None:
             raise RuntimeError("LayerChain needs the library: build.load() first")
@@ -97,19 +98,34 @@ class LayerChain:
                 words.append(0 if bias is None else bias.data_ptr())
                 keep += [*product._weights, *([bias] if bias is not None else [])]
             words.append(layer.rope)
+        self.layers = layers
+        self.first_layer = first_layer  # a segment's first layer: its KV caches start there in the list
+        self._segments: dict[tuple[int, int], LayerChain] = {}
         self.num_layers = len(layers)
         self.num_ropes = 1 + max(layer.rope for layer in layers)
         self._words = torch.tensor(words, dtype=torch.int64)
         self._keep = keep  # the pointers above stay valid while these live
         self._kv: tuple[object, torch.Tensor] | None = None
 
+    def segment(self, start: int, stop: int) -> LayerChain:
+        """Layers [start, stop) of this chain as a chain of their own, called with the whole model's KV
+        caches: a step that captures hidden states between layers runs the chain in pieces (built once)."""
+        key = (start, stop)
+        if key not in self._segments:
+            self._segments[key] = LayerChain(
+                self.layers[start:stop], self.dtype, self.hidden, self.intermediate, self.num_heads,
+                self.num_kv_heads, self.head_dim, self.first_layer + start,
+            )  # fmt: skip
+        return self._segments[key]
+
     def _kv_pointers(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         # the runner allocates its caches once: their pointers are taken on first sight of the list
         if self._kv is None or self._kv[0] is not kv_caches:
-            if len(kv_caches) != self.num_layers:
+            if len(kv_caches) < self.first_layer + self.num_layers:
                 raise ValueError(f"LayerChain runs {self.num_layers} layers, given {len(kv_caches)} caches")
+            mine = kv_caches[self.first_layer : self.first_layer + self.num_layers]
             heads = (self.num_kv_heads, self.head_dim)
-            for k, v in kv_caches:
+            for k, v in mine:
                 if (
                     k.dtype != self.dtype
                     or v.dtype != self.dtype
@@ -120,7 +136,7 @@ class LayerChain:
                     raise ValueError(f"KV caches: contiguous {self.dtype} [blocks, size, *{heads}]")
             self._kv = (
                 kv_caches,
-                torch.tensor([t.data_ptr() for kv in kv_caches for t in kv], dtype=torch.int64),
+                torch.tensor([t.data_ptr() for kv in mine for t in kv], dtype=torch.int64),
             )
         return self._kv[1]
 

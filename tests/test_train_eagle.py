@@ -1,0 +1,221 @@
+"""tools/train_eagle.py on a tiny random target: it answers, trains a few steps, resumes, and writes a head
+that loads in speculators' layout and fits the target; its prompts never come from the standard library."""
+
+from __future__ import annotations
+
+import json
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from test_eagle3_head import CFG
+
+from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3, random_eagle3
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import train_eagle  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory, demo_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(demo_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=demo_tokenizer.bos_token_id,
+        eos_token_id=demo_tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.15)  # varied answers rather than one token repeated
+    out = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(out)
+    demo_tokenizer.save_pretrained(out)
+    return out, model
+
+
+def _argv(target: Path, out: Path, steps: int) -> list[str]:
+    return [
+        "--target", str(target), "--out", str(out),
+        "--num-prompts", "20", "--prompt-scan-s", "2", "--gen-batch", "10", "--max-new-tokens", "12",
+        "--sampled-fraction", "1",  # the first batch is greedy all the same, the second sampled
+        "--layer-ids", "1,2,3", "--min-vocab", "512", "--max-vocab", "1024",
+        "--ttt-steps", "3", "--k", "3", "--batch-tokens", "256", "--max-steps", str(steps),
+        "--time-budget-min", "5", "--eval-reserve-min", "0", "--threads", "2",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
+    target, model = tiny_target
+    out = tmp_path / "head"
+    report = train_eagle.main(_argv(target, out, steps=3))
+    assert report["train_steps"] == 3
+    assert report["answers"] == 20 and report["answer_tokens"] > 0
+    figure = report["heldout"]
+    assert figure["rows"] > 0 and figure["k"] == 3
+    assert all(0.0 <= a <= 1.0 for a in figure["acceptance_per_position"])
+    through = figure["accepted_through_position"]
+    assert all(a >= b for a, b in zip(through, through[1:]))  # accepting draft j needs drafts 1..j-1
+    assert figure["mean_acceptance_length"] == pytest.approx(1.0 + sum(through), abs=1e-3)
+    assert json.loads((out / "train_report.json").read_text())["heldout"] == figure
+
+    cfg = Eagle3Config.from_dir(out)
+    assert cfg.target_layer_ids == (1, 2, 3) and cfg.speculative_tokens == 3
+    check_target(cfg, num_layers=4, hidden_size=64, vocab_size=model.config.vocab_size)
+    head = load_eagle3(out, target_embed=model.get_input_embeddings().weight.detach())
+    assert 512 <= cfg.draft_vocab_size <= 1024 and int(head.t2d.sum()) == cfg.draft_vocab_size
+    assert torch.equal(head.embed_tokens.weight, model.get_input_embeddings().weight)
+
+    # --resume continues the same run: the answers on disk are reused and the step count carries on
+    shards = {p: p.stat().st_mtime_ns for p in (out / "work" / "samples").glob("shard_*.pt")}
+    with pytest.raises(SystemExit, match="--resume"):
+        train_eagle.main(_argv(target, out, steps=5))
+    report = train_eagle.main([*_argv(target, out, steps=5), "--resume"])
+    assert report["train_steps"] == 5
+    assert {p: p.stat().st_mtime_ns for p in (out / "work" / "samples").glob("shard_*.pt")} == shards
+
+
+def test_prompts_come_from_installed_packages_not_the_stdlib():
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    roots = train_eagle._package_roots()
+    assert roots and all(r != stdlib for r in roots)
+    files = train_eagle._text_files(roots)
+    assert files and not any(stdlib in f.parents and "site-packages" not in f.parts for f in files)
+    prompts = train_eagle.build_prompts(12, seed=0, scan_s=2)
+    assert len(prompts) == len(set(prompts)) == 12
+    assert prompts == train_eagle.build_prompts(12, seed=0, scan_s=2)  # the held-out split is stable
+
+
+def _sample(tokens: list[int], prompt_len: int, holdout: bool = False) -> train_eagle.Sample:
+    n = len(tokens)
+    return train_eagle.Sample(
+        tokens=torch.tensor(tokens),
+        prompt_len=prompt_len,
+        aux=torch.zeros(n, 3),
+        last=torch.zeros(n, 1),
+        greedy_next=torch.zeros(n, dtype=torch.long),
+        greedy=True,
+        holdout=holdout,
+    )
+
+
+@pytest.mark.parametrize(
+    "coverage, lo, hi, expected, covered",
+    [
+        (0.5, 1, 10, [5], 0.5),  # token 5 is half of the answers
+        (0.8, 1, 10, [5, 6], 0.8),
+        (0.99, 1, 10, [5, 6, 7], 1.0),
+        (0.99, 1, 2, [5, 6], 0.8),  # capped
+        (0.5, 4, 10, [0, 5, 6, 7], 1.0),  # past the tokens seen: the lowest unused ids
+    ],
+)
+def test_draft_vocabulary_is_the_most_frequent_answer_tokens(coverage, lo, hi, expected, covered):
+    # answers (after the 2-token prompt): token 5 x5, 6 x3, 7 x2; the prompt's token 9 never counts
+    samples = [
+        _sample([9, 9, 5, 5, 5, 6, 6], 2),
+        _sample([9, 9, 5, 5, 6, 7, 7], 2),
+        _sample([9, 9, 8], 2, True),
+    ]
+    ids, table = train_eagle.choose_vocab(samples, 12, coverage, lo, hi)
+    assert ids.tolist() == expected
+    assert table[len(expected)] == {"train": covered, "heldout": 0.0}  # the held-out answer is token 8
+
+
+def test_the_chain_loss_compares_each_draft_with_the_target_at_the_position_it_drafts():
+    """ttt_loss against the same loss written out: step s at row i drafts the token at i + s + 2, so it
+    meets the target's distribution at position i + s + 1, counted where that token is an answer token."""
+    cfg = CFG
+    head = random_eagle3(cfg, seed=11)
+    g = torch.Generator().manual_seed(12)
+    vd, steps, decay = cfg.draft_vocab_size, 3, 0.8
+    lm_rows = torch.randn(vd, 5, generator=g)
+    samples = []
+    for n, prompt_len in ((14, 7), (11, 9), (9, 6)):
+        samples.append(
+            train_eagle.Sample(
+                tokens=torch.randint(0, cfg.target_vocab_size, (n,), generator=g),
+                prompt_len=prompt_len,
+                aux=torch.randn(n, 3 * cfg.target_hidden_size, generator=g).bfloat16(),
+                last=torch.randn(n, 5, generator=g).bfloat16(),
+                greedy_next=head.draft_to_target(torch.randint(0, vd, (n,), generator=g)),
+                greedy=True,
+                holdout=False,
+            )
+        )
+    batch = train_eagle.collate(samples, head, max_len=64)
+    with torch.no_grad():
+        loss, agree = train_eagle.ttt_loss(head, lm_rows, batch, steps, decay)
+        ids, aux, positions = batch[0], batch[1], batch[2]
+        chain = head.forward_chain(ids, head.fuse(aux.float()), positions, steps)
+    want_loss, want_agree = 0.0, []
+    for s in range(steps):
+        ce, hits, count = 0.0, 0, 0
+        for r, smp in enumerate(samples):
+            n = len(smp.tokens)
+            for i in range(n - 1):
+                if i + s + 2 < n and i + s + 2 >= smp.prompt_len:
+                    p = (smp.last[i + s + 1].float() @ lm_rows.T).softmax(-1)
+                    ce += float(-(p * chain[s][r, i].log_softmax(-1)).sum())
+                    want = int(
+                        (head.draft_to_target(torch.arange(vd)) == smp.greedy_next[i + s + 1]).nonzero()
+                    )
+                    hits += int(chain[s][r, i].argmax()) == want
+                    count += 1
+        want_loss += decay**s * ce / count
+        want_agree.append(hits / count)
+    assert float(loss) == pytest.approx(want_loss, rel=1e-4)
+    assert agree == pytest.approx(want_agree)
+
+
+def test_the_heldout_figure_is_chain_drafting_with_the_dense_forward():
+    """evaluate() against drafting written out with forward_dense: from each answer position, k greedy
+    drafts, each fed the one before and its hidden_out, accepted while they equal the continuation. The
+    answer is the head's own step-0 prediction, so first drafts are accepted and later ones vary."""
+    head = random_eagle3(CFG, seed=13)
+    g = torch.Generator().manual_seed(14)
+    n, prompt_len, k = 16, 5, 3
+    aux = torch.randn(n, 3 * CFG.target_hidden_size, generator=g).bfloat16()
+    fused = head.fuse(aux.float())[None]
+    tokens = torch.randint(0, CFG.target_vocab_size, (n,), generator=g)
+    with torch.no_grad():
+        for i in range(prompt_len - 2, n - 2):  # token i + 2 is the head's argmax at row i
+            logits, _ = head.forward_dense(
+                tokens[None, 1 : i + 2], fused[:, : i + 1], torch.arange(i + 1)[None]
+            )
+            tokens[i + 2] = head.draft_to_target(logits[0, -1].argmax())
+    greedy_next = torch.cat([tokens[1:], tokens[:1]])
+    sample = train_eagle.Sample(tokens, prompt_len, aux, torch.zeros(n, 1), greedy_next, True, True)
+    with torch.no_grad():
+        figure = train_eagle.evaluate(head, [sample], k, max_len=64)
+
+    accepted, rows = [0] * k, 0
+    with torch.no_grad():
+        for i in range(prompt_len - 1, n - 1 - k):  # the target's token i + 1 is an answer token
+            ids, hid, pos = tokens[None, 1 : i + 2], fused[:, : i + 1], torch.arange(i + 1)[None]
+            ok = True
+            for j in range(k):
+                logits, out = head.forward_dense(ids, hid, pos)
+                draft = head.draft_to_target(logits[0, -1].argmax())
+                ok = ok and int(draft) == int(tokens[i + j + 2])
+                accepted[j] += ok
+                ids = torch.cat([ids, draft.view(1, 1)], dim=1)
+                hid = torch.cat([hid, out[:, -1:]], dim=1)
+                pos = torch.arange(ids.shape[1])[None]
+            rows += 1
+    assert figure["rows"] == rows
+    assert figure["accepted_through_position"] == pytest.approx([a / rows for a in accepted], abs=1e-4)
+    assert figure["accepted_through_position"][0] == 1.0
+    assert figure["mean_acceptance_length"] == pytest.approx(1 + sum(accepted) / rows, abs=1e-3)
