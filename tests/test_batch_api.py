@@ -170,3 +170,43 @@ def test_list_files_shows_the_callers_files_newest_first(valkey, tiny_model_dir)
     assert outputs == []
     assert after_delete == [i for i in listed if i != mine[1]]
     assert their_list == [theirs]
+
+
+def test_seeded_batch_lines_are_the_engines_beside_unseeded_ones(valkey, tiny_model_dir, tiny_engines):
+    """Lines seeded 7, 8, 9 (n = 3 with seed 7, sent as lines) among unseeded sampled lines of other
+    lengths: each seeded line's answer is the engine's for its seed, whatever ran beside it."""
+    model = str(tiny_model_dir)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    llm = tiny_engines.llm(tiny_model_dir)
+    seeded = [SamplingParams(max_tokens=10, temperature=1.0, seed=s, ignore_eos=True) for s in (7, 8, 9)]
+    want = [o.text for o in llm.generate([llm.engine.encode_chat(messages)] * 3, seeded)]
+    body = {"model": model, "messages": messages, "max_tokens": 10, "temperature": 1.0, "ignore_eos": True}
+    rows = [
+        {"custom_id": f"mate-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {**body, "max_tokens": 3 + 5 * i, "messages": [{"role": "user", "content": "x " * (i + 1)}]}}
+        for i in range(6)
+    ]  # fmt: skip
+    for i, seed in enumerate((7, 8, 9)):
+        rows.insert(2 * i + 1, {"custom_id": f"seed-{seed}", "method": "POST", "url": "/v1/chat/completions",
+                                "body": {**body, "seed": seed}})  # fmt: skip
+
+    async def main():
+        async with guarded_stack(valkey.url, tiny_model_dir) as (base, _w, _c):
+            oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+            f = await oai.files.create(file=("s.jsonl", io.BytesIO(data)), purpose="batch")
+            batch = await oai.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            for _ in range(600):
+                batch = await oai.batches.retrieve(batch.id)
+                if batch.status not in ("validating", "in_progress", "finalizing"):
+                    break
+                await asyncio.sleep(0.1)
+            return batch, (await oai.files.content(batch.output_file_id)).content
+
+    batch, output = run(main(), timeout=300)
+    assert batch.status == "completed" and batch.request_counts.completed == 9
+    lines = {row["custom_id"]: row for row in map(orjson.loads, output.splitlines())}
+    got = [lines[f"seed-{s}"]["response"]["body"]["choices"][0]["message"]["content"] for s in (7, 8, 9)]
+    assert got == want

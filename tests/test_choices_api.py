@@ -71,3 +71,50 @@ def test_a_bad_n_is_a_400_naming_it(serve, n):  # noqa: F811
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body={"n": n})
     assert err.value.body["param"] == "n"
+
+
+def test_seeded_choices_are_the_engines_and_repeat_beside_other_traffic(serve, tiny_model_dir):  # noqa: F811
+    """n = 3 with seed 7, chat and completions, streamed and whole, alone and while other sampled requests
+    (unseeded, other prompts, other lengths) run beside them: always choice i of the engine's seed 7 + i."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, model, _ = serve
+    llm = LLM(str(tiny_model_dir), dtype="float32")
+    seeded = [SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i, ignore_eos=True) for i in range(3)]
+    want_chat = [o.text for o in llm.generate([llm.engine.encode_chat(MESSAGES)] * 3, seeded)]
+    want_text = [o.text for o in llm.generate([PROMPT] * 3, seeded)]
+    kw = dict(model=model, max_tokens=12, temperature=1.0, n=3, seed=7, extra_body=EXTRA)
+
+    def chat(stream: bool) -> list[str]:
+        if not stream:
+            return [
+                c.message.content for c in client.chat.completions.create(messages=MESSAGES, **kw).choices
+            ]
+        texts = [""] * 3
+        for chunk in client.chat.completions.create(messages=MESSAGES, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+        return texts
+
+    def completion(stream: bool) -> list[str]:
+        if not stream:
+            return [c.text for c in client.completions.create(prompt=PROMPT, **kw).choices]
+        texts = [""] * 3
+        for chunk in client.completions.create(prompt=PROMPT, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        return texts
+
+    def mate(i: int) -> None:
+        client.completions.create(
+            model=model, prompt=f"Other traffic {i}: " * (1 + i % 5), max_tokens=4 + 3 * i, temperature=0.9
+        )
+
+    for busy in (False, True):
+        with ThreadPoolExecutor(12) as pool:  # every request in flight at once
+            mates = [pool.submit(mate, i) for i in range(8)] if busy else []
+            runs = [pool.submit(fn, stream) for fn in (chat, completion) for stream in (False, True)]
+            got = [r.result() for r in runs]
+            for m in mates:
+                m.result()
+        assert got == [want_chat, want_chat, want_text, want_text]

@@ -146,7 +146,7 @@ def test_min_tokens_holds_off_stop_tokens_and_stop_strings(model_dir):
 def test_min_p_drops_tokens_below_its_share_of_the_best():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     params = SamplingParams(temperature=1.0, min_p=0.4)
-    probs = probabilities(logits, RowParams.build([params], [None], 4))
+    probs = probabilities(logits, RowParams.build([params], [0], 4))
     assert probs[0, 2:].tolist() == [0.0, 0.0]  # 0.15 and 0.05 < 0.4 * 0.5
     torch.testing.assert_close(probs[0, :2], torch.tensor([0.625, 0.375]))
 
