@@ -50,7 +50,9 @@ from specserve.spec.eagle3.head import (  # noqa: E402
     vocab_maps,
 )
 
-HOLDOUT_EVERY = 10  # prompt i is held out when i % 10 == 9
+# prompt i is held out when i % 10 == 0: the first batch, always greedy, holds one, so even a run cut
+# short after it has a held-out figure
+HOLDOUT_EVERY = 10
 TOPIC_TEMPLATES = (
     "What is {t}? Explain it simply.",
     "Give me three practical tips about {t}.",
@@ -344,7 +346,7 @@ def generate(args, model, tokenizer, layer_ids, prompts: list[str], deadline: fl
                     "last": last,
                     "greedy_next": nxt.int(),
                     "greedy": greedy,
-                    "holdout": (start + j) % HOLDOUT_EVERY == HOLDOUT_EVERY - 1,
+                    "holdout": (start + j) % HOLDOUT_EVERY == 0,
                 }
             )
         tmp = samples_dir / f"shard_{start:06d}.tmp"
