@@ -85,8 +85,8 @@ async def beside(
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     service = Service(args)
-    await service.start()
     try:
+        await service.start()  # inside the try: a client that fails to start still stops the server
         for _ in range(2):  # warm: the first request loads lazy parts
             await short(service, args.short_tokens)
         alone = statistics.median([await short(service, args.short_tokens) for _ in range(args.repeats)])
