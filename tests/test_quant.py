@@ -128,7 +128,8 @@ def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
     our float32 kernel (float32 logits of the file's own weights), larger ones the dense bf16 head."""
     if not quant.kernels_fast(torch.device("cpu"), torch.float32):
         pytest.skip("our float32 kernels are not built here")
-    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32)
+    # the forms a step's rows pick (a batch-invariant plan runs the blocks for every step, in passes)
+    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
     model = llm.engine.model
     head = model.lm_head
     assert isinstance(head, quant.PackedInt8) and head.float32_rows
@@ -269,7 +270,8 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
     if not quant.kernels_fast(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"auto keeps quantization in {dtype} only where a kernel is vectorised for it")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    auto = LLM(None, dtype=dtype, quantization="auto", num_kv_blocks=128)
+    # the forms a step's rows pick (batch-invariant plans hold one form: tests/test_batch_invariance.py)
+    auto = LLM(None, dtype=dtype, quantization="auto", num_kv_blocks=128, batch_invariant=False)
     dense = LLM(None, dtype=dtype, quantization="none", num_kv_blocks=128)
     layer = auto.engine.model.layers[0]
     assert isinstance(layer.qkv, quant.PackedInt4)
@@ -317,7 +319,7 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     ]
     if not quant.own_bf16_kernel(o_proj, torch.bfloat16, cpu):
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
-    llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128)
+    llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128, batch_invariant=False)
     layer = llm.engine.model.layers[0]
     assert layer.o.many_rows == layer.o.many_rows_bf16 and layer.o.own_rows_bf16
     assert layer.o.kernel_max_rows == matmul.INT4_ROWS_BF16_MAX and not hasattr(layer.o, "packed")

@@ -127,7 +127,14 @@ class LLMEngine:
         self.quantization = (
             "none" if tp_size > 1 else quant.effective_mode(config.quantization, self.device, self.dtype)
         )
-        spec = ModelSpec(path, self.dtype, self.device.type, config.attention_backend, self.quantization)
+        spec = ModelSpec(
+            path,
+            self.dtype,
+            self.device.type,
+            config.attention_backend,
+            self.quantization,
+            config.batch_invariant,
+        )
         header = ModelConfig.from_hf(read_config(path))
         if tp_size > 1:  # before any rank starts loading: a size that does not divide the heads is refused
             check_shardable(header, tp_size)
@@ -209,6 +216,7 @@ class LLMEngine:
                 num_blocks,
                 block_size,
                 self.block_manager.enable_prefix_caching,
+                config.batch_invariant,
             )
             self.spec = build_decoder(config.speculative_config, self.max_model_len, target)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
