@@ -79,7 +79,8 @@ def test_a_request_decodes_alike_whatever_its_step_holds(model_dir: Path, dtype:
         ):
             out = LLM(str(model_dir), speculative_config=spec, **kw).generate([ids], GREEDY)[0]
             assert _seen(out) == alone, spec
-            assert out.usage.draft_proposed > 0
+            # the target drafting for itself always proposes (n-gram only where the output repeats the prompt)
+            assert out.usage.draft_proposed > 0 or spec["method"] == "ngram"
 
 
 def test_packed_matrices_give_each_row_its_one_row_result():
