@@ -119,6 +119,7 @@ def run_ours(
         static_padding=padding,
         attention_backend=args.attention_backend,
         speculative_config=serve_speculation()[0] if ngram else None,
+        batch_invariant=args.batch_invariant,
     )
     ids = [r.prompt_token_ids for r in workload.requests]
     params = [
@@ -296,6 +297,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--hf-dir", type=Path, help="HF dir of the same model for HF/vLLM (default: exported demo)"
     )
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
+    p.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="our engine's batch-invariant decoding (the default); --no-batch-invariant for the A/B",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 8 requests, <= 32 tokens, no vLLM")
     p.add_argument(
         "--emulate-avx2",

@@ -61,3 +61,19 @@ def test_greedy_tokens_match_transformers_gguf_loading(gemma, gemma_path):
     for ids, out in zip(prompts, ours):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
         assert out.token_ids == ref.tolist()
+
+
+def test_auto_quantization_keeps_the_files_weights_so_greedy_matches_transformers(gemma_path):
+    """The default `auto` holds the Q4_K blocks as int4 with their own scales and dequantizes the Q5_0 /
+    Q6_K / Q8_0 ones (re-quantized per channel to int8, it parted from transformers at the 5th token)."""
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(str(gemma_path), dtype="float32", num_kv_blocks=64)
+    ids = llm.tokenizer.encode("Once upon a time, in a small village,")
+    out = llm.generate([ids], GREEDY)[0]
+    hf = AutoModelForCausalLM.from_pretrained(
+        gemma_path.parent, gguf_file=gemma_path.name, dtype=torch.float32
+    ).eval()
+    hf.generation_config.eos_token_id = None
+    ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
+    assert out.token_ids == ref.tolist()

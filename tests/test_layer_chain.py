@@ -68,7 +68,15 @@ def _counting(model) -> list[Counting]:
 @pytest.mark.parametrize("mode", ["none", "int8", "int4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_chained_layers_equal_the_python_loop_bit_for_bit(tiny_model_factory, dtype, shape, mode):
-    llm = LLM(str(tiny_model_factory(shape)), dtype=dtype, quantization=mode, num_kv_blocks=32)
+    # the forms a step's rows pick, whose runs _chained_steps counts (a batch-invariant plan chains only the
+    # steps its kernels take in one pass; tests/test_batch_invariance.py holds those to the loop's rows)
+    llm = LLM(
+        str(tiny_model_factory(shape)),
+        dtype=dtype,
+        quantization=mode,
+        num_kv_blocks=32,
+        batch_invariant=False,
+    )
     model = llm.engine.model
     if not _chains(dtype, shape, mode):
         assert model.chain_runs == []
@@ -99,7 +107,11 @@ def test_a_step_in_a_run_of_sizes_without_a_chain_takes_the_loop(tiny_model_fact
     """Where a product serves few rows outside the library (torch's bf16 int4 kernel) the model holds no chain
     for those sizes, and a step of that size runs the Python loop even though larger steps chain."""
     llm = LLM(
-        str(tiny_model_factory("llama_gqa_tied")), dtype="float32", quantization="int8", num_kv_blocks=32
+        str(tiny_model_factory("llama_gqa_tied")),
+        dtype="float32",
+        quantization="int8",
+        num_kv_blocks=32,
+        batch_invariant=False,  # every size chained: the test takes some away
     )
     model = llm.engine.model
     if not model.chain_runs:
@@ -118,7 +130,7 @@ def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense
     on the GGUF's blocks, larger ones the dense copy's panels; both chained, bit for bit the loop's."""
     if not (cpu.build.load() is not None and cpu.build.quant_bf16_fast()):
         pytest.skip("bf16 panels need AVX512-BF16")
-    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32)
+    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
     model = llm.engine.model
     if not isinstance(getattr(model.layers[0].qkv.many_rows, "__self__", None), quant.DensePanels):
         pytest.skip("auto's dense copy runs on oneDNN here (AMX)")

@@ -54,6 +54,11 @@ class EngineConfig:
     # quantized where torch's packed-int kernels are vectorised (bf16 on AVX-512), and are dequantized
     # elsewhere; none: always dequantized; int8/int4: every decoder matrix quantized on load.
     quantization: str = "auto"
+    # A request's tokens and logprobs do not depend on its batch mates, the step's rows, chunking, prefix
+    # hits or speculation: each matrix runs one product form at every step size and attention one order of
+    # sums per row (models/linear.py, kernels/cpu/csrc/attention.h). Off: forms chosen by the step's rows
+    # for speed (a dense copy beside int4 for many rows, oneDNN's AMX tiles, float32 attention's key split).
+    batch_invariant: bool = True
     # Ranks one engine's forward is split over (vLLM's name): processes on CPU (gloo), one GPU each on CUDA
     # (NCCL); engine/parallel.py and models/parallel.py.
     tensor_parallel_size: int = 1

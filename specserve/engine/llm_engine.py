@@ -138,7 +138,14 @@ class LLMEngine:
         self.quantization = (
             "none" if tp_size > 1 else quant.effective_mode(config.quantization, self.device, self.dtype)
         )
-        spec = ModelSpec(path, self.dtype, self.device.type, config.attention_backend, self.quantization)
+        spec = ModelSpec(
+            path,
+            self.dtype,
+            self.device.type,
+            config.attention_backend,
+            self.quantization,
+            config.batch_invariant,
+        )
         # Before the weights: building a GGUF's tokenizer holds ~100 MiB of Python strings for a moment (its
         # vocabulary and merges), which on top of the weights was the load's peak (bench/load.py).
         self.tokenizer = load_tokenizer(path)
@@ -223,6 +230,7 @@ class LLMEngine:
                 self.model_config.hidden_size,
                 self.model.embed,
                 self.block_manager.block_table,
+                batch_invariant=config.batch_invariant,
             )
             self.spec = build_decoder(config.speculative_config, self.max_model_len, target)
             if self.spec.capture_layers and self.ranks is not None:

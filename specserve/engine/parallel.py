@@ -44,6 +44,7 @@ class ModelSpec:
     device: str  # the device type: rank r takes cuda:r
     attention_backend: str
     quantization: str
+    batch_invariant: bool = True
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -69,6 +70,7 @@ def build_model(spec: ModelSpec, tp: TensorParallel | None) -> tuple[LlamaModel,
         spec.attention_backend,
         spec.quantization,
         tp,
+        spec.batch_invariant,
     )
     return model, ckpt.config
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,9 +29,12 @@ class AttentionBackend:
     rms_norm_heads: Callable[..., None] | None = None  # q and k norms, in place
 
 
-def select_backend(device: torch.device | str, prefer: str = "auto") -> AttentionBackend:
+def select_backend(
+    device: torch.device | str, prefer: str = "auto", batch_invariant: bool = False
+) -> AttentionBackend:
     """prefer: "auto" (Triton on CUDA; on CPU the C++ kernel when it builds here, else the torch reference),
-    "torch", "triton", or "cpu" (the C++ kernel for decode/verify queries, built on first use)."""
+    "torch", "triton", or "cpu" (the C++ kernel for decode/verify queries, built on first use).
+    batch_invariant: the C++ kernel's arithmetic per row whatever the step holds (cpu.attention)."""
     device = torch.device(device)
     if prefer not in ("auto", "cpu", "torch", "triton"):
         raise ValueError(f"attention backend must be auto, cpu, torch or triton, not {prefer!r}")
@@ -59,7 +63,7 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
             "cpu",
             reference.write_kv,
             reference.paged_attention,
-            cpu.attention.build_plan,
+            functools.partial(cpu.attention.build_plan, invariant=batch_invariant),
             cpu.elementwise.rope_write_kv,
             cpu.elementwise.add_rms_norm,
             cpu.elementwise.silu_mul,

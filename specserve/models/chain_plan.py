@@ -80,5 +80,12 @@ def _chain_of(model: LlamaModel, products: list[dict[str, cpu.matmul.Product]]) 
     cfg = model.cfg
     intermediate = layers[0].down.k
     return cpu.chain.LayerChain(
-        layers, model.dtype, cfg.hidden_size, intermediate, model.num_heads, model.num_kv_heads, cfg.head_dim
+        layers,
+        model.dtype,
+        cfg.hidden_size,
+        intermediate,
+        model.num_heads,
+        model.num_kv_heads,
+        cfg.head_dim,
+        invariant=model.batch_invariant,
     )

@@ -6,6 +6,12 @@ beside it) and the machine by what its builds run (`Isa`). The table decides; mo
 chosen forms' data (PackedInt8, PackedInt4, DensePanels) and models/llama.py the dense ones. A packed matrix
 asks once, when built (`plan`: the runs of step sizes and their forms), so a step pays nothing for the choice.
 
+Batch-invariant plans (`Isa.batch_invariant`, the engine's `batch_invariant`): a row's product must not depend
+on how many rows its step has, so a matrix gets one form for every step size, the one its one-row steps
+take, run in passes of at most `Form.invariant_rows` rows (as many as give each row the arithmetic of a
+one-row call); forms whose rounding depends on the step's rows (oneDNN's, a dense copy beside a kernel) are
+not chosen.
+
 The row limits below were read off `python bench/quant_kernels.py` (SmolLM2's four layer matrices over all
 30 layers, weights from memory) on a 2-core Zen 4 unless a form says otherwise.
 """
@@ -57,9 +63,11 @@ class Isa:
     avx512_bf16: bool
     amx: bool
     onednn_bf16: bool = False
+    # not what the machine runs but how it must run it: one form a matrix, whatever a step's rows
+    batch_invariant: bool = False
 
     @classmethod
-    def here(cls, device: torch.device, onednn_bf16: bool = False) -> Isa:
+    def here(cls, device: torch.device, onednn_bf16: bool = False, batch_invariant: bool = False) -> Isa:
         library = device.type == "cpu" and cpu.build.load() is not None
         return cls(
             cpu=device.type == "cpu",
@@ -68,6 +76,7 @@ class Isa:
             avx512_bf16=library and cpu.build.quant_bf16_fast(),
             amx=torch.cpu._is_amx_tile_supported(),
             onednn_bf16=onednn_bf16,
+            batch_invariant=batch_invariant,
         )
 
 
@@ -87,6 +96,13 @@ class Form:
 
     def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
         return self.MAX_ROWS
+
+    # The most rows one call may take with each row's arithmetic that of a one-row call (a kernel templated
+    # on its row count whose per-row sums do not change with it); batch-invariant plans run passes of it.
+    INVARIANT_ROWS: float = math.inf
+
+    def invariant_rows(self, m: Matrix) -> float:
+        return self.INVARIANT_ROWS
 
     def can_run(self, m: Matrix, rows: float, dtype: torch.dtype, isa: Isa) -> str | None:
         """None where this form runs a step of `rows` rows, else a short reason."""
@@ -153,6 +169,11 @@ class OwnInt8F32(Form):
     # panels win (`python bench/quant_kernels.py`, SmolLM2's head, 2-core Zen 4 avx2-only build)
     GROUPED_MAX_ROWS = 15
 
+    def invariant_rows(self, m: Matrix) -> float:
+        # q8_row keeps 4 accumulators a row for 1-2 rows and fewer past them (another order of sums);
+        # q8g_row sums each row alike for its 1..8 rows
+        return self.FEW_ROWS if m.kind == INT8_GROUPED else 2
+
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.float32, isa, "avx2_fma")
 
@@ -175,6 +196,7 @@ class OwnInt8F32OnBf16(Form):
     kernel = True
     # past 3 rows the dense bf16 head's panels win (SmolLM2's 49,152 x 576 head alone, 2-core Zen 4)
     MAX_ROWS = 3
+    INVARIANT_ROWS = OwnInt8F32.FEW_ROWS  # q8g_row's, as OwnInt8F32's grouped passes
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         if dtype != torch.bfloat16:
@@ -190,6 +212,7 @@ class TorchInt8(Form):
     kernel = True
     # it beats dense prepacked only at batch-1 decode's few rows (`bench/quant_kernels.py`, AMX Xeon)
     MAX_ROWS = 8
+    INVARIANT_ROWS = 1  # torch's: nothing says how its sums depend on the rows
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         if dtype != torch.bfloat16:
@@ -205,6 +228,7 @@ class OwnInt4RowsBf16(Form):
     kernel = True
     # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 2
+    INVARIANT_ROWS = cpu.matmul.INT4_ROWS_BF16_MAX
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
@@ -223,6 +247,7 @@ class TorchInt4(Form):
     BESIDE_COPY_MAX_ROWS = 4
     # without a copy it takes the few rows every packed-int kernel does; past them ours or a widening run
     MAX_ROWS = TorchInt8.MAX_ROWS
+    INVARIANT_ROWS = 1  # torch's: nothing says how its sums depend on the rows
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         if dtype != torch.bfloat16:
@@ -243,6 +268,7 @@ class OwnInt4F32(Form):
     kinds = (INT4,)
     kernel = True
     FEW_ROWS = OwnInt8F32.FEW_ROWS
+    INVARIANT_ROWS = FEW_ROWS  # q4_row sums each row alike for 1..8 rows; its widened panels otherwise
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.float32, isa, "avx2_fma")
@@ -316,7 +342,7 @@ class DensePanelsForm(Form):
         if m.out % cpu.matmul.INT8_TILE or m.inner % 2:
             return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or an odd input width"
         reason = _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
-        if reason is None and isa.amx:
+        if reason is None and isa.amx and not isa.batch_invariant:
             # oneDNN's AMX tiles run 64 rows of SmolLM2's four matrices in 0.28 ms, 3-4x any AVX-512 loop
             return "AMX: oneDNN's tiles are faster"
         return reason
@@ -330,6 +356,8 @@ class OneDnnPrepacked(Form):
     kinds = (DENSE,)
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if isa.batch_invariant:
+            return "its rounding of a row depends on the step's rows"
         return None if isa.onednn_bf16 and dtype == torch.bfloat16 else "no oneDNN bf16 prepacked linear"
 
 
@@ -407,7 +435,14 @@ def _log_choice(
 
 def plan(m: Matrix, dtype: torch.dtype, isa: Isa) -> tuple[Form, float, Form]:
     """(the form of few-row steps, the most rows it takes, the form past them): every step size's choice,
-    as the packed matrix calls it. Logged at DEBUG once per kind and run of step sizes."""
+    as the packed matrix calls it. Logged at DEBUG once per kind and run of step sizes. Batch-invariant:
+    (the one-row form, the rows of its passes, that form again); no dense copy serves it."""
+    if isa.batch_invariant:
+        one = Matrix(m.kind, m.shape)
+        few, refused = _walk(one, 1, dtype, isa)
+        passes = few.invariant_rows(one)
+        _log_choice(m.kind, f"all, in passes of {passes}", dtype, few.name, refused)
+        return few, passes, few
     few, refused = _walk(m, 1, dtype, isa)
     most = few.max_rows(m, dtype, isa)
     _log_choice(m.kind, f"1..{most}", dtype, few.name, refused)
@@ -421,4 +456,6 @@ def plan(m: Matrix, dtype: torch.dtype, isa: Isa) -> tuple[Form, float, Form]:
 def copy_pays(m: Matrix, dtype: torch.dtype, isa: Isa) -> bool:
     """Whether `auto` should keep a dense copy of a quantized matrix for steps of many rows: where the form
     that would run them without one is slower than the copy's (Form.copy_pays)."""
+    if isa.batch_invariant:
+        return False  # a copy's rounding differs from the kernel's, so the step's rows would pick a model
     return choose(Matrix(m.kind, m.shape), math.inf, dtype, isa).copy_pays(isa)

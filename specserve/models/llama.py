@@ -177,8 +177,11 @@ class LlamaModel:
         attention_backend: str = "auto",
         quantization: str = "none",
         tp: TensorParallel | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.cfg = cfg
+        # every row's arithmetic the same whatever its step holds (models/linear.py, Args::invariant)
+        self.batch_invariant = batch_invariant
         self.tp = tp
         # with tensor parallelism `state_dict` holds this rank's slices already (models/parallel.py: Sharder,
         # applied by the loader); the model needs the head counts they make
@@ -187,7 +190,7 @@ class LlamaModel:
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp.size if tp else 1)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.backend: AttentionBackend = select_backend(self.device, attention_backend)
+        self.backend: AttentionBackend = select_backend(self.device, attention_backend, batch_invariant)
         fam = cfg.family
         # The model takes the tensors out of `state_dict` (it is left empty): loaded in the serving dtype, a
         # weight is then never held twice.
@@ -242,7 +245,8 @@ class LlamaModel:
         # auto serves batch-1 steps from the quantized matrices and larger ones from a dense copy where that
         # is faster (quant.dense_copy_pays: not int8 in bf16 without AMX, nor float32 on our widened panels,
         # which run as fast as dense at every step size); int8/int4 asked for outright hold them quantized.
-        self._pack_weights(prepacked_linear_available(self.device, dtype), quantization == "auto", head_q8_0)
+        keep_dense = quantization == "auto" and not batch_invariant
+        self._pack_weights(prepacked_linear_available(self.device, dtype), keep_dense, head_q8_0)
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         if tp is not None:  # row-parallel biases are added once, to the sum of the ranks' partial products
@@ -271,7 +275,8 @@ class LlamaModel:
 
         dense = _prepacked_linear if prepack else F.linear
         panels = False
-        isa = linear.Isa.here(self.device, onednn_bf16=prepack)
+        invariant = self.batch_invariant
+        isa = linear.Isa.here(self.device, onednn_bf16=prepack, batch_invariant=invariant)
 
         def dense_form(w: torch.Tensor) -> Any:
             nonlocal panels
@@ -292,7 +297,7 @@ class LlamaModel:
             if keep_dense and quant.dense_copy_pays(w, self.dtype, self.device):
                 copy = dense_form(quant.dequantize(w).to(device=self.device, dtype=self.dtype))
                 copy_mm = copy if isinstance(copy, quant.DensePanels) else dense_mm(copy)
-            return quant.pack(w, self.dtype, self.device, copy_mm)
+            return quant.pack(w, self.dtype, self.device, copy_mm, invariant)
 
         quantized = False
         for layer in self.layers:
@@ -312,7 +317,9 @@ class LlamaModel:
         # MKL's sgemm, a third of the step (bench/profile_step.py --dtype float32, Zen 4).
         head = dense_form(self.lm_head)
         if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
-            int8_head = quant.pack_head(self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0)
+            int8_head = quant.pack_head(
+                self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0, invariant
+            )
             head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense

@@ -155,7 +155,9 @@ def quantizer(mode: str) -> Callable[[torch.Tensor | QuantizedWeight], torch.Ten
 
 def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
     """Join matrices along their output rows (q/k/v, gate/up). A GGUF may store the parts in different types
-    (Q4_K_M keeps some attn_v in Q6_K): the join is then int8, the form every part fits."""
+    (Q4_K_M keeps some attn_v in Q6_K): beside a dense part (what `auto` makes of a type no kernel runs
+    exactly) the join is dense, every part's values as they are; quantized parts of two kinds (the explicit
+    modes' int4 beside the int8 of a matrix int4 does not fit) join as int8."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
     if all(isinstance(p, Int4Weight) for p in parts):
@@ -163,6 +165,11 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
             torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
             torch.cat([p.scales for p in parts]),  # type: ignore[union-attr]
             torch.cat([p.zeros for p in parts]),  # type: ignore[union-attr]
+        )
+    dense = [p for p in parts if isinstance(p, torch.Tensor)]
+    if dense:
+        return torch.cat(
+            [p if isinstance(p, torch.Tensor) else dequantize(p).to(dense[0].dtype) for p in parts]
         )
     as_int8 = [p if isinstance(p, Int8Weight) else quantize_int8(dequantize(p)) for p in parts]
     return Int8Weight(torch.cat([p.codes for p in as_int8]), torch.cat([p.scales for p in as_int8]))
@@ -255,10 +262,10 @@ class _Packed:
         dtype: torch.dtype,
         device: torch.device,
         dense_mm: DenseMatmul | DensePanels | None,
+        batch_invariant: bool = False,
     ) -> None:
-        self.few, most, self.many = linear.plan(
-            matrix(w, dense_mm is not None), dtype, linear.Isa.here(device)
-        )
+        isa = linear.Isa.here(device, batch_invariant=batch_invariant)
+        self.few, most, self.many = linear.plan(matrix(w, dense_mm is not None), dtype, isa)
         self.has_kernel = self.few.kernel
         # a kernel that runs every step size is many_rows too, which takes strided rows as they come
         self.kernel_max_rows = most if self.has_kernel and most != math.inf else KERNEL_MAX_ROWS
@@ -267,7 +274,13 @@ class _Packed:
         # the library product many_rows calls, where it is one (a dense copy's panels, our bf16 kernels)
         self.many_rows_product = panels.library_products()[0][1] if panels else None
         if self.has_kernel and self.many is self.few:
-            self.many_rows = self.kernel
+            self.many_rows = self.kernel if most == math.inf else self.in_passes
+
+    def in_passes(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel on kernel_max_rows rows at a time: every row summed as in a one-row step (a
+        batch-invariant plan, linear.plan)."""
+        most = int(self.kernel_max_rows)
+        return torch.cat([self.kernel(x[r : r + most].contiguous()) for r in range(0, x.shape[0], most)])
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.has_kernel and x.shape[0] <= self.kernel_max_rows:
@@ -304,8 +317,9 @@ class PackedInt8(_Packed):
         dtype: torch.dtype,
         device: torch.device,
         dense_mm: DenseMatmul | DensePanels | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        super().__init__(w, dtype, device, dense_mm)
+        super().__init__(w, dtype, device, dense_mm, batch_invariant)
         self.grouped = w.scales.dim() == 2  # only our kernels take a scale per group
         self.own = self.few is linear.OWN_INT8_F32
         self.own_bf16 = self.few is linear.OWN_INT8_BF16
@@ -359,8 +373,9 @@ class PackedInt4(_Packed):
         dtype: torch.dtype,
         device: torch.device,
         dense_mm: DenseMatmul | DensePanels | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        super().__init__(w, dtype, device, dense_mm)
+        super().__init__(w, dtype, device, dense_mm, batch_invariant)
         self.own = self.few is linear.OWN_INT4_F32
         self.own_bf16 = self.many is linear.OWN_INT4_BF16_TILES
         self.own_rows_bf16 = self.few is linear.OWN_INT4_ROWS_BF16
@@ -418,14 +433,16 @@ def pack(
     dtype: torch.dtype,
     device: torch.device,
     dense_mm: DenseMatmul | DensePanels | None = None,
+    batch_invariant: bool = False,
 ) -> Packed:
     """`w` for the kernels; `dense_mm`, when given, computes steps of many rows (a dense copy: its matmul, or
-    its DensePanels, whose library product a layer chain can then call)."""
+    its DensePanels, whose library product a layer chain can then call). batch_invariant: one form for every
+    step size (linear.plan), a dense copy unused."""
     if device.type != "cpu":
         # torch's CUDA int4 kernel wants another packing (tensor-core tiles); nothing here can test it.
         raise ValueError(f"quantization: weight-only int8/int4 runs on CPU only, not on {device.type}")
     kind = PackedInt8 if isinstance(w, Int8Weight) else PackedInt4
-    return kind(w, dtype, device, dense_mm)
+    return kind(w, dtype, device, dense_mm, batch_invariant)
 
 
 # A GGUF's Q8_0 LM head, kept as its blocks beside the dense head where the dtype rounds them (bf16): the
@@ -469,11 +486,13 @@ def pack_head(
     dtype: torch.dtype,
     device: torch.device,
     q8_0: Int8Weight | None = None,
+    batch_invariant: bool = False,
 ) -> object:
     """The head for the model's linear: head_form's int8 for steps of few rows beside `dense_mm` (the dense
-    head, which the embedding lookup keeps anyway when tied) for more, or `w` as is."""
+    head, which the embedding lookup keeps anyway when tied) for more, or `w` as is. Batch-invariant: the
+    int8 head for every step size, in passes (linear.plan)."""
     q = head_form(w, dtype, device, q8_0)
-    return w if q is None else PackedInt8(q, dtype, device, dense_mm)
+    return w if q is None else PackedInt8(q, dtype, device, dense_mm, batch_invariant)
 
 
 def with_packed(dense: Linear) -> Linear:

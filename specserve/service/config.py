@@ -204,9 +204,18 @@ class ServiceConfig:
     quantization: str | None = _opt(
         "SPECSERVE_QUANTIZATION",
         None,
-        "weight-only quantized decoder matrices (default auto: keep a GGUF's quantization where the int "
-        "kernels pay, bf16 on AVX-512; none: dequantize; int8/int4: quantize on load)",
+        "weight-only quantized decoder matrices (default auto: keep a GGUF's 4-bit blocks as they are where "
+        "the int kernels pay and dequantize the other types, never re-quantizing; none: dequantize; "
+        "int8/int4: quantize on load)",
         choices=[None, "auto", "none", "int8", "int4"],
+    )
+    batch_invariant: bool | None = _opt(
+        "SPECSERVE_BATCH_INVARIANT",
+        None,
+        "a request's tokens and logprobs do not depend on its batch mates, chunking, prefix hits or "
+        "speculation: one matmul form per matrix at every step size (on by default; off picks faster forms "
+        "by the step's rows)",
+        kind=bool,
     )
     tensor_parallel_size: int | None = _opt(
         "SPECSERVE_TENSOR_PARALLEL_SIZE",
@@ -566,6 +575,7 @@ _ENGINE_KNOBS = (
     "enable_prefix_caching",
     "attention_backend",
     "quantization",
+    "batch_invariant",
     "tensor_parallel_size",
     "chat_template",
     "scheduling_policy",

@@ -27,6 +27,7 @@ class TargetInfo:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = False  # the draft's cache shares prefixes as the target's does
+    batch_invariant: bool = True  # the draft's distributions, which sampled verification reads, too
     # what an EAGLE-3 head reads of the target: its depth and width (the head must match them), its
     # embedding (a head saved without one takes it), and its block tables (the head's K/V rides on them)
     num_layers: int = 0
@@ -96,5 +97,12 @@ def _load_draft_model(path: Path, target: TargetInfo) -> Proposer:
         probe
     ) != target.tokenizer.encode(probe):
         raise ValueError("draft model's tokenizer differs from the target's: it cannot propose target tokens")
-    model = LlamaModel(draft_cfg, ckpt.state_dict, target.dtype, target.device, target.attention_backend)
+    model = LlamaModel(
+        draft_cfg,
+        ckpt.state_dict,
+        target.dtype,
+        target.device,
+        target.attention_backend,
+        batch_invariant=target.batch_invariant,
+    )
     return DraftModelProposer(model, target.num_blocks, target.block_size, target.enable_prefix_caching)

@@ -49,11 +49,13 @@ def paged_attention_short(
     out: torch.Tensor,
     window: int | None = None,
     softcap: float | None = None,
+    invariant: bool = False,
 ) -> None:
     """Attention for the sequences in seq_ids (int64), written into out; build.load() must have succeeded.
     Queries longer than a few tokens only where supports_long() says so. window: each query sees its own
     position and the window - 1 before it (blocks wholly before are not read); softcap: scores become
-    softcap * tanh(score / softcap) before the softmax.
+    softcap * tanh(score / softcap) before the softmax; invariant: each row's arithmetic the same whatever
+    else the call holds (rows of its sequence, other sequences), at some cost in float32 (Args::invariant).
 
     q and out are [tokens, heads, head_dim] with head_dim innermost; the caches contiguous; block_tables,
     seq_lens and query_start_loc int32 and contiguous. The dtype of q, out and the caches must match.
@@ -96,6 +98,7 @@ def paged_attention_short(
         torch.get_num_threads(),
         window or 0,
         softcap or 0.0,
+        int(invariant),
     )
     build.check(rc, "paged_attention_short")
 
@@ -111,6 +114,7 @@ class NativeShort:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_seqs]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    invariant: bool = False  # batch-invariant arithmetic (paged_attention_short)
 
     def kernel_takes_all(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether the C++ kernel runs every sequence (all_ids): no prefill chunks, or a fast path that takes
@@ -157,6 +161,7 @@ class NativeShort:
                 out,
                 window=window,
                 softcap=softcap,
+                invariant=self.invariant,
             )
         return reference.AttentionPlan([], long_seqs, window=window)
 
@@ -167,6 +172,7 @@ def build_plan(
     query_lens: list[int],
     block_size: int,
     window: int | None = None,
+    invariant: bool = False,
 ) -> reference.AttentionPlan:
     """The CPU backend's plan: short queries (and long ones, where it handles them) go to the C++ kernel,
     the rest to gather + SDPA, whose index tensors are built only on first need (float32, or a CPU without
@@ -182,6 +188,7 @@ def build_plan(
         torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32),
         torch.tensor(seq_lens, dtype=torch.int32),
         torch.tensor(starts, dtype=torch.int32),
+        invariant,
     )
     long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window)
     return reference.AttentionPlan([], None, native, long_inputs, window)

@@ -49,7 +49,7 @@ PATH_F32, PATH_BF16, PATH_QUANT_F32, PATH_QUANT_BF16 = 1, 2, 4, 8
 # status: 0 done, 1 refused arguments, 2 a dtype or path not in this build).
 _SIGNATURES = {
     "specserve_paths": "",
-    "specserve_paged_attention_short": "p i i p p p i p p p i i i i i f p i i c c i f",
+    "specserve_paged_attention_short": "p i i p p p i p p p i i i i i f p i i c c i f c",
     "specserve_rope_write_kv": "p i i p p p i i i p p p c c",
     "specserve_int8_matmul": "p i i p p i i p i c",
     "specserve_int8_grouped_matmul": "p i i p p i i p i c",
@@ -66,7 +66,7 @@ _SIGNATURES = {
     "specserve_silu_mul": "p p i i i i c c",
     "specserve_gelu_tanh_mul": "p p i i i i c c",
     "specserve_rms_norm_heads": "p p i i i i f c c",
-    "specserve_decoder_layers": "p i p p p p i i i i i i i p p p i p p p i f f c c",
+    "specserve_decoder_layers": "p i p p p p i i i i i i i p p p i p p p i f f c c c",
 }
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float, "c": ctypes.c_int}
 

@@ -63,11 +63,13 @@ class LayerChain:
         num_kv_heads: int,
         head_dim: int,
         first_layer: int = 0,
+        invariant: bool = False,
     ) -> None:
         if build._lib is None:
             raise RuntimeError("LayerChain needs the library: build.load() first")
         self.dtype, self.hidden, self.intermediate = dtype, hidden, intermediate
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.invariant = invariant  # attention's batch-invariant arithmetic (paged_attention_short)
         q_size, qkv_n = num_heads * head_dim, (num_heads + 2 * num_kv_heads) * head_dim
         shapes = {"qkv": (qkv_n, hidden), "o": (hidden, q_size)}
         shapes |= {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
@@ -114,7 +116,7 @@ class LayerChain:
         if key not in self._segments:
             self._segments[key] = LayerChain(
                 self.layers[start:stop], self.dtype, self.hidden, self.intermediate, self.num_heads,
-                self.num_kv_heads, self.head_dim, self.first_layer + start,
+                self.num_kv_heads, self.head_dim, self.first_layer + start, self.invariant,
             )  # fmt: skip
         return self._segments[key]
 
@@ -187,6 +189,7 @@ class LayerChain:
             self.head_dim, block_size, positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_ids.data_ptr(),
             seq_ids.numel(), scale, eps, build.DTYPES[self.dtype], torch.get_num_threads(),
+            int(self.invariant),
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"decoder_layers refused its arguments (code {rc})")

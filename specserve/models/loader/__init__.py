@@ -73,9 +73,9 @@ def load_checkpoint(
     float32 when it is served in bf16. Vectors (norms, biases) stay float32: the model folds
     Gemma's (1 + w) in float32 before its own cast, and they are small.
 
-    With `quantization` auto, a GGUF's quantized decoder matrices are kept quantized instead: Q4_0, Q4_1
-    and Q4_K as the int4 they are, other types as int8 per channel; with int4, the Q4 types are kept as
-    they are (the model quantizes the rest itself)."""
+    With `quantization` auto or int4, a GGUF's Q4_0, Q4_1 and Q4_K decoder matrices are kept as the int4
+    they are, the file's own codes and block scales; other types are dequantized (auto serves them so, int4
+    and int8 have the model quantize them itself)."""
     quant.check_mode(quantization)
     p = existing(path)
     if p.is_file() and p.suffix in PICKLE_SUFFIXES:

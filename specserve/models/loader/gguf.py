@@ -1,5 +1,5 @@
 """GGUF files: llama.cpp's tensor names and metadata read into HF names and an HF-shaped config; matrices
-dequantized into the served dtype, or kept as the int4 / int8 they are (models/quant.py)."""
+dequantized into the served dtype, or kept as the int4 they are (models/quant.py)."""
 
 from __future__ import annotations
 
@@ -184,30 +184,32 @@ def _gguf_q8_0(t: Any, shape: tuple[int, ...]) -> quant.Int8Weight:
 
 
 def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
-    """A decoder matrix of a quantized type, in the form `quantization` keeps it in (None: dequantize)."""
+    """A decoder matrix of a quantized type, in the form `quantization` keeps it in (None: dequantize).
+
+    `auto` and `int4` keep only what a kernel runs on the file's own values: GGUF's 4-bit blocks as int4
+    (_gguf_int4). Other types (Q5_0, Q5_1, Q6_K, Q8_0, the other K- and I-quants) are dequantized to the
+    served dtype, exactly; re-quantizing them to a coarser scale is the explicit `int8` / `int4` modes' doing
+    (models/quant.py: quantizer)."""
     qtype = t.tensor_type.name
     if (
         quantization not in ("auto", "int4")
-        or qtype in ("F32", "F16", "BF16")
+        or qtype not in GGUF_INT4_TYPES
         or len(t.shape) != 2
         or not t.name.startswith("blk.")
     ):
         return None
     k, n = (int(x) for x in t.shape)
-    if qtype in GGUF_INT4_TYPES and quant.fits_int4(n, k):
-        return _gguf_int4(np.asarray(t.data).reshape(-1), qtype, n, k)
-    if quantization == "int4":
-        return None  # the model quantizes it from the dequantized values
-    from gguf.quants import dequantize
-
-    w = dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k)
-    return quant.quantize_int8(torch.from_numpy(np.ascontiguousarray(w)))
+    if not quant.fits_int4(n, k):
+        return None
+    return _gguf_int4(np.asarray(t.data).reshape(-1), qtype, n, k)
 
 
-def _gguf_int4(raw: np.ndarray, qtype: str, n: int, k: int) -> quant.Int4Weight:
+def _gguf_int4(raw: np.ndarray, qtype: str, n: int, k: int) -> quant.Int4Weight | None:
     """Codes, scales and zeros read from GGUF's 4-bit blocks, no re-quantization: each 32 values are
     q * scale + minimum (Q4_1, Q4_K's sub-blocks) or (q - 8) * scale (Q4_0), which is tinygemm's
-    (q - 8) * scale + zero with zero = minimum + 8 * scale."""
+    (q - 8) * scale + zero with zero = minimum + 8 * scale. The kernels read zero - 8 * scale back as the
+    minimum; where float32 cannot carry a block's minimum through that round trip exactly (a minimum far
+    below 8 * scale in magnitude), None: the matrix is dequantized instead, so no weight moves."""
     from gguf.quants import Q4_K
 
     def f16(b: np.ndarray) -> np.ndarray:
@@ -223,17 +225,21 @@ def _gguf_int4(raw: np.ndarray, qtype: str, n: int, k: int) -> quant.Int4Weight:
         qs = blocks[:, 16:].reshape(-1, 4, 32)  # each 32 bytes hold two sub-blocks: low, then high nibbles
         codes = np.stack([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 8, 32)
         scales = d * sc.astype(np.float32)
-        zeros = 8.0 * scales - dmin * mn.astype(np.float32)
+        minimum = -(dmin * mn.astype(np.float32))  # gguf's dequantization: d * sc * q - dmin * m
     else:
         size = 18 if qtype == "Q4_0" else 20
         blocks = raw.reshape(-1, size)
         scales = f16(blocks[:, 0:2])[:, 0]
         codes = nibbles(blocks[:, size - 16 :])
-        zeros = np.zeros_like(scales) if qtype == "Q4_0" else f16(blocks[:, 2:4])[:, 0] + 8.0 * scales
+        minimum = -8.0 * scales if qtype == "Q4_0" else f16(blocks[:, 2:4])[:, 0]
+    scales = np.ascontiguousarray(scales, dtype=np.float32)
+    zeros = (minimum + np.float32(8.0) * scales).astype(np.float32)
+    if not np.array_equal(zeros - np.float32(8.0) * scales, minimum):
+        return None
     return quant.Int4Weight(
         torch.from_numpy(np.ascontiguousarray(codes).reshape(n, k)),
-        torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(n, k // quant.GROUP)),
-        torch.from_numpy(np.ascontiguousarray(zeros, dtype=np.float32).reshape(n, k // quant.GROUP)),
+        torch.from_numpy(scales.reshape(n, k // quant.GROUP)),
+        torch.from_numpy(np.ascontiguousarray(zeros).reshape(n, k // quant.GROUP)),
     )
 
 

@@ -32,7 +32,7 @@ int specserve_paged_attention_short(const void* q, int64_t q_tok, int64_t q_head
                                     const int64_t* seq_ids, int64_t num_seqs, int64_t num_heads,
                                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                                     void* out, int64_t o_tok, int64_t o_head, int dtype, int num_threads,
-                                    int64_t window, float softcap);
+                                    int64_t window, float softcap, int invariant);
 
 // rope_kv.cpp
 int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t num_tokens, const int64_t* positions,
@@ -92,6 +92,6 @@ int specserve_decoder_layers(const int64_t* layers, int64_t num_layers, void* co
                              const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
                              int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
                              const int64_t* seq_ids, int64_t num_seqs, float scale, float eps, int dtype,
-                             int threads);
+                             int threads, int invariant);
 
 }  // extern "C"

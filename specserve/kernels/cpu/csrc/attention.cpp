@@ -8,11 +8,11 @@ extern "C" int specserve_paged_attention_short(
     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
     const int32_t* query_start_loc, const int64_t* seq_ids, int64_t num_seqs, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, void* out, int64_t o_tok,
-    int64_t o_head, int dtype, int num_threads, int64_t window, float softcap) {
+    int64_t o_head, int dtype, int num_threads, int64_t window, float softcap, int invariant) {
   if (block_size > 256 || num_heads % num_kv_heads != 0 || window < 0) return kBadArguments;
   const Args a{q,        q_tok,    q_head,    k_cache,      v_cache,   block_tables, table_stride,
                seq_lens, query_start_loc, seq_ids, num_seqs, num_heads, num_kv_heads, head_dim,
-               block_size, scale, out, o_tok, o_head, window, softcap};
+               block_size, scale, out, o_tok, o_head, window, softcap, invariant != 0};
   // Head sizes known at compile time let the compiler unroll the dot products into whole registers.
   if (dtype == 0) {
 #ifdef SPECSERVE_F32_PATH

@@ -137,6 +137,9 @@ struct Args {
   int64_t o_tok, o_head;
   int64_t window;  // sliding window in positions (a row sees its own and window - 1 before); 0: none
   float softcap;   // 0: none
+  // Every row's arithmetic the same whatever the step holds (its row count, its batch mates, how a prompt was
+  // chunked): one score form for every row count and no key split, which depends on the step's tasks.
+  bool invariant;
 };
 
 // First position row `limit` (one past its own position) sees.

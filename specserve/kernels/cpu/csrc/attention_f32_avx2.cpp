@@ -161,7 +161,8 @@ void run_f32(const Args& a, int num_threads) {
   // sequences, else per head; long ones per head and query tile, latest tiles (the most keys) first.
   std::vector<TaskF32> tasks;
   const bool all_heads = a.num_seqs >= 4 * num_threads;
-  const bool split = a.window == 0 && a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
+  const bool split =
+      !a.invariant && a.window == 0 && a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
@@ -264,7 +265,9 @@ void run_f32(const Args& a, int num_threads) {
         fetch_at(p0, &k_ahead, &v_now);
         int64_t r = 0;
         while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
-        if (R > 4 && u + 1 < num_tiles) {  // many rows (prefill tiles): two key tiles at a time
+        // qk_rows2_f32 and qk_direct_f32 sum a score in other orders than qk_rows_f32: which one a key tile
+        // gets depends on the task's rows and end, so the invariant form runs qk_rows_f32 for every tile
+        if (!a.invariant && R > 4 && u + 1 < num_tiles) {  // many rows (prefill tiles): two key tiles at once
           const int64_t p1 = p0 + 8, b1 = p1 / BS;
           const char* k_ahead1;
           const char* v_now1;
@@ -297,7 +300,7 @@ void run_f32(const Args& a, int num_threads) {
           const float* k0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + (task.h0 + hh) * HD;
           const float* q = qs.data() + hh * R * HD;
           float* out = scores.data() + hh * R * stride + p0;
-          if (r == 0 && R <= 4) {
+          if (!a.invariant && r == 0 && R <= 4) {
             const int64_t share = hh * HD * 32;  // this head's HD / 2 lines of the tile's, in bytes
             const char* ka = k_ahead ? k_ahead + share : nullptr;
             const char* vn = v_now ? v_now + share : nullptr;

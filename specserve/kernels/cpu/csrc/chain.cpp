@@ -72,7 +72,7 @@ extern "C" int specserve_decoder_layers(const int64_t* layers, int64_t num_layer
                                         const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
                                         const int32_t* seq_lens, const int32_t* query_start_loc,
                                         const int64_t* seq_ids, int64_t num_seqs, float scale, float eps,
-                                        int dtype, int threads) {
+                                        int dtype, int threads, int invariant) {
   if (dtype != 0 && dtype != 1) return kNotInBuild;
   const int64_t elem = dtype == 0 ? 4 : 2;
   const int64_t q_size = num_heads * head_dim, qkv_n = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -106,7 +106,7 @@ extern "C" int specserve_decoder_layers(const int64_t* layers, int64_t num_layer
     if ((rc = specserve_paged_attention_short(qkv, qkv_n, head_dim, k_cache, v_cache, block_tables, table_stride,
                                               seq_lens, query_start_loc, seq_ids, num_seqs, num_heads,
                                               num_kv_heads, head_dim, block_size, scale, attn, q_size, head_dim,
-                                              dtype, threads, 0, 0.f)))
+                                              dtype, threads, 0, 0.f, invariant)))
       break;
     if ((rc = run_product(L.o, attn, rows, o, threads))) break;
     if ((rc = specserve_add_rms_norm(h, o, L.mlp_norm, x, rows, hidden, hidden, hidden, hidden, eps, dtype,
