@@ -183,9 +183,10 @@ class ServiceConfig:
     quantization: str | None = _opt(
         "SPECSERVE_QUANTIZATION",
         None,
-        "weight-only quantized decoder matrices (default auto: keep a GGUF's quantization where the int "
-        "kernels pay, bf16 on AVX-512; none: dequantize; int8/int4: quantize on load)",
-        choices=[None, "auto", "none", "int8", "int4"],
+        "quantized decoder matrices (default auto: keep a GGUF's quantization where the int kernels pay, "
+        "bf16 on AVX-512; none: dequantize; int8/int4: weight-only, quantized on load; w8a8/w4a8: the "
+        "activations quantized too, per 32 inputs, for integer SIMD products on AVX512-VNNI or AVX2)",
+        choices=[None, "auto", "none", "int8", "int4", "w8a8", "w4a8"],
     )
     tensor_parallel_size: int | None = _opt(
         "SPECSERVE_TENSOR_PARALLEL_SIZE",

@@ -75,8 +75,8 @@ def load_checkpoint(
     Gemma's (1 + w) in float32 before its own cast, and they are small.
 
     With `quantization` auto, a GGUF's quantized decoder matrices are kept quantized instead: Q4_0, Q4_1
-    and Q4_K as the int4 they are, other types as int8 per channel; with int4, the Q4 types are kept as
-    they are (the model quantizes the rest itself)."""
+    and Q4_K as the int4 they are, other types as int8 per channel (w4a8 keeps the same); with int4, the
+    Q4 types are kept as they are (the model quantizes the rest itself)."""
     quant.check_mode(quantization)
     p = existing(path)
     if p.is_file() and p.suffix in PICKLE_SUFFIXES:

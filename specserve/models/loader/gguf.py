@@ -187,7 +187,7 @@ def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
     """A decoder matrix of a quantized type, in the form `quantization` keeps it in (None: dequantize)."""
     qtype = t.tensor_type.name
     if (
-        quantization not in ("auto", "int4")
+        quantization not in ("auto", "int4", "w4a8")
         or qtype in ("F32", "F16", "BF16")
         or len(t.shape) != 2
         or not t.name.startswith("blk.")
