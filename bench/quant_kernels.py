@@ -16,8 +16,10 @@ the median of --passes passes (each running every kind once, in turn) after one 
   matrix's panels, int8_matmul_bf16, int4_matmul_bf16), where built;
 - ours int4 rows: our AVX512-BF16 few-row int4 product on the float32 kernels' nibbles (int4_rows_bf16,
   1..8 rows: each code as the exact bf16 1 + code / 16 on vdpbf16ps), what bf16 `auto` runs batch-1 steps on.
+- w8a8 / w4a8 (--a8; fp32 and bf16 in and out): kernels/cpu/csrc/matmul_q8.cpp's integer products on the same
+  int8 / int4 codes, activations quantized per 32 inputs inside each call (w8a8_matmul, w4a8_matmul).
 
-    python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N] [--float32]
+    python bench/quant_kernels.py [--rows 1,8,16,64] [--passes 5] [--threads N] [--float32] [--a8]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--passes", type=int, default=5)
     p.add_argument("--threads", type=int)
     p.add_argument("--float32", action="store_true", help="also time float32 dense: MKL's sgemm against ours")
+    p.add_argument("--a8", action="store_true", help="also time the w8a8 / w4a8 integer products")
     args = p.parse_args(argv)
 
     import torch
@@ -92,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
                     q4.scales.contiguous(),
                     (q4.zeros - 8.0 * q4.scales).contiguous(),
                 )
+            if args.a8 and cpu.build.load() is not None:
+                w8, w4 = quant.A8Weight.of(q8).w, q4
+                t8, t4 = cpu.matmul.w8a8_tiles(w8.codes), cpu.matmul.w4a8_tiles(w4.codes)
+                s4 = cpu.matmul.by_tile(w4.scales)
+                o4 = cpu.matmul.by_tile(w4.zeros - 8.0 * w4.scales)
+                for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+                    mat[f"{name} w8a8"] = cpu.matmul.bind_w8a8(t8, w8.scales.contiguous(), dtype)
+                    mat[f"{name} w4a8"] = cpu.matmul.bind_w4a8(t4, s4, o4, dtype)
             mats.append((k, mat))
         layers.append(mats)
 
@@ -121,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                         len(codes),
                         lambda j, m, c=codes, s=scales: cpu.matmul.int8_widen(c[j : j + m], s[j : j + m]),
                     )
-                elif kind == "ours int4 rows":
+                elif kind == "ours int4 rows" or kind.endswith("a8"):
                     w(xs[k])
                 elif kind == "ours int8":
                     cpu.matmul.int8_matmul_bf16(xs[k], *w)
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ours_kinds = ["ours bf16", "ours int8", "ours int4", "ours int4 rows"]
     kinds = ["dense", "torch int8", "torch int4"] + (ours_kinds if ours else [])
     fp32 = ("fp32 MKL", "fp32 ours", "fp32 int8", "fp32 int4", "fp32 int8 wide")
-    kinds += [kind for kind in fp32 if kind in layers[0][0][1]]
+    a8 = ("fp32 w8a8", "fp32 w4a8", "bf16 w8a8", "bf16 w4a8")
+    kinds += [kind for kind in fp32 + a8 if kind in layers[0][0][1]]
     print(f"CPU: {cpu_line()} | {torch.get_num_threads()} threads | {LAYERS} layers x {len(SHAPES)} matrices")
     print(f"{'rows':>5}" + "".join(f"{k + ' ms':>{_width(k)}}" for k in kinds))
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -84,7 +84,7 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
-        if tp > 1 and self.quantization in ("int8", "int4"):
+        if tp > 1 and self.quantization in ("int8", "int4", "w8a8", "w4a8"):
             raise ValueError(
                 f"quantization {self.quantization} is not supported with tensor_parallel_size {tp}: "
                 "the ranks shard dense weights (use quantization auto or none)"

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 DENSE, INT8, INT8_GROUPED, INT4 = "dense", "int8", "int8 grouped", "int4"
 QUANTIZED = (INT8, INT8_GROUPED, INT4)
+# w8a8 / w4a8: the same weights, activations quantized per 32 inputs before integer products (quant.A8Weight)
+INT8_A8, INT4_A8 = "int8 a8", "int4 a8"
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Isa:
     onednn_bf16: bool = False
     # not what the machine runs but how it must run it: one form a matrix, whatever a step's rows
     batch_invariant: bool = False
+    int_dot: bool = False  # the library's w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
 
     @classmethod
     def here(cls, device: torch.device, onednn_bf16: bool = False, batch_invariant: bool = False) -> Isa:
@@ -77,6 +80,7 @@ class Isa:
             amx=torch.cpu._is_amx_tile_supported(),
             onednn_bf16=onednn_bf16,
             batch_invariant=batch_invariant,
+            int_dot=library and cpu.build.int_dot_fast(),
         )
 
 
@@ -366,6 +370,34 @@ class TorchDense(Form):
     kinds = (DENSE,)
 
 
+class OwnA8(Form):
+    """Our w8a8 / w4a8 integer products (cpu.matmul.bind_w8a8, bind_w4a8), float32 or bf16 in and out, every
+    step size: vpdpbusd on AVX512-VNNI, vpmaddubsw + vpmaddwd on AVX2."""
+
+    name = "ours integer a8"
+    kinds = (INT8_A8, INT4_A8)
+    kernel = True
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            return "float32 or bfloat16 only"
+        tile, block = cpu.matmul.Q8_TILE, cpu.matmul.Q8_BLOCK
+        if m.out % tile or m.inner % block:
+            return f"outputs not in tiles of {tile} or inputs not in blocks of {block}"
+        if not isa.library:
+            return "our library is not built here"
+        return None if isa.int_dot else "the library has no integer SIMD products (AVX512-VNNI or AVX2)"
+
+
+class TorchA8(Form):
+    """The same integer arithmetic in torch (kernels/reference_a8.py): slow, and the model's values stay the
+    same wherever ours does not run."""
+
+    name = "torch integer a8"
+    kinds = (INT8_A8, INT4_A8)
+    kernel = True
+
+
 def _own_panels(m: Matrix) -> bool:
     """Whether our float32 product runs steps of many rows too, on panels of 16 outputs widened into cache
     (outputs in whole tiles of 8, a scale per output; none where a dense copy runs them): 2-3x faster than
@@ -387,6 +419,8 @@ TORCH_WIDEN = TorchWiden()
 DENSE_PANELS = DensePanelsForm()
 ONEDNN_PREPACKED = OneDnnPrepacked()
 TORCH_DENSE = TorchDense()
+OWN_A8 = OwnA8()
+TORCH_A8 = TorchA8()
 
 # In order: the first whose can_run has no objection runs the step.
 FORMS: tuple[Form, ...] = (
@@ -404,6 +438,8 @@ FORMS: tuple[Form, ...] = (
     DENSE_PANELS,
     ONEDNN_PREPACKED,
     TORCH_DENSE,
+    OWN_A8,
+    TORCH_A8,
 )
 
 

@@ -290,7 +290,7 @@ class LlamaModel:
             return w.mm if isinstance(w, quant.DensePanels) else partial(dense, weight=w)
 
         def pack(w: Any) -> Any:
-            if not isinstance(w, quant.Int8Weight | quant.Int4Weight):
+            if not isinstance(w, quant.Int8Weight | quant.Int4Weight | quant.A8Weight):
                 return dense_form(w)
             copy_mm = None
             # steps of many rows read a dense copy (quant.KERNEL_MAX_ROWS) where it beats the kernels
@@ -302,7 +302,7 @@ class LlamaModel:
         quantized = False
         for layer in self.layers:
             quantized |= any(
-                isinstance(w, quant.Int8Weight | quant.Int4Weight)
+                isinstance(w, quant.Int8Weight | quant.Int4Weight | quant.A8Weight)
                 for w in [layer.qkv, layer.o, layer.gate_up, layer.down, *sum(layer.experts, ())]
             )
             layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)

@@ -17,6 +17,11 @@ run, a quantized model reads its few-row logits from an int8 copy in groups of 3
 dense head would otherwise cost as much as all the quantized layers together); in bf16 that copy is a GGUF's
 own Q8_0 blocks, which the loader keeps (HEAD_Q8_0).
 
+w8a8 / w4a8 (vLLM's names) keep the same weights (`A8Weight` wraps them) and quantize the activations too,
+per 32 inputs right before each product, so the products are integer SIMD (kernels/cpu/csrc/matmul_q8.cpp,
+kernels/reference_a8.py): their arithmetic differs from the weight-only modes' by design, and is the same
+at every step size and on every machine.
+
 Which of these runs a matrix at a step of N rows is models/linear.py's table; the packed forms here build the
 chosen forms' data.
 """
@@ -30,10 +35,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specserve.kernels import cpu
+from specserve.kernels import cpu, reference_a8
 from specserve.models import linear
 
-MODES = ("none", "auto", "int8", "int4")
+MODES = ("none", "auto", "int8", "int4", "w8a8", "w4a8")
+# the modes that quantize activations too (A8Weight)
+A8_MODES = ("w8a8", "w4a8")
 # GGUF's 4-bit block; a group must divide the input width (SmolLM2's 576 is not a multiple of 128)
 GROUP = cpu.matmul.INT4_GROUP
 # The CPU int4 packing interleaves output rows in tiles of 16.
@@ -55,7 +62,23 @@ class Int4Weight:
     zeros: torch.Tensor  # [out, in // GROUP] float32: the value of code 8
 
 
-QuantizedWeight = Int8Weight | Int4Weight
+@dataclass(frozen=True)
+class A8Weight:
+    """A matrix of a w8a8 / w4a8 model: int8 codes in -127..127 with a scale per output (AVX2's sign trick
+    negates them), or int4 in groups of 32; its products quantize their activations first (a8)."""
+
+    w: Int8Weight | Int4Weight
+
+    @classmethod
+    def of(cls, w: Int8Weight | Int4Weight) -> A8Weight:
+        if isinstance(w, Int8Weight) and w.scales.dim() == 2:  # a scale per group: re-quantized per output
+            w = quantize_int8(dequantize(w))
+        if isinstance(w, Int8Weight):
+            w = Int8Weight(w.codes.clamp(-127, 127), w.scales)
+        return cls(w)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | A8Weight
 
 
 def check_mode(mode: str) -> None:
@@ -81,7 +104,7 @@ def kernels_fast(device: torch.device, dtype: torch.dtype) -> bool:
 
 def effective_mode(mode: str, device: torch.device, dtype: torch.dtype) -> str:
     """`auto` keeps a checkpoint's quantization where the kernels pay for it, and dequantizes elsewhere;
-    an explicit int8/int4 is taken as asked."""
+    an explicit int8/int4/w8a8/w4a8 is taken as asked."""
     check_mode(mode)
     if mode == "auto" and not kernels_fast(device, dtype):
         return "none"
@@ -133,6 +156,8 @@ def quantize_int4(w: torch.Tensor) -> QuantizedWeight:
 def dequantize(w: QuantizedWeight | torch.Tensor) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return w.float()
+    if isinstance(w, A8Weight):
+        return dequantize(w.w)
     n, k = w.codes.shape
     if isinstance(w, Int8Weight) and w.scales.dim() == 2:
         return (w.codes.float().reshape(n, -1, GROUP) * w.scales[..., None]).reshape(n, k)
@@ -150,6 +175,15 @@ def quantizer(mode: str) -> Callable[[torch.Tensor | QuantizedWeight], torch.Ten
         return lambda w: quantize_int8(w) if isinstance(w, torch.Tensor) else w
     if mode == "int4":
         return lambda w: quantize_int4(w) if isinstance(w, torch.Tensor) else w
+    if mode in A8_MODES:
+        # a GGUF's come quantized already (models/loader/gguf.py: w4a8 keeps its int4 blocks, the rest int8)
+        dense = quantize_int8 if mode == "w8a8" else quantize_int4
+
+        def a8(w: torch.Tensor | QuantizedWeight) -> A8Weight:
+            q = dense(w) if isinstance(w, torch.Tensor) else w
+            return q if isinstance(q, A8Weight) else A8Weight.of(q)
+
+        return a8
     return lambda w: w
 
 
@@ -160,6 +194,8 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
     modes' int4 beside the int8 of a matrix int4 does not fit) join as int8."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, A8Weight) for p in parts):
+        return A8Weight.of(cat([p.w for p in parts]))  # type: ignore[union-attr, return-value]
     if all(isinstance(p, Int4Weight) for p in parts):
         return Int4Weight(
             torch.cat([p.codes for p in parts]),  # type: ignore[union-attr]
@@ -207,6 +243,10 @@ def matrix(w: torch.Tensor | QuantizedWeight, dense_copy: bool = False) -> linea
     """What the matmul choice (models/linear.py) reads of a matrix."""
     if isinstance(w, torch.Tensor):
         return linear.Matrix(linear.DENSE, tuple(w.shape))
+    if isinstance(w, A8Weight):
+        return linear.Matrix(
+            linear.INT4_A8 if isinstance(w.w, Int4Weight) else linear.INT8_A8, w.w.codes.shape
+        )
     if isinstance(w, Int4Weight):
         kind = linear.INT4
     else:
@@ -425,7 +465,40 @@ class PackedInt4(_Packed):
         return F.linear(x, widened.view(n, -1).to(x.dtype))
 
 
-Packed = PackedInt8 | PackedInt4
+class PackedA8(_Packed):
+    """A w8a8 / w4a8 matrix: our integer products (linear.OWN_A8) on its tiles, or the same arithmetic in
+    torch (linear.TORCH_A8) on the codes as stored. Not a layer chain's product: chains run the weight-only
+    and dense ones."""
+
+    def __init__(self, w: A8Weight, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__(w, dtype, device, None)
+        inner = w.w
+        self.int4 = isinstance(inner, Int4Weight)
+        self.codes = inner.codes.to(device)
+        self.scales = inner.scales.to(device=device, dtype=torch.float32).contiguous()
+        # w = code * scale + (zero - 8 * scale): the offset the w4a8 arithmetic adds per block
+        self.offsets = (inner.zeros - 8.0 * inner.scales).float().to(device) if self.int4 else None
+        self._integer: cpu.matmul.Product | None = None
+        if self.few is linear.OWN_A8:
+            if self.int4:
+                tiles = cpu.matmul.w4a8_tiles(self.codes)
+                by_tile = cpu.matmul.by_tile
+                self._integer = cpu.matmul.bind_w4a8(
+                    tiles, by_tile(self.scales), by_tile(self.offsets), dtype
+                )
+            else:
+                self._integer = cpu.matmul.bind_w8a8(cpu.matmul.w8a8_tiles(self.codes), self.scales, dtype)
+            del self.codes  # the tiles hold them
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self._integer is not None:
+            return self._integer(x)
+        if self.int4:
+            return reference_a8.w4a8_matmul(x, self.codes, self.scales, self.offsets)
+        return reference_a8.w8a8_matmul(x, self.codes, self.scales)
+
+
+Packed = PackedInt8 | PackedInt4 | PackedA8
 
 
 def pack(
@@ -441,6 +514,8 @@ def pack(
     if device.type != "cpu":
         # torch's CUDA int4 kernel wants another packing (tensor-core tiles); nothing here can test it.
         raise ValueError(f"quantization: weight-only int8/int4 runs on CPU only, not on {device.type}")
+    if isinstance(w, A8Weight):
+        return PackedA8(w, dtype, device)
     kind = PackedInt8 if isinstance(w, Int8Weight) else PackedInt4
     return kind(w, dtype, device, dense_mm, batch_invariant)
 

@@ -204,10 +204,11 @@ class ServiceConfig:
     quantization: str | None = _opt(
         "SPECSERVE_QUANTIZATION",
         None,
-        "weight-only quantized decoder matrices (default auto: keep a GGUF's 4-bit blocks as they are where "
-        "the int kernels pay and dequantize the other types, never re-quantizing; none: dequantize; "
-        "int8/int4: quantize on load)",
-        choices=[None, "auto", "none", "int8", "int4"],
+        "quantized decoder matrices (default auto: keep a GGUF's 4-bit blocks as they are where the int "
+        "kernels pay and dequantize the other types, never re-quantizing; none: dequantize; int8/int4: "
+        "weight-only, quantized on load; w8a8/w4a8: the activations quantized too, per 32 inputs, for "
+        "integer SIMD products on AVX512-VNNI or AVX2)",
+        choices=[None, "auto", "none", "int8", "int4", "w8a8", "w4a8"],
     )
     batch_invariant: bool | None = _opt(
         "SPECSERVE_BATCH_INVARIANT",

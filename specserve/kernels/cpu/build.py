@@ -44,6 +44,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # (prefill chunks too), the AVX2 + FMA weight-only int8 / int4 and dense products for float32 activations,
 # and the AVX512-BF16 ones for bfloat16 activations
 PATH_F32, PATH_BF16, PATH_QUANT_F32, PATH_QUANT_BF16 = 1, 2, 4, 8
+# and the w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2), the first on AVX512-VNNI
+PATH_INT_DOT, PATH_INT_DOT_VNNI = 16, 32
 
 # Every entry point of csrc/api.h by its arguments: p pointer, i int64, f float, c int (each returns an int
 # status: 0 done, 1 refused arguments, 2 a dtype or path not in this build).
@@ -61,6 +63,11 @@ _SIGNATURES = {
     "specserve_int4_rows_bf16": "p i i p p p i i p i c",
     "specserve_bf16_matmul": "p i i p i i p i c",
     "specserve_f32_matmul": "p i i p i i p i c",
+    "specserve_quantize_q8": "p i i i p p p c c",
+    "specserve_w8a8_matmul": "p i i p p i i p i c",
+    "specserve_w8a8_matmul_bf16": "p i i p p i i p i c",
+    "specserve_w4a8_matmul": "p i i p p p i i p i c",
+    "specserve_w4a8_matmul_bf16": "p i i p p p i i p i c",
     "specserve_apply_bitmask": "p i i p i p i i",
     "specserve_add_rms_norm": "p p p p i i i i i f c c",
     "specserve_silu_mul": "p p i i i i c c",
@@ -187,6 +194,16 @@ def quant_fast() -> bool:
 def quant_bf16_fast() -> bool:
     """Whether the loaded library has the int8 / int4 products for bfloat16 activations (AVX512-BF16)."""
     return bool(_paths & PATH_QUANT_BF16)
+
+
+def int_dot_fast() -> bool:
+    """Whether the loaded library runs the w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)."""
+    return bool(_paths & PATH_INT_DOT)
+
+
+def int_dot_vnni() -> bool:
+    """Whether those products run on AVX512-VNNI (vpdpbusd) rather than AVX2 (vpmaddubsw + vpmaddwd)."""
+    return bool(_paths & PATH_INT_DOT_VNNI)
 
 
 def check(rc: int, name: str) -> None:

@@ -269,3 +269,85 @@ def int4_widen(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+# w8a8 / w4a8 (csrc/matmul_q8.cpp): activations quantized per Q8_BLOCK inputs right before the product,
+# integer sums, scales in float32 (kernels/reference_a8.py is the same arithmetic in torch). Weights in tiles
+# of Q8_TILE outputs, 4 inputs side by side per output (one 32-bit lane of vpdpbusd).
+Q8_BLOCK = 32
+Q8_TILE = 16
+
+
+def w8a8_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [n, k] in -127..127 -> [n // 16, k // 4, 16, 4] uint8 of code + 128, the layout
+    w8a8_matmul reads."""
+    n, k = codes.shape
+    if codes.dtype != torch.int8 or n % Q8_TILE or k % Q8_BLOCK:
+        raise ValueError(f"w8a8_tiles takes int8 codes [n, k], n a multiple of {Q8_TILE}, k of {Q8_BLOCK}")
+    if int(codes.min()) < -127:
+        raise ValueError("w8a8 codes must lie in -127..127 (AVX2's sign trick negates them)")
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
+    return shifted.view(n // Q8_TILE, Q8_TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def w4a8_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [n, k] in 0..15 -> [n // 16, k // 8, 16, 4] uint8: for each 8 inputs, an output's byte i
+    holds input i in its low nibble and input i + 4 in its high one (the layout w4a8_matmul reads)."""
+    n, k = codes.shape
+    if n % Q8_TILE or k % Q8_BLOCK:
+        raise ValueError(f"w4a8_tiles takes codes [n, k], n a multiple of {Q8_TILE}, k of {Q8_BLOCK}")
+    c = codes.to(torch.uint8).view(n // Q8_TILE, Q8_TILE, k // 8, 2, 4)
+    return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+
+
+def by_tile(t: torch.Tensor) -> torch.Tensor:
+    """Per-block values [n, k // 32] -> [n // 16, k // 32, 16] float32 (a tile's 16 outputs side by side)."""
+    n = t.shape[0]
+    return t.float().view(n // Q8_TILE, Q8_TILE, -1).permute(0, 2, 1).contiguous()
+
+
+_A8_NAMES = {torch.float32: "", torch.bfloat16: "_bf16"}
+
+
+def bind_w8a8(tiles: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Product:
+    """x [rows, k] (float32 or bfloat16) times w^T -> [rows, n] in x's dtype, w = codes * scales (float32
+    [n]), the codes as w8a8_tiles gives them, x quantized per 32 inputs first (any build; SIMD where
+    build.int_dot_fast())."""
+    if tiles.dtype != torch.uint8 or tiles.dim() != 4 or not tiles.is_contiguous() or dtype not in _A8_NAMES:
+        raise ValueError("w8a8_matmul takes the codes as w8a8_tiles gives them, float32 or bfloat16 x")
+    n, k = tiles.shape[0] * Q8_TILE, tiles.shape[1] * 4
+    if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous():
+        raise ValueError(f"w8a8_matmul: float32 scales [{n}]")
+    return Product(f"w8a8_matmul{_A8_NAMES[dtype]}", dtype, dtype, n, k, tiles, scales)
+
+
+def bind_w4a8(
+    tiles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
+) -> Product:
+    """x [rows, k] times w^T, w = code * scale + offset per group of 32 inputs (scales and offsets as by_tile
+    gives them, codes as w4a8_tiles), x quantized per 32 inputs first; out in x's dtype."""
+    if tiles.dtype != torch.uint8 or tiles.dim() != 4 or not tiles.is_contiguous() or dtype not in _A8_NAMES:
+        raise ValueError("w4a8_matmul takes the codes as w4a8_tiles gives them, float32 or bfloat16 x")
+    n, k = tiles.shape[0] * Q8_TILE, tiles.shape[1] * 8
+    shape = (n // Q8_TILE, k // Q8_BLOCK, Q8_TILE)
+    for t in (scales, offsets):
+        if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous():
+            raise ValueError(f"w4a8_matmul: float32 scales and offsets {list(shape)} (by_tile)")
+    return Product(f"w4a8_matmul{_A8_NAMES[dtype]}", dtype, dtype, n, k, tiles, scales, offsets)
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The library's quantization of activations [rows, k] (float32 or bfloat16): int8 codes [rows, k],
+    float32 scales and int32 code sums [rows, k // 32] (what the w*a8 products do first)."""
+    rows, k = x.shape
+    if x.dtype not in build.DTYPES or x.stride(1) != 1 or k % Q8_BLOCK or rows < 1:
+        raise ValueError("quantize_q8 takes float32 or bfloat16 [rows, k], k a multiple of 32, k innermost")
+    codes = torch.empty(rows, k, dtype=torch.int8)
+    scales = torch.empty(rows, k // Q8_BLOCK)
+    sums = torch.empty(rows, k // Q8_BLOCK, dtype=torch.int32)
+    rc = build._lib.specserve_quantize_q8(
+        x.data_ptr(), x.stride(0), rows, k, codes.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+        build.DTYPES[x.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    build.check(rc, "quantize_q8")
+    return codes, scales, sums

@@ -75,7 +75,8 @@ def load_checkpoint(
 
     With `quantization` auto or int4, a GGUF's Q4_0, Q4_1 and Q4_K decoder matrices are kept as the int4
     they are, the file's own codes and block scales; other types are dequantized (auto serves them so, int4
-    and int8 have the model quantize them itself)."""
+    and int8 have the model quantize them itself); w4a8 keeps the 4-bit blocks as auto does and holds the
+    other types as int8 per channel (an explicit re-quantization)."""
     quant.check_mode(quantization)
     p = existing(path)
     if p.is_file() and p.suffix in PICKLE_SUFFIXES:

@@ -192,8 +192,9 @@ def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
     (models/quant.py: quantizer)."""
     qtype = t.tensor_type.name
     if (
-        quantization not in ("auto", "int4")
-        or qtype not in GGUF_INT4_TYPES
+        quantization not in ("auto", "int4", "w4a8")
+        or (quantization != "w4a8" and qtype not in GGUF_INT4_TYPES)
+        or qtype in ("F32", "F16", "BF16")
         or len(t.shape) != 2
         or not t.name.startswith("blk.")
     ):

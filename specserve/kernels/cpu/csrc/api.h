@@ -19,6 +19,8 @@ constexpr int kPathAttentionF32 = 1;   // float32 attention on AVX2 + FMA, queri
 constexpr int kPathAttentionBf16 = 2;  // bfloat16 attention on AVX512-BF16, queries of any length
 constexpr int kPathQuantF32 = 4;       // int8 / int4 / dense panel products for float32, AVX2 + FMA
 constexpr int kPathQuantBf16 = 8;      // int8 / int4 / dense panel products for bfloat16, AVX512-BF16
+constexpr int kPathIntDot = 16;        // w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
+constexpr int kPathIntDotVnni = 32;    // ... on AVX512-VNNI's vpdpbusd
 
 extern "C" {
 
@@ -69,6 +71,20 @@ int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const 
                              int64_t os, int num_threads);
 int specserve_bf16_matmul(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* panels, int64_t n,
                           int64_t k, uint16_t* out, int64_t os, int num_threads);
+
+// matmul_q8.cpp: activations quantized per 32 inputs, integer products (float32 or bfloat16 x and out)
+int specserve_quantize_q8(const void* x, int64_t xs, int64_t rows, int64_t k, int8_t* codes, float* scales,
+                          int32_t* sums, int dtype, int num_threads);
+int specserve_w8a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
+                          int64_t n, int64_t k, float* out, int64_t os, int num_threads);
+int specserve_w8a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                               const float* scales, int64_t n, int64_t k, uint16_t* out, int64_t os,
+                               int num_threads);
+int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
+                          const float* offsets, int64_t n, int64_t k, float* out, int64_t os, int num_threads);
+int specserve_w4a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                               const float* scales, const float* offsets, int64_t n, int64_t k, uint16_t* out,
+                               int64_t os, int num_threads);
 
 // bitmask.cpp
 int specserve_apply_bitmask(float* logits, int64_t logits_stride, int64_t vocab, const int32_t* bitmask,

@@ -18,5 +18,11 @@ extern "C" int specserve_paths() {
 #ifdef SPECSERVE_QUANT_BF16_PATH
   paths |= kPathQuantBf16;
 #endif
+#ifdef SPECSERVE_INT_DOT_PATH
+  paths |= kPathIntDot;
+#endif
+#ifdef SPECSERVE_INT_DOT_VNNI
+  paths |= kPathIntDotVnni;
+#endif
   return paths;
 }

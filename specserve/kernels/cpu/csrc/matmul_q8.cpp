@@ -1,0 +1,285 @@
+// Integer products with activations quantized right before them (w8a8, w4a8): each row of x becomes int8
+// codes with a float32 scale per 32 inputs (llama.cpp's Q8_0), the weights stay int8 per output channel or
+// int4 per group of 32, and each block's dot product is an exact integer sum; the scales are applied in
+// float32 in a fixed order, which kernels/reference_a8.py spells out in torch and the tests hold every build
+// variant to bit for bit.
+//
+// Weights come in tiles of 16 outputs, 4 inputs a 32-bit lane (the vpdpbusd operand): w8a8 [n / 16][k / 4]
+// [16][4] bytes of code + 128 (unsigned, as vpdpbusd's first operand wants), w4a8 [n / 16][k / 8][16][4]
+// bytes whose low nibbles are inputs 8t..8t+3 and high nibbles 8t+4..8t+7. AVX512-VNNI runs a tile in one
+// register (vpdpbusd); AVX2 runs its two halves of 8 outputs (vpmaddubsw + vpmaddwd, llama.cpp's sign trick
+// for int8: |x| times w signed by x, which needs codes in -127..127, as the quantizers give); other builds
+// run the same layout in plain loops.
+//
+// Per block b of row r (xd: its scale, xs: the sum of its codes, dot: the integer sum for output j):
+//   w8a8: acc += xd * dot, then out = acc * scale[j]
+//   w4a8: acc += xd * (scale[j, b] * dot + offset[j, b] * xs), offset = zero - 8 * scale
+// each product rounded to float32 on its own (no fused multiply-add), blocks summed in input order.
+#include "api.h"
+#include "common.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECSERVE_INT_DOT_VNNI 1
+#define SPECSERVE_INT_DOT_PATH 1
+#elif defined(__AVX2__)
+#define SPECSERVE_INT_DOT_PATH 1
+#endif
+
+namespace {
+
+constexpr int64_t kQ8Block = 32;
+constexpr int64_t kQ8Tile = 16;
+// rows a tile's pass keeps in registers: a tile's weights (16 x k bytes) stay in L1 across the passes
+constexpr int kQ8Rows = 4;
+
+// A step's activations quantized: codes [rows][k], per block scales and code sums [rows][k / 32].
+struct Q8Rows {
+  const int8_t* codes;
+  const float* scales;
+  const int32_t* sums;
+  int64_t k, nb;
+};
+
+// Q8_0: d = amax / 127 (as amax times float32 1/127), codes round(x / d) half to even, clamped to +-127.
+template <typename T>
+void quantize_q8(const T* x, int64_t xs, int64_t rows, int64_t k, int8_t* codes, float* scales, int32_t* sums,
+                 int num_threads) {
+  constexpr float kInv127 = 1.0f / 127.0f;
+  const int64_t nb = k / kQ8Block;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(rows, k))
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[kQ8Block];
+      float amax = 0.f;
+      for (int i = 0; i < kQ8Block; ++i) {
+        v[i] = load(x + r * xs, b * kQ8Block + i);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      // rounded(): -ffast-math would otherwise fold 1 / (amax * (1 / 127)) into 127 / amax, another value
+      const float d = rounded(amax * kInv127);
+      const float id = d > 0.f ? rounded(1.f / d) : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < kQ8Block; ++i) {
+        const float q = std::min(127.f, std::max(-127.f, std::nearbyint(v[i] * id)));
+        codes[r * k + b * kQ8Block + i] = static_cast<int8_t>(q);
+        sum += static_cast<int32_t>(q);
+      }
+      scales[r * nb + b] = d;
+      sums[r * nb + b] = sum;
+    }
+}
+
+inline int32_t four_codes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One tile of 16 outputs for rows [r0, r0 + R): res[r][j], in the arithmetic above. W4 picks the int4 form.
+#ifdef SPECSERVE_INT_DOT_VNNI
+template <int R, bool W4>
+inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* scales, const float* offsets,
+                    float (*res)[kQ8Tile]) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    const int8_t* xb = a.codes + r0 * a.k + b * kQ8Block;
+    if constexpr (W4) {
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v = _mm512_loadu_si512(w + (b * 4 + q) * 64);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xb + r * a.k + q * 8;
+          dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(four_codes(x)));
+          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(four_codes(x + 4)));
+        }
+      }
+      const __m512 s = _mm512_loadu_ps(scales + b * kQ8Tile), o = _mm512_loadu_ps(offsets + b * kQ8Tile);
+      for (int r = 0; r < R; ++r) {
+        const int64_t blk = (r0 + r) * a.nb + b;
+        const __m512 sd = rounded(_mm512_mul_ps(s, _mm512_cvtepi32_ps(dot[r])));
+        const __m512 os = rounded(_mm512_mul_ps(o, _mm512_set1_ps(static_cast<float>(a.sums[blk]))));
+        const __m512 t = _mm512_add_ps(sd, os);
+        acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), t)));
+      }
+    } else {
+      for (int q = 0; q < 8; ++q) {
+        const __m512i v = _mm512_loadu_si512(w + (b * 8 + q) * 64);
+        for (int r = 0; r < R; ++r)
+          dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(four_codes(xb + r * a.k + q * 4)));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t blk = (r0 + r) * a.nb + b;
+        // the codes were stored + 128: take 128 times the block's activation sum back off
+        const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * a.sums[blk]));
+        const __m512 p = rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), _mm512_cvtepi32_ps(exact)));
+        acc[r] = _mm512_add_ps(acc[r], p);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (!W4) acc[r] = _mm512_mul_ps(acc[r], _mm512_loadu_ps(scales));
+    _mm512_storeu_ps(res[r], acc[r]);
+  }
+}
+#elif defined(SPECSERVE_INT_DOT_PATH)
+// AVX2: the tile's two halves of 8 outputs in turn (bytes [0, 32) and [32, 64) of each 64-byte group).
+template <int R, bool W4>
+inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* scales, const float* offsets,
+                    float (*res)[kQ8Tile]) {
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < a.nb; ++b) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      const int8_t* xb = a.codes + r0 * a.k + b * kQ8Block;
+      if constexpr (W4) {
+        for (int q = 0; q < 4; ++q) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 4 + q) * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          for (int r = 0; r < R; ++r) {
+            const int8_t* x = xb + r * a.k + q * 8;
+            // codes 0..15 times |x| <= 127: a pair's sum stays far inside int16
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(four_codes(x)));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(four_codes(x + 4)));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+          }
+        }
+        const __m256 s = _mm256_loadu_ps(scales + b * kQ8Tile + h * 8);
+        const __m256 o = _mm256_loadu_ps(offsets + b * kQ8Tile + h * 8);
+        for (int r = 0; r < R; ++r) {
+          const int64_t blk = (r0 + r) * a.nb + b;
+          const __m256 sd = rounded(_mm256_mul_ps(s, _mm256_cvtepi32_ps(dot[r])));
+          const __m256 os = rounded(_mm256_mul_ps(o, _mm256_set1_ps(static_cast<float>(a.sums[blk]))));
+          const __m256 t = _mm256_add_ps(sd, os);
+          acc[r] = _mm256_add_ps(acc[r], rounded(_mm256_mul_ps(_mm256_set1_ps(a.scales[blk]), t)));
+        }
+      } else {
+        for (int q = 0; q < 8; ++q) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (b * 8 + q) * 64 + h * 32));
+          const __m256i ws = _mm256_xor_si256(v, flip);  // code + 128 back to the signed code
+          for (int r = 0; r < R; ++r) {
+            const __m256i x = _mm256_set1_epi32(four_codes(xb + r * a.k + q * 4));
+            // |x| times w signed by x: both within +-127, so a pair's sum fits int16
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(ws, x));
+            dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(p, ones));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const int64_t blk = (r0 + r) * a.nb + b;
+          const __m256 p = rounded(_mm256_mul_ps(_mm256_set1_ps(a.scales[blk]), _mm256_cvtepi32_ps(dot[r])));
+          acc[r] = _mm256_add_ps(acc[r], p);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      if constexpr (!W4) acc[r] = _mm256_mul_ps(acc[r], _mm256_loadu_ps(scales + h * 8));
+      _mm256_storeu_ps(res[r] + h * 8, acc[r]);
+    }
+  }
+}
+#else
+template <int R, bool W4>
+inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* scales, const float* offsets,
+                    float (*res)[kQ8Tile]) {
+  float acc[R][kQ8Tile] = {};
+  for (int64_t b = 0; b < a.nb; ++b)
+    for (int r = 0; r < R; ++r) {
+      const int8_t* x = a.codes + (r0 + r) * a.k + b * kQ8Block;
+      const int64_t blk = (r0 + r) * a.nb + b;
+      for (int j = 0; j < kQ8Tile; ++j) {
+        int32_t dot = 0;
+        for (int i = 0; i < kQ8Block; ++i) {
+          int32_t c;
+          if constexpr (W4) {
+            const uint8_t byte = w[((b * 4 + i / 8) * kQ8Tile + j) * 4 + i % 4];
+            c = (i % 8 < 4) ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            c = static_cast<int32_t>(w[((b * 8 + i / 4) * kQ8Tile + j) * 4 + i % 4]) - 128;
+          }
+          dot += c * x[i];
+        }
+        if constexpr (W4) {
+          const float sd = rounded(scales[b * kQ8Tile + j] * static_cast<float>(dot));
+          const float os = rounded(offsets[b * kQ8Tile + j] * static_cast<float>(a.sums[blk]));
+          acc[r][j] = acc[r][j] + rounded(a.scales[blk] * (sd + os));
+        } else {
+          acc[r][j] = acc[r][j] + rounded(a.scales[blk] * static_cast<float>(dot));
+        }
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < kQ8Tile; ++j) res[r][j] = W4 ? acc[r][j] : acc[r][j] * scales[j];
+}
+#endif
+
+// x [rows, k] (row stride xs) times the tiled matrix -> out [rows, n] (row stride os), in T.
+template <bool W4, typename T>
+int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
+              const float* offsets, int64_t n, int64_t k, T* out, int64_t os, int num_threads) {
+  if (rows < 1 || n < kQ8Tile || n % kQ8Tile != 0 || k < kQ8Block || k % kQ8Block != 0) return kBadArguments;
+  const int64_t nb = k / kQ8Block;
+  std::vector<int8_t> codes(rows * k);
+  std::vector<float> xd(rows * nb);
+  std::vector<int32_t> sums(rows * nb);
+  quantize_q8(x, xs, rows, k, codes.data(), xd.data(), sums.data(), num_threads);
+  const Q8Rows a{codes.data(), xd.data(), sums.data(), k, nb};
+  const int64_t tile_bytes = kQ8Tile * (W4 ? k / 2 : k);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
+  for (int64_t t = 0; t < n / kQ8Tile; ++t) {
+    const uint8_t* w = tiles + t * tile_bytes;
+    const float* s = W4 ? scales + t * nb * kQ8Tile : scales + t * kQ8Tile;
+    const float* o = W4 ? offsets + t * nb * kQ8Tile : nullptr;
+    float res[kQ8Rows][kQ8Tile];
+    for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
+      const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
+      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, W4>(a, r0, w, s, o, res); });
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
+    }
+  }
+  return kOk;
+}
+
+}  // namespace
+
+extern "C" int specserve_quantize_q8(const void* x, int64_t xs, int64_t rows, int64_t k, int8_t* codes,
+                                     float* scales, int32_t* sums, int dtype, int num_threads) {
+  if (rows < 1 || k < kQ8Block || k % kQ8Block != 0) return kBadArguments;
+  if (dtype == 0)
+    quantize_q8(static_cast<const float*>(x), xs, rows, k, codes, scales, sums, num_threads);
+  else if (dtype == 1)
+    quantize_q8(static_cast<const uint16_t*>(x), xs, rows, k, codes, scales, sums, num_threads);
+  else
+    return kNotInBuild;
+  return kOk;
+}
+
+extern "C" int specserve_w8a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                     const float* scales, int64_t n, int64_t k, float* out, int64_t os,
+                                     int num_threads) {
+  return q8_matmul<false>(x, xs, rows, tiles, scales, nullptr, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w8a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                          const float* scales, int64_t n, int64_t k, uint16_t* out, int64_t os,
+                                          int num_threads) {
+  return q8_matmul<false>(x, xs, rows, tiles, scales, nullptr, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                     const float* scales, const float* offsets, int64_t n, int64_t k, float* out,
+                                     int64_t os, int num_threads) {
+  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w4a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                          const float* scales, const float* offsets, int64_t n, int64_t k,
+                                          uint16_t* out, int64_t os, int num_threads) {
+  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+}
