@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "models":
         return _models()
     if ns.command in ("serve", "worker", "api"):
+        from specserve.engine.cpu_tuning import default_wait_policy
+
+        default_wait_policy()  # before anything loads torch, and libgomp with it
         from specserve.models.config import UnsupportedModel
         from specserve.service.launch import run
 
