@@ -188,10 +188,13 @@ def size_thread_team(budget: CpuBudget | None = None, ranks: int = 1) -> int:
     return threads
 
 
-# libgomp spins this many times at a barrier before it sleeps on a futex. Between a step's regions the gap
-# is tens of microseconds, which a short spin still covers; a thread waiting longer than that is waiting for
-# a descheduled one, and sleeping hands it the core.
-SPIN_COUNT = 10_000
+# libgomp spins this many times at a barrier before it sleeps on a futex: its own count for a team it knows
+# to be larger than its CPUs, which on a shared node it cannot know. About 50 us with a slow `pause`: the
+# gaps between the regions of a step (microseconds) are still spun over, a thread waiting longer waits for
+# a descheduled one and hands it the core. The smoke run of bench/contention.py (AMX Xeon, 2 cores, a
+# machine at load ~17, indicative only), 4 requests x 8 tokens beside a busy loop: 32.7 s with libgomp's
+# default, 16.0 s at GOMP_SPINCOUNT=10000, 2.9 s with OMP_WAIT_POLICY=passive.
+SPIN_COUNT = 1_000
 
 
 def default_wait_policy(environ: MutableMapping[str, str] | None = None) -> bool:
