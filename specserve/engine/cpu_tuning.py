@@ -193,7 +193,9 @@ def size_thread_team(budget: CpuBudget | None = None, ranks: int = 1) -> int:
 # gaps between the regions of a step (microseconds) are still spun over, a thread waiting longer waits for
 # a descheduled one and hands it the core. The smoke run of bench/contention.py (AMX Xeon, 2 cores, a
 # machine at load ~17, indicative only), 4 requests x 8 tokens beside a busy loop: 32.7 s with libgomp's
-# default, 16.0 s at GOMP_SPINCOUNT=10000, 2.9 s with OMP_WAIT_POLICY=passive.
+# default, 16.0 s at GOMP_SPINCOUNT=10000, 2.9 s with OMP_WAIT_POLICY=passive. README's `LLM` example on
+# the same loaded machine, 8 prompts x 32 tokens in float32: 136 s (OMP_WAIT_POLICY=active), 152 s (300,000
+# spins, libgomp's default) and 11 s, 8 s (this count, run second and last).
 SPIN_COUNT = 1_000
 
 
