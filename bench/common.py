@@ -16,6 +16,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,11 +182,15 @@ def run_vllm(
     ttft: bool = False,
     structured_outputs: dict[str, Any] | None = None,
     return_outputs: bool = False,
+    wrap: list[str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> PeerResult:
     """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir.
 
     structured_outputs: a JSON schema every request is generated under (EOS then ends them, not max_tokens);
-    return_outputs: each run also carries "outputs", [{token_ids, text}] in request order."""
+    return_outputs: each run also carries "outputs", [{token_ids, text}] in request order; wrap: a command
+    prefix (e.g. systemd-run's) and preexec_fn: run in the child before it execs (e.g. joining a cgroup), both
+    for constraining the peer as our engine is constrained."""
     spec = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -218,12 +223,19 @@ def run_vllm(
         t0 = time.monotonic()
         with open(log, "w") as log_fh:
             proc = subprocess.run(
-                [str(python), str(Path(__file__).with_name("vllm_peer.py")), spec_path, result_path],
+                [
+                    *(wrap or []),
+                    str(python),
+                    str(Path(__file__).with_name("vllm_peer.py")),
+                    spec_path,
+                    result_path,
+                ],
                 stdout=log_fh,
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=tempfile.gettempdir(),  # keep vLLM from importing this repo's modules by accident
                 timeout=timeout,
+                preexec_fn=preexec_fn,
             )
         if proc.returncode != 0:
             raise RuntimeError(

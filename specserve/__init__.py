@@ -19,6 +19,9 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
+        from specserve.engine.cpu_tuning import default_wait_policy
+
+        default_wait_policy()  # before the engine's import loads torch, and libgomp with it
         from specserve.engine.llm import LLM
 
         return LLM

@@ -1,8 +1,19 @@
-"""Allocator tuning for the CPU path.
+"""CPU tuning: the thread team, OpenMP's wait policy, and the allocator.
 
-Every layer allocates and frees K/V gathers and activations of megabytes. glibc serves blocks that large
-with fresh mmap()s and returns them on free, so each one page-faults its memory in again: several ms per
-layer. Raising the mmap and trim thresholds keeps freed memory in the heap for reuse (what vLLM's CPU
+Threads. A parallel region (torch's ops and our kernels share one libgomp team) ends when its slowest thread
+does, so a team larger than the CPUs the process may really use waits, every region, for a thread the OS has
+descheduled. The team is sized to the CPUs of the affinity mask and to the cgroup's CPU quota (what a
+Kubernetes CPU limit sets): `CpuBudget.read()`. OMP_NUM_THREADS, where set, is left to rule.
+
+Waiting. libgomp's threads spin 300,000 times at each barrier before they sleep (milliseconds on a core with a
+slow `pause`), unless the team is larger than the affinity mask. With a busy neighbour on the same cores,
+that spinning takes the time slice the thread still working needs, and every region stalls.
+`default_wait_policy()` lowers the spin before libgomp starts (it reads its environment once, when torch is
+imported): `serve`, `worker` and `specserve.LLM` call it first.
+
+Allocator. Every layer allocates and frees K/V gathers and activations of megabytes. glibc serves blocks
+that large with fresh mmap()s and returns them on free, so each one page-faults its memory in again: several
+ms per layer. Raising the mmap and trim thresholds keeps freed memory in the heap for reuse (what vLLM's CPU
 backend gets from preloading tcmalloc). Linux/glibc only; SPECSERVE_KEEP_MALLOC=1 leaves malloc alone.
 """
 
@@ -10,8 +21,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import math
 import os
 import sys
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -53,3 +71,139 @@ def keep_freed_memory_in_heap() -> bool:
     """Called after the model is loaded: a load's transients are freed for good, a step's are reused."""
     # glibc caps the mmap threshold at 32 MiB on 64-bit (HEAP_MAX/2); larger blocks still come from mmap.
     return _set_thresholds(32 << 20, 1 << 30)
+
+
+# ---------------------------------------------------------------- the thread team
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """The CPUs this process may use: its affinity mask and the cgroup's quota in cores (None: no quota)."""
+
+    affinity: int
+    quota: float | None = None
+
+    @classmethod
+    def read(cls, root: Path = Path("/"), affinity: int | None = None) -> CpuBudget:
+        """This process's budget; `root` is where /proc and /sys/fs/cgroup are found (tests point it at a
+        fake tree, and pass `affinity`)."""
+        if affinity is None:
+            affinity = (
+                len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            )
+        return cls(affinity, cgroup_cpu_quota(root))
+
+    @property
+    def cores(self) -> float:
+        return min(float(self.affinity), self.quota) if self.quota is not None else float(self.affinity)
+
+    @property
+    def threads(self) -> int:
+        """The team: the quota rounded half up, at least one thread, at most one per CPU of the mask.
+
+        A quota throttles the whole cgroup at once when it runs out, so a team rounded up does not straggle
+        against itself: its threads are stopped together, and meanwhile it used the fraction a team rounded
+        down leaves idle (1.5 cores: two threads get 1.5 cores' work done per period, one thread 1.0). Below
+        half a core over, the fraction is left to the process's other threads (the API, tokenizing)."""
+        if self.quota is None:
+            return max(1, self.affinity)
+        return max(1, min(self.affinity, math.floor(self.quota + 0.5)))
+
+    def describe(self) -> str:
+        quota = "no CPU quota" if self.quota is None else f"a CPU quota of {self.quota:g} cores"
+        return f"{self.affinity} CPUs in the affinity mask, {quota}"
+
+
+def _quota_v2(directory: Path) -> float | None:
+    """cpu.max: "$MAX $PERIOD", where $MAX is "max" when unlimited."""
+    fields = (directory / "cpu.max").read_text().split()
+    if len(fields) != 2 or fields[0] == "max":
+        return None
+    quota, period = int(fields[0]), int(fields[1])
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _quota_v1(directory: Path) -> float | None:
+    """cpu.cfs_quota_us ("-1" when unlimited) over cpu.cfs_period_us."""
+    quota = int((directory / "cpu.cfs_quota_us").read_text().strip())
+    period = int((directory / "cpu.cfs_period_us").read_text().strip())
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def _levels(mount: Path, cgroup_path: str) -> list[Path]:
+    """The process's cgroup directory and each one above it up to the mount, those that exist. Inside a
+    container the path /proc shows may name directories the container's mount does not have (its root is
+    the container's own group): those are skipped, the mount's root is still read."""
+    parts = [p for p in cgroup_path.strip().split("/") if p]
+    levels = [mount.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+    return [d for d in levels if d.is_dir()]
+
+
+def cgroup_cpu_quota(root: Path = Path("/")) -> float | None:
+    """The tightest CPU quota, in cores, over the process's cgroup and its ancestors, cgroup v2 (cpu.max)
+    and v1 (cpu.cfs_quota_us / cpu.cfs_period_us) both; None when there is none or nothing can be read."""
+    try:
+        membership = (root / "proc/self/cgroup").read_text().splitlines()
+        mounts = (root / "proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in membership:
+        hierarchy = line.split(":", 2)
+        if len(hierarchy) != 3:
+            continue
+        _, controllers, path = hierarchy
+        for mount_line in mounts:
+            fields = mount_line.split()
+            if len(fields) < 4:
+                continue
+            if controllers == "" and fields[2] == "cgroup2":
+                version = 2
+            elif "cpu" in controllers.split(",") and fields[2] == "cgroup" and "cpu" in fields[3].split(","):
+                version = 1
+            else:
+                continue
+            for directory in _levels(root / fields[1].lstrip("/"), path):
+                try:
+                    quota = _quota_v2(directory) if version == 2 else _quota_v1(directory)
+                except (OSError, ValueError):  # a level without the files, or junk in them: no quota there
+                    continue
+                if quota is not None:
+                    quotas.append(quota)
+    return min(quotas) if quotas else None
+
+
+def size_thread_team(budget: CpuBudget | None = None, ranks: int = 1) -> int:
+    """Set torch's (and so our kernels') team to the budget, split over `ranks` processes sharing it; an
+    OMP_NUM_THREADS the operator set is left as it is. Returns the team size in force."""
+    import torch
+
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = max(1, torch.get_num_threads() // ranks) if ranks > 1 else torch.get_num_threads()
+    else:
+        budget = budget or CpuBudget.read()
+        threads = max(1, budget.threads // ranks)
+        log.info("CPU threads: %d (%s)", threads, budget.describe())
+    torch.set_num_threads(threads)
+    return threads
+
+
+# libgomp spins this many times at a barrier before it sleeps on a futex: its own count for a team it knows
+# to be larger than its CPUs, which on a shared node it cannot know. About 50 us with a slow `pause`: the
+# gaps between the regions of a step (microseconds) are still spun over, a thread waiting longer waits for
+# a descheduled one and hands it the core. The smoke run of bench/contention.py (AMX Xeon, 2 cores, a
+# machine at load ~17, indicative only), 4 requests x 8 tokens beside a busy loop: 32.7 s with libgomp's
+# default, 16.0 s at GOMP_SPINCOUNT=10000, 2.9 s with OMP_WAIT_POLICY=passive. README's `LLM` example on
+# the same loaded machine, 8 prompts x 32 tokens in float32: 136 s (OMP_WAIT_POLICY=active), 152 s (300,000
+# spins, libgomp's default) and 11 s, 8 s (this count, run second and last).
+SPIN_COUNT = 1_000
+
+
+def default_wait_policy(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Set GOMP_SPINCOUNT to SPIN_COUNT unless the operator chose a wait policy (OMP_WAIT_POLICY or
+    GOMP_SPINCOUNT). True when it was set in time: libgomp reads its environment when torch loads it."""
+    environ = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ:
+        return False
+    environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+    return "torch" not in sys.modules

@@ -27,6 +27,7 @@ from specserve.engine.cpu_tuning import (
     keep_freed_memory_in_heap,
     release_freed_memory,
     return_freed_memory_at_once,
+    size_thread_team,
 )
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.errors import InvalidParameter
@@ -153,6 +154,8 @@ class LLMEngine:
             self.tokenizer.chat_template = config.chat_template
         self.ranks = RankGroup(tp_size, spec) if tp_size > 1 else None
         if self.device.type == "cpu":
+            if self.ranks is None:  # the ranks size theirs as they start
+                size_thread_team()
             return_freed_memory_at_once()
         try:
             self.model, hf_config = build_model(spec, self.ranks.tp if self.ranks else None)

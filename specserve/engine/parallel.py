@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -25,6 +24,7 @@ from specserve.engine.cpu_tuning import (
     keep_freed_memory_in_heap,
     release_freed_memory,
     return_freed_memory_at_once,
+    size_thread_team,
 )
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.models.config import ModelConfig
@@ -51,11 +51,6 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
 
 
-def threads_per_rank(size: int) -> int:
-    """On CPU the ranks share the machine's cores: each takes its part, or they would oversubscribe them."""
-    return max(1, len(os.sched_getaffinity(0)) // size)
-
-
 def build_model(spec: ModelSpec, tp: TensorParallel | None) -> tuple[LlamaModel, dict[str, Any]]:
     """Load the checkpoint and build this rank's model; also the checkpoint's HF config."""
     device = rank_device(spec.device, tp.rank if tp else 0)
@@ -79,7 +74,7 @@ def _rank_main(rank: int, size: int, port: int, spec: ModelSpec, conn: Connectio
     """A rank other than 0: join, build, allocate its cache, then run every step rank 0 sends."""
     try:
         if spec.device != "cuda":
-            torch.set_num_threads(threads_per_rank(size))
+            size_thread_team(ranks=size)  # the ranks share the CPUs: each takes its part
             return_freed_memory_at_once()
         tp = join_group(port, rank, size, rank_device(spec.device, rank))
         model, _ = build_model(spec, tp)
@@ -141,7 +136,7 @@ class RankGroup:
             self.procs.append(proc)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
         if spec.device != "cuda":
-            torch.set_num_threads(threads_per_rank(size))
+            size_thread_team(ranks=size)  # the ranks share the CPUs: each takes its part
         self.tp = join_group(store, 0, size, rank_device(spec.device, 0))
 
     def _await_ready(self) -> None:

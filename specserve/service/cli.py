@@ -242,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"error: {e}\n")
             return 2
     if ns.command in ("serve", "worker", "api"):
+        from specserve.engine.cpu_tuning import default_wait_policy
+
+        default_wait_policy()  # before anything loads torch, and libgomp with it
         from specserve.models.config import UnsupportedModel
         from specserve.service.launch import run
 

@@ -80,7 +80,7 @@ extern "C" int specserve_int4_matmul(const float* x, int64_t x_stride, int64_t r
 // int8 code * scale, int4 code * scale + offset, as the products above use them.
 extern "C" int specserve_int8_widen(const int8_t* codes, const float* scales, int64_t n, int64_t k, float* out,
                                     int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < k; ++i) out[j * k + i] = static_cast<float>(codes[j * k + i]) * scales[j];
   return kOk;
@@ -90,7 +90,7 @@ extern "C" int specserve_int4_widen(const uint8_t* packed, const float* scales, 
                                     int64_t n, int64_t k, float* out, int num_threads) {
   if (k % 32 != 0) return kBadArguments;
   const int64_t groups = k / 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j)
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = packed + (j * groups + g) * 16;

@@ -252,7 +252,7 @@ void q4_bf16_rows(const uint16_t* xi, int64_t xis, const uint8_t* packed, const 
                   const float* offsets, int64_t n, int64_t k, const float* xsum, uint16_t* out, int64_t os,
                   int num_threads) {
   const int64_t groups = k / 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= (int64_t{1} << 16))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (n * k >= (int64_t{1} << 16))
   for (int64_t j = 0; j < n; ++j) {
     if (j + kRowsAhead < n) {  // as q4_rows: a row's codes, scales and offsets are three short streams
       prefetch(packed + (j + kRowsAhead) * groups * 16, groups * 16);

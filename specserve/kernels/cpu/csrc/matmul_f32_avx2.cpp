@@ -106,7 +106,7 @@ template <int R>
 void q8g_rows(const float* x, int64_t xs, const int8_t* codes, const float* scales, int64_t n, int64_t k,
               float* out, int64_t os, int num_threads) {
   const int64_t groups = k / 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j) {
     if (j + kRowsAhead < n) {
       prefetch(codes + (j + kRowsAhead) * k, k);
@@ -172,7 +172,7 @@ void q8_rows(const float* x, int64_t xs, const int8_t* codes, const float* scale
     }
     return;
   }
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j) q8_row<R>(x, xs, codes + j * k, k, scales[j], out + j, os);
 }
 
@@ -180,7 +180,7 @@ template <int R>
 void q4_rows(const float* x, int64_t xs, const uint8_t* packed, const float* scales, const float* offsets,
              int64_t n, int64_t k, const float* gsum, float* out, int64_t os, int num_threads) {
   const int64_t groups = k / 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j) {
     if (j + kRowsAhead < n) {
       prefetch(packed + (j + kRowsAhead) * groups * 16, groups * 16);

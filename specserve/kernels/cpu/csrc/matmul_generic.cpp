@@ -6,7 +6,7 @@ namespace {
 
 void q8_generic(const float* x, int64_t xs, int64_t rows, const int8_t* codes, const float* scales, int64_t n,
                 int64_t k, float* out, int64_t os, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < rows; ++r) {
       const int8_t* w = codes + j * k;
@@ -20,7 +20,7 @@ void q8_generic(const float* x, int64_t xs, int64_t rows, const int8_t* codes, c
 void q8g_generic(const float* x, int64_t xs, int64_t rows, const int8_t* codes, const float* scales, int64_t n,
                  int64_t k, float* out, int64_t os, int num_threads) {
   const int64_t groups = k / 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * xs;
@@ -39,7 +39,7 @@ void q4_generic(const float* x, int64_t xs, int64_t rows, const uint8_t* packed,
                 const float* offsets, int64_t n, int64_t k, const float* gsum, float* out, int64_t os,
                 int num_threads) {
   const int64_t groups = k / 32;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n, k))
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, kRowsPerClaim) if (threaded_for(n, k))
   for (int64_t j = 0; j < n; ++j)
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * xs;
