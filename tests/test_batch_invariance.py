@@ -1,8 +1,8 @@
-"""Batch-invariant decoding (the engine's default `batch_invariant`): a request's tokens and logprobs are the
-same bit for bit whether it runs alone or beside 1..63 random mates, in one prefill chunk or many, from a
-cached prefix or not, and with speculation off, n-gram or a draft model at any k, in float32 and bf16, dense
-and quantized. The model has 64-wide heads, so the C++ attention's fast paths (decode, verify, prefill
-tiles) run, and weights spread so that logits are far apart."""
+"""Batch-invariant decoding (the engine's `batch_invariant`, off by default for its cost): a request's
+tokens and logprobs are the same bit for bit whether it runs alone or beside 1..63 random mates, in one
+prefill chunk or many, from a cached prefix or not, and with speculation off, n-gram or a draft model at any
+k, in float32 and bf16, dense and quantized. The model has 64-wide heads, so the C++ attention's fast paths
+(decode, verify, prefill tiles) run, and weights spread so that logits are far apart."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _seen(out: RequestOutput) -> tuple:
 @pytest.mark.parametrize("quantization", ["none", "int4", "int8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_request_decodes_alike_whatever_its_step_holds(model_dir: Path, dtype: str, quantization: str):
-    kw = dict(dtype=dtype, quantization=quantization, num_kv_blocks=512)
+    kw = dict(dtype=dtype, quantization=quantization, num_kv_blocks=512, batch_invariant=True)
     llm = LLM(str(model_dir), **kw)
     assert llm.engine.model.batch_invariant
     ids = llm.tokenizer.encode(PROMPT)
@@ -107,14 +107,21 @@ def test_packed_matrices_give_each_row_its_one_row_result():
     ],
 )
 def test_the_demo_model_as_served_decodes_alike_at_every_speculation_k(prompt: str):
-    """The demo's Q4_1 GGUF in bf16 under `auto`, as `make serve` runs it: a chat prompt's greedy tokens and
+    """The demo's Q4_1 GGUF in bf16 under `auto` with `--batch-invariant`: a chat prompt's greedy tokens and
     logprobs with n-gram speculation at k = 1..8 equal those without (its int4 few-row product and a dense
     copy's panels for more rows parted them from k = 2)."""
     params = SamplingParams(max_tokens=48, temperature=0.0, logprobs=2)
-    plain = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=256)
+    plain = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=256, batch_invariant=True)
     ids = plain.engine.encode_chat([{"role": "user", "content": prompt}])
     want = _seen(plain.generate([ids], params)[0])
     for k in (1, 2, 3, 5, 8):
         spec = {"method": "ngram", "num_speculative_tokens": k}
-        llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=256, speculative_config=spec)
+        llm = LLM(
+            None,
+            dtype="bfloat16",
+            quantization="auto",
+            num_kv_blocks=256,
+            speculative_config=spec,
+            batch_invariant=True,
+        )
         assert _seen(llm.generate([ids], params)[0]) == want, k

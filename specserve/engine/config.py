@@ -58,7 +58,9 @@ class EngineConfig:
     # hits or speculation: each matrix runs one product form at every step size and attention one order of
     # sums per row (models/linear.py, kernels/cpu/csrc/attention.h). Off: forms chosen by the step's rows
     # for speed (a dense copy beside int4 for many rows, oneDNN's AMX tiles, float32 attention's key split).
-    batch_invariant: bool = True
+    # Off by default: on the demo model in bf16 it cost 6.4x on W1 at 64 in flight and 1.5-2.3x at batch 1
+    # (`bench/throughput.py --no-batch-invariant` A/B, AMX Xeon): prompts run in int4 passes of a few rows.
+    batch_invariant: bool = False
     # Ranks one engine's forward is split over (vLLM's name): processes on CPU (gloo), one GPU each on CUDA
     # (NCCL); engine/parallel.py and models/parallel.py.
     tensor_parallel_size: int = 1

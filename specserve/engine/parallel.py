@@ -44,7 +44,7 @@ class ModelSpec:
     device: str  # the device type: rank r takes cuda:r
     attention_backend: str
     quantization: str
-    batch_invariant: bool = True
+    batch_invariant: bool = False
 
 
 def rank_device(device: str, rank: int) -> torch.device:

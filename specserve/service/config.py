@@ -214,8 +214,8 @@ class ServiceConfig:
         "SPECSERVE_BATCH_INVARIANT",
         None,
         "a request's tokens and logprobs do not depend on its batch mates, chunking, prefix hits or "
-        "speculation: one matmul form per matrix at every step size (on by default; off picks faster forms "
-        "by the step's rows)",
+        "speculation: one matmul form per matrix at every step size (off by default: it costs several times "
+        "the throughput of forms picked by the step's rows, docs/benchmarks.md)",
         kind=bool,
     )
     tensor_parallel_size: int | None = _opt(

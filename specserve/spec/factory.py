@@ -27,7 +27,7 @@ class TargetInfo:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = False  # the draft's cache shares prefixes as the target's does
-    batch_invariant: bool = True  # the draft's distributions, which sampled verification reads, too
+    batch_invariant: bool = False  # the draft's distributions, which sampled verification reads, too
     # what an EAGLE-3 head reads of the target: its depth and width (the head must match them), its
     # embedding (a head saved without one takes it), and its block tables (the head's K/V rides on them)
     num_layers: int = 0
