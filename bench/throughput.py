@@ -300,8 +300,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="our engine's batch-invariant decoding (the default); --no-batch-invariant for the A/B",
+        default=False,
+        help="our engine's batch-invariant decoding (off, as the engine's default); --batch-invariant for the A/B",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 8 requests, <= 32 tokens, no vLLM")
     p.add_argument(
