@@ -301,7 +301,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--batch-invariant",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="our engine's batch-invariant decoding (off, as the engine's default); --batch-invariant for the A/B",
+        help="our engine's batch-invariant decoding (off, as the engine's default; on for the A/B)",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: 8 requests, <= 32 tokens, no vLLM")
     p.add_argument(
