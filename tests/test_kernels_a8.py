@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_kernels_quant import _variant
 
 from specserve.kernels import reference_a8 as ref
 
@@ -16,19 +17,6 @@ DTYPES = [torch.float32, torch.bfloat16]
 # 1..4 rows: one pass of a tile; 5..9 and 37: several passes and a remainder
 ROWS = [1, 2, 3, 4, 5, 8, 9, 37]
 SHAPES = [(16, 32), (48, 96), (576, 576)]
-
-
-def _variant(monkeypatch, isa: str):
-    from specserve.kernels import cpu
-
-    if cpu.build.load() is None:
-        pytest.skip("no C++ compiler")
-    if isa not in cpu.build.available_isas():
-        pytest.skip(f"this CPU cannot run the {isa} build")
-    lib = cpu.build.build_variant(isa)
-    monkeypatch.setattr(cpu.build, "_lib", lib)
-    monkeypatch.setattr(cpu.build, "_paths", int(lib.specserve_paths()))
-    return cpu
 
 
 def _cpu_flags() -> set[str]:

@@ -302,6 +302,19 @@ class Eagle3Head(nn.Module):
             rotary.to(positions.device)
         return rotary(x, positions)  # [B, T, head_dim] each
 
+    def layer_input(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's input [..., 2 * hidden] (the token's normed embedding beside the normed hidden
+        state) and the residual it adds its attention to (normed or not, as `norm_before_residual` says)."""
+        layer = self.layers[0]
+        embeds = layer.input_layernorm(self.embed_tokens(input_ids))
+        if self.cfg.norm_before_residual:
+            hidden = layer.hidden_norm(hidden)
+            residual = hidden
+        else:
+            residual = hidden
+            hidden = layer.hidden_norm(hidden)
+        return torch.cat([embeds, hidden], dim=-1), residual
+
     def _qkv(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -309,14 +322,7 @@ class Eagle3Head(nn.Module):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         cfg, layer = self.cfg, self.layers[0]
-        embeds = layer.input_layernorm(self.embed_tokens(input_ids))
-        if cfg.norm_before_residual:
-            hidden = layer.hidden_norm(hidden)
-            residual = hidden
-        else:
-            residual = hidden
-            hidden = layer.hidden_norm(hidden)
-        x = torch.cat([embeds, hidden], dim=-1)
+        x, residual = self.layer_input(input_ids, hidden)
         b, t, _ = x.shape
         attn = layer.self_attn
         q = attn.q_proj(x).view(b, t, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)

@@ -81,14 +81,8 @@ class PagedHead:
         input_ids, positions, attn_in, logit_rows = runner.prepare(entries)
         n = input_ids.shape[0]
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        embeds = layer.input_layernorm(head.embed_tokens(input_ids))
-        if cfg.norm_before_residual:
-            hidden = layer.hidden_norm(hidden)
-            residual = hidden
-        else:
-            residual = hidden
-            hidden = layer.hidden_norm(hidden)
-        qkv = F.linear(torch.cat([embeds, hidden], dim=-1), self.qkv)
+        x, residual = head.layer_input(input_ids, hidden)
+        qkv = F.linear(x, self.qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos, sin = head._cos_sin(qkv, positions[None])
         cos, sin = cos[0, :, None, :].to(self.dtype), sin[0, :, None, :].to(self.dtype)
