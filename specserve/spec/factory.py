@@ -27,13 +27,13 @@ class TargetInfo:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = False  # the draft's cache shares prefixes as the target's does
-    batch_invariant: bool = False  # the draft's distributions, which sampled verification reads, too
     # what an EAGLE-3 head reads of the target: its depth and width (the head must match them), its
     # embedding (a head saved without one takes it), and its block tables (the head's K/V rides on them)
     num_layers: int = 0
     hidden_size: int = 0
     embed: torch.Tensor | None = None
     block_table: Callable[[int], list[int]] | None = None
+    batch_invariant: bool = False  # the draft's distributions, which sampled verification reads, too
 
 
 def build_decoder(config: SpeculativeConfig, max_model_len: int, target: TargetInfo) -> SpeculativeDecoder:
