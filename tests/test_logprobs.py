@@ -104,10 +104,17 @@ def test_zero_gives_the_chosen_tokens_only_and_none_gives_nothing(model_dir):
     assert none.logprobs is None
 
 
-@pytest.mark.parametrize("bad", [-1, 21, 2.5, True, "5"])
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "5"])
 def test_out_of_range_is_refused_naming_the_field(bad):
     with pytest.raises(InvalidParameter) as e:
         SamplingParams(logprobs=bad)
+    assert e.value.field == "logprobs"
+
+
+def test_more_than_max_logprobs_is_refused_naming_the_field():
+    SamplingParams(logprobs=20).check_logprobs(20)
+    with pytest.raises(InvalidParameter) as e:
+        SamplingParams(logprobs=21).check_logprobs(20)
     assert e.value.field == "logprobs"
 
 
