@@ -28,6 +28,7 @@ class Context:
     deadline: float  # time.monotonic() by which the part should have returned
     log: Callable[[str], None] = print
     bandwidth_gbs: float | None = None  # measured device-to-device copy rate (read + write), once known
+    workload: Path | None = None  # W1 as JSONL rows {prompt, max_tokens} (the GPU machine's stdlib differs)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
