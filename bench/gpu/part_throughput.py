@@ -58,7 +58,6 @@ def ours(ctx: Context, w: Workload, in_flight: int) -> dict:
         "tokens": produced,
         "tok_s": produced / seconds,
         "steps": steps,
-        "weights": weight_bytes,
     }
 
 
