@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# What the lent GPU machine runs, from the checkout's root, with bench/gpu/pack.sh's folders beside it.
+#   bash bench/gpu/device.sh kernels   first call (carries .gpu/): the ceilings and the kernel part
+#   bash bench/gpu/device.sh model     second call on the same warm machine (carries .gpu-b/): the demo model
+#                                      joined, an EAGLE-3 head trained, then the engine, graph, throughput
+#                                      and worker parts
+# Everything worth keeping lands in $OUT (the device tool brings back at most 8 files of 16 MiB).
+set -u
+stage=${1:?stage: kernels or model}
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .gpu/whl/*.whl 2>&1 | tail -3
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gpu --format=csv
+GGUF=.gpu/SmolLM2-135M-Instruct.Q4_1.gguf
+case $stage in
+  kernels)
+    # the CPU library some engine paths import is built once here (cached in ~/.cache for the next call)
+    (python3 -c "from specserve.kernels.cpu import build; build.load()" > "$OUT/cpu-build.log" 2>&1 &)
+    timeout 240 python3 bench/gpu/run.py --out "$OUT" --parts env,kernels --budget-s 130
+    ;;
+  model)
+    if [ -f .gpu/model.part-a ] && [ -f .gpu-b/model.part-b ]; then
+      cat .gpu/model.part-a .gpu-b/model.part-b > "$GGUF"
+      echo "$(cat .gpu/model.sha256)  $GGUF" | sha256sum -c - || rm -f "$GGUF"
+    fi
+    if [ -f "$GGUF" ] && [ -f .gpu/eagle_prompts.jsonl ]; then
+      timeout 200 python3 tools/train_eagle.py --device cuda --target "$GGUF" \
+        --prompts .gpu/eagle_prompts.jsonl --out /tmp/eagle3 --work /tmp/eagle3-work \
+        --time-budget-min 2.5 > "$OUT/eagle-train.log" 2>&1
+      (cd /tmp && tar cf eagle3.tar eagle3 && split -b 15M eagle3.tar "$OUT/eagle3.tar.")
+    fi
+    timeout 380 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
+      --parts env,engine,graphs,throughput,worker --budget-s 350
+    ;;
+esac
+ls -la "$OUT"
