@@ -51,6 +51,8 @@ def _hf_greedy(model, ids_list: list[list[int]], new_tokens: int, device: torch.
 def _ours(path: str, ids_list, new_tokens: int, device: torch.device, dtype: str, method: str, **kw):
     from specserve import LLM, SamplingParams
 
+    if device.type == "cuda":  # a pool of its own size: the part builds many engines in one process
+        kw.setdefault("kv_cache_bytes", 1 << 30)
     llm = LLM(path, dtype=dtype, device=str(device), speculative_config=_spec(method, path), **kw)
     params = SamplingParams(
         max_tokens=new_tokens, temperature=0.0, ignore_eos=True, speculation=4 if method != "off" else "off"
