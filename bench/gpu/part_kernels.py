@@ -5,10 +5,11 @@ Exactness: every case draws fresh random inputs on the device, poisons what no s
 the tail of each last block, blocks wholly before a sliding window) and the output with NaN, runs
 triton_attention, and compares with reference.paged_attention on the same inputs upcast to float64:
 ||out - ref|| / ||ref|| under a bound per dtype, NaN never passing. The cases are built so that few kernel
-variants compile (Triton compiles once per constexpr combination and per integer specialisation): dtype x
-head size x block size is covered once each, with the GQA group rotating, and decode, verify, prefill and
-mixed batches of one combination share its two tile heights; block tables are padded to a width that is a
-multiple of 16 so that their stride never changes the specialisation. The count is reported.
+variants compile (Triton compiles once per constexpr combination and per integer specialisation): each
+dtype x head size, with the GQA group rotating, runs decode, verify, prefill and mixed batches at its two
+tile heights, the block size swapped between them; block tables are padded to a width that is a multiple of
+16 so that their stride never changes the specialisation. 38 variants by design; the run reports the count
+Triton compiled. Split-K, window, soft-cap and write_kv cases run first: few cases, many variants.
 
 Bandwidth: one decode query per sequence over a bf16 cache, timed with CUDA events (common.median_ms); the
 bytes counted are the K/V the kernel must read (seq_len x kv heads x head_dim x 2 x 2 bytes per sequence)
@@ -21,6 +22,7 @@ CPU) and times one tiny cell, which checks the script, not the kernels' speed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -149,37 +151,51 @@ class WriteCase:
 Case = AttentionCase | WriteCase
 
 
+def _sized(draft: AttentionCase, short_bs: int, tall_bs: int) -> AttentionCase:
+    """The block size that goes with the case's tile height (see _core_cases)."""
+    tall = draft.variant()[5]
+    return dataclasses.replace(draft, block_size=tall_bs if tall else short_bs)
+
+
 def _core_cases(smoke: bool, rng: random.Random) -> list[AttentionCase]:
-    """dtype x head size x block size once each, the group rotating; four batch shapes per combination."""
-    long_ctx, chunk = (60, 40) if smoke else (700, 300)
-    combos = list(itertools.product(DTYPES, HEAD_DIMS, BLOCK_SIZES))
+    """Every dtype x head size, the group rotating, each at both tile heights (short: decode and small
+    verify; tall: larger verify, prefill, mixed steps) with the block size swapped between the two, so that
+    every dtype x head size x block size appears while each combination compiles two variants, not four."""
+    long_ctx, chunk, reps = (60, 40, 1) if smoke else (700, 300, 2)
+    combos = list(itertools.product(DTYPES, HEAD_DIMS))
     if smoke:
-        combos = [combos[0], combos[9], combos[17]]  # f32 d64 b16, bf16 d128 b32, f16 d256 b32
+        combos = [combos[0], combos[4], combos[8]]  # f32 d64, bf16 d128, f16 d256
+    verifies = ((2, 3, 4, 5), (6, 7, 8, 9))  # k + 1 = 2..9: with GQA groups the longer take the tall tile
     cases = []
-    for i, (dtype, head_dim, bs) in enumerate(combos):
+    for i, (dtype, head_dim) in enumerate(combos):
         group = GROUPS[i % len(GROUPS)]
-        common = dict(group=group, head_dim=head_dim, block_size=bs, dtype=dtype)
-        # lengths off and on block boundaries, a 1-token prompt
-        decode_ctx = (
-            0,
-            bs * rng.randint(1, 3),
-            bs * rng.randint(1, 3) + rng.randint(1, bs - 1),
-            rng.randint(bs + 1, long_ctx),
-            rng.randint(1, long_ctx),
-        )
-        cases.append(AttentionCase("decode", (1,) * 5, decode_ctx, **common))
-        # k + 1 = 2..9 rotates over the combinations
-        verify_q = tuple(2 + (i + 3 * j) % 8 for j in range(4))
-        verify_ctx = tuple(rng.randint(1, long_ctx) for _ in verify_q)
-        cases.append(AttentionCase("verify", verify_q, verify_ctx, query_hint=True, **common))
-        # chunked prefill: a fresh prompt, a chunk after cached context mid-block, one after whole blocks
-        prefill_q = (rng.randint(17, chunk), rng.randint(17, chunk), 17)
-        prefill_ctx = (0, rng.randint(1, long_ctx), bs * rng.randint(1, 4))
-        cases.append(AttentionCase("prefill", prefill_q, prefill_ctx, **common))
+        sizes = (BLOCK_SIZES[i % 2], BLOCK_SIZES[1 - i % 2])
+        batches: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        for _ in range(reps):
+            # lengths off and on block boundaries (either block size), a 1-token prompt
+            ctx = (0, 32 * rng.randint(1, 3), 32 * rng.randint(1, 3) + rng.randint(1, 15))
+            batches.append(("decode", (1,) * 5, (*ctx, rng.randint(33, long_ctx), rng.randint(1, long_ctx))))
+        for verify_q in verifies if not smoke else verifies[i % 2 : i % 2 + 1]:
+            batches.append(("verify", verify_q, tuple(rng.randint(1, long_ctx) for _ in verify_q)))
+        for _ in range(reps):
+            # chunked prefill: a fresh prompt, a chunk after cached context mid-block, one after whole blocks
+            prefill_q = (rng.randint(17, chunk), rng.randint(17, chunk), 17)
+            batches.append(("prefill", prefill_q, (0, rng.randint(1, long_ctx), 32 * rng.randint(1, 4))))
         # one engine step: decodes, a verify and a prefill chunk together
-        mixed_q = (1, 1, 1 + i % 8, rng.randint(17, chunk // 2))
-        mixed_ctx = tuple(rng.randint(1, long_ctx) for _ in mixed_q)
-        cases.append(AttentionCase("mixed", mixed_q, mixed_ctx, **common))
+        mixed_q = (1, 1, 2 + i % 8, rng.randint(17, chunk // 2))
+        batches.append(("mixed", mixed_q, tuple(rng.randint(1, long_ctx) for _ in mixed_q)))
+        for family, query_lens, context_lens in batches:
+            draft = AttentionCase(
+                family,
+                query_lens,
+                context_lens,
+                group,
+                head_dim,
+                sizes[0],
+                dtype,
+                query_hint=family == "verify",
+            )
+            cases.append(_sized(draft, *sizes))
     return cases
 
 
@@ -224,7 +240,7 @@ def _write_cases(smoke: bool) -> list[WriteCase]:
 
 def matrix_cases(smoke: bool, seed: int = 0) -> list[Case]:
     rng = random.Random(seed)
-    return [*_core_cases(smoke, rng), *_special_cases(smoke), *_write_cases(smoke)]
+    return [*_special_cases(smoke), *_write_cases(smoke), *_core_cases(smoke, rng)]
 
 
 @dataclass
