@@ -146,4 +146,4 @@ def test_the_full_matrix_covers_the_families_within_the_compile_budget() -> None
         c.window and c.num_splits != 1 for c in attention
     )
     assert len({c.name for c in cases}) == len(cases)
-    assert part_kernels.predicted_variants(cases) <= 40  # about a second of compile each
+    assert part_kernels.predicted_variants(cases) <= 40  # each variant is one more compile on the lent GPU
