@@ -19,7 +19,7 @@ case $stage in
   kernels)
     # the CPU library some engine paths import is built once here (cached in ~/.cache for the next call)
     (python3 -c "from specserve.kernels.cpu import build; build.load()" > "$OUT/cpu-build.log" 2>&1 &)
-    timeout 240 python3 bench/gpu/run.py --out "$OUT" --parts env,kernels --budget-s 130
+    timeout 240 python3 bench/gpu/run.py --out "$OUT" --parts env,kernels --budget-s 170
     ;;
   model)
     if [ -f .gpu/model.part-a ] && [ -f .gpu-b/model.part-b ]; then
