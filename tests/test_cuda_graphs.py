@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import MAX_TOKENS, PROMPTS
+from test_families import _build
 
 from specserve import LLM, SamplingParams
 from specserve.engine import cuda_graphs
@@ -229,6 +230,18 @@ def test_engine_greedy_with_padded_steps_matches_hf(tiny_model_factory, hf_refer
     assert any(b == 4 for b, _ in served)  # three sequences padded to four
     assert any(q == 1 if method == "ngram" else q > 1 for _, q in served)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3", "phi3", "mistral_window"])
+def test_families_with_padded_steps_match_hf(name, tmp_path_factory, demo_tokenizer):
+    """q/k norms (Qwen3), sliding windows and soft-capping (Gemma 3, Mistral), partial rotary (Phi-3): what
+    the padded rows and the widened block tables go through in each."""
+    path = _build(name, demo_tokenizer, tmp_path_factory.mktemp(name))
+    refs = torch.load(path / "hf_reference.pt")
+    llm = _llm(path, max_num_seqs=8)
+    llm.engine.runner.graphs = graphs = _uncaptured(llm)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == refs[:3]
+    assert graphs.steps_run[(4, 1)] > 0
 
 
 def test_enforce_eager_and_cpu_leave_the_runner_eager(tiny_model_dir):
