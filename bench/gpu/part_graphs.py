@@ -196,3 +196,21 @@ def run(ctx: Context) -> Part:
     }
     served_all = all(r[-1] == "yes" for r in rows)
     return Part("graphs", equal and served_all and bool(rows), "\n".join(md), data)
+
+
+def main() -> None:
+    """This part alone, smoke-sized on whatever device there is: python -m bench.gpu.part_graphs"""
+    import json
+    import tempfile
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(tempfile.mkdtemp(prefix="part_graphs_"))
+    ctx = Context(device, True, out, None, None, time.monotonic() + 120)
+    part = run(ctx)
+    print(part.markdown)
+    print(json.dumps(part.data, indent=1))
+    raise SystemExit(0 if part.ok else 1)
+
+
+if __name__ == "__main__":
+    main()
