@@ -246,9 +246,10 @@ def test_families_with_padded_steps_match_hf(name, tmp_path_factory, demo_tokeni
 
 def test_enforce_eager_and_cpu_leave_the_runner_eager(tiny_model_dir):
     assert EngineConfig().enforce_eager is False
-    for enforce in (False, True):
+    for enforce, why in ((False, "not a CUDA device"), (True, "--enforce-eager")):
         llm = _llm(tiny_model_dir, enforce_eager=enforce)
         assert llm.engine.runner.graphs is None
+        assert llm.engine.graphs_refusal == why
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
@@ -275,6 +276,16 @@ def test_graph_replay_equals_eager_on_cuda(tiny_model_factory, hf_reference, spe
     runner.run([ForwardEntry(list(range(5 + i)), 0, [i], 1) for i in range(3)])
     torch.testing.assert_close(runner.run(entries), plain.run(entries), rtol=1e-4, atol=1e-4)
     assert graphs.last_refusal is None
+
+
+def test_a_failed_capture_leaves_the_engine_eager(tiny_model_factory, hf_reference, monkeypatch):
+    """Where capture fails (here: a CPU let past the setup rules, which has no graphs to capture), the engine
+    starts anyway, eager, and says why."""
+    monkeypatch.setattr(cuda_graphs, "setup_refusal", lambda facts: None)
+    llm = _llm(tiny_model_factory(SHAPE))
+    assert llm.engine.runner.graphs is None
+    assert llm.engine.graphs_refusal.startswith("capture failed: ")
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == hf_reference(SHAPE)[0]
 
 
 def test_enforce_eager_reaches_the_engine_from_flag_and_environment():

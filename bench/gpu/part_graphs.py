@@ -112,7 +112,7 @@ def run(ctx: Context) -> Part:
     load_s = time.monotonic() - started
     graphs = runner.graphs
     if graphs is None and ctx.cuda and not smoke:
-        return Part("graphs", False, "The engine captured no CUDA graphs (its log says why).")
+        return Part("graphs", False, f"The engine captured no CUDA graphs: {engine.graphs_refusal}.")
     if graphs is None:  # the padded static path, uncaptured: what a graph replays, run eagerly
         graphs = cuda_graphs.build(runner, engine.config, engine.max_model_len, capture=False)
         runner.graphs = graphs

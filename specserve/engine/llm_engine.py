@@ -176,7 +176,7 @@ class LLMEngine:
             keep_freed_memory_in_heap()
 
         # decided before the KV pool is sized: captured graphs hold memory the pool must leave them
-        graphs_refusal = cuda_graphs.setup_refusal(
+        graphs_refusal = self.graphs_refusal = cuda_graphs.setup_refusal(
             cuda_graphs.SetupFacts.of(self.model, config.enforce_eager, tp_size, capture=True)
         )
         block_size = config.block_size
@@ -229,7 +229,13 @@ class LLMEngine:
             else ModelRunner(self.model, num_blocks, block_size)
         )
         if graphs_refusal is None:
-            self.runner.graphs = cuda_graphs.build(self.runner, config, self.max_model_len, capture=True)
+            try:
+                self.runner.graphs = cuda_graphs.build(self.runner, config, self.max_model_len, capture=True)
+            except Exception as exc:  # the eager forward serves every step as well
+                # a failed capture costs speed, not service: the engine starts eager and says why
+                self.graphs_refusal = f"capture failed: {exc!r}"
+                log.exception("CUDA graphs off: capture failed; every step runs eagerly")
+                torch.cuda.empty_cache()
         else:
             log_graphs = log.info if self.device.type == "cuda" else log.debug
             log_graphs("CUDA graphs off: %s", graphs_refusal)
