@@ -64,6 +64,9 @@ class EngineConfig:
     # Ranks one engine's forward is split over (vLLM's name): processes on CPU (gloo), one GPU each on CUDA
     # (NCCL); engine/parallel.py and models/parallel.py.
     tensor_parallel_size: int = 1
+    # Every step eager (vLLM's name): off, CUDA captures the uniform decode and verify steps in graphs at
+    # start (engine/cuda_graphs.py); elsewhere there is nothing to turn off.
+    enforce_eager: bool = False
     # A Jinja chat template, or a file holding one (vLLM's --chat-template): it replaces the model's own; a
     # model with neither is refused for chat (engine.encode_chat), never given a guessed template.
     chat_template: str | None = None

@@ -12,6 +12,7 @@ spec.update(plan, accepted)                     acceptance estimates, draft cach
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import torch
 from jinja2 import TemplateError
 
 from specserve.blockmgr import BlockManager
+from specserve.engine import cuda_graphs
 from specserve.engine.config import EngineConfig
 from specserve.engine.cpu_tuning import (
     keep_freed_memory_in_heap,
@@ -55,6 +57,8 @@ from specserve.models import quant
 from specserve.models.loader import load_tokenizer
 from specserve.spec.decoder import SpeculativeDecoder, check_speculation
 from specserve.spec.factory import TargetInfo, build_decoder
+
+log = logging.getLogger(__name__)
 
 # apply_chat_template's own arguments: a request's template variables may not override them
 RESERVED_TEMPLATE_ARGS = frozenset(
@@ -171,6 +175,10 @@ class LLMEngine:
             release_freed_memory()
             keep_freed_memory_in_heap()
 
+        # decided before the KV pool is sized: captured graphs hold memory the pool must leave them
+        graphs_refusal = self.graphs_refusal = cuda_graphs.setup_refusal(
+            cuda_graphs.SetupFacts.of(self.model, config.enforce_eager, tp_size, capture=True)
+        )
         block_size = config.block_size
         mc = self.model_config
         # a rank holds its share of the KV heads; on CPU the ranks share the host's memory
@@ -191,6 +199,11 @@ class LLMEngine:
                 if tp_size == 1 and not config.kv_cache_bytes
                 else 0
             )
+            # The graphs' shared pool holds the activations of their largest step, which has no more tokens
+            # than the profiled one (cuda_graphs.CudaGraphs.shapes): the profiled peak again covers it, and
+            # the capture logs what the pool took.
+            if profiled and graphs_refusal is None:
+                profiled *= 2
             reserve = profiled or activation_reserve_bytes(
                 config.max_num_batched_tokens,
                 mc.hidden_size,
@@ -215,6 +228,17 @@ class LLMEngine:
             if self.ranks is not None
             else ModelRunner(self.model, num_blocks, block_size)
         )
+        if graphs_refusal is None:
+            try:
+                self.runner.graphs = cuda_graphs.build(self.runner, config, self.max_model_len, capture=True)
+            except Exception as exc:  # the eager forward serves every step as well
+                # a failed capture costs speed, not service: the engine starts eager and says why
+                self.graphs_refusal = f"capture failed: {exc!r}"
+                log.exception("CUDA graphs off: capture failed; every step runs eagerly")
+                torch.cuda.empty_cache()
+        else:
+            log_graphs = log.info if self.device.type == "cuda" else log.debug
+            log_graphs("CUDA graphs off: %s", graphs_refusal)
         batched_tokens = config.max_num_batched_tokens
         if not config.enable_chunked_prefill:
             batched_tokens = max(batched_tokens, self.max_model_len)

@@ -7,10 +7,14 @@ ids, positions and block tables, nothing of requests or scheduling.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from specserve.models.llama import AttentionInputs, Capture, LlamaModel
+
+if TYPE_CHECKING:
+    from specserve.engine.cuda_graphs import CudaGraphs
 
 
 @dataclass
@@ -24,6 +28,11 @@ class ForwardEntry:
     capture: bool = False  # run_capturing hands back every token's hidden states at the layers it names
 
 
+def max_position(entries: list[ForwardEntry]) -> int:
+    """The step's largest position, known on the host (the model would otherwise read it off the device)."""
+    return max((e.start_pos + len(e.token_ids) for e in entries), default=0) - 1
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
         self.model = model
@@ -31,6 +40,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
         self.backend = model.backend
+        self.graphs: CudaGraphs | None = None  # the target's, where the engine captured them
 
     def _slots(self, table: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size
@@ -91,10 +101,15 @@ class ModelRunner:
     def forward(self, entries: list[ForwardEntry]) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of every token of the step, and the rows whose logits were asked for."""
         input_ids, positions, attn, logit_rows = self.prepare(entries)
-        return self.model.forward(input_ids, positions, self.kv_caches, attn), logit_rows
+        top = max_position(entries)
+        return self.model.forward(input_ids, positions, self.kv_caches, attn, top), logit_rows
 
     def run(self, entries: list[ForwardEntry]) -> torch.Tensor:
         """Float32 logits [sum(num_logits), vocab], rows in entry order."""
+        if self.graphs is not None:
+            logits = self.graphs.run(entries)
+            if logits is not None:
+                return logits
         hidden, logit_rows = self.forward(entries)
         return self.model.logits(hidden[logit_rows]).cpu()
 
@@ -111,7 +126,9 @@ class ModelRunner:
                 rows.extend(range(base, base + len(e.token_ids)))
             base += len(e.token_ids)
         capture = Capture(layers, torch.tensor(rows, dtype=torch.long, device=self.model.device))
-        hidden, aux = self.model.forward_capturing(input_ids, positions, self.kv_caches, attn, capture)
+        hidden, aux = self.model.forward_capturing(
+            input_ids, positions, self.kv_caches, attn, capture, max_position(entries)
+        )
         return self.model.logits(hidden[logit_rows]).cpu(), aux
 
     def close(self) -> None:

@@ -431,9 +431,11 @@ class LlamaModel:
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionInputs,
+        max_position: int | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] after the last layer (before the final norm)."""
-        return self._forward(input_ids, positions, kv_caches, attn, None)[0]
+        """Hidden states [num_tokens, hidden] after the last layer (before the final norm). max_position:
+        the step's largest position (or a bound on it) where the caller knows it on the host."""
+        return self._forward(input_ids, positions, kv_caches, attn, None, max_position)[0]
 
     def forward_capturing(
         self,
@@ -442,10 +444,11 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionInputs,
         capture: Capture,
+        max_position: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's hidden states, and the residual stream entering each of `capture.layers` at
         `capture.rows`: [len(rows), len(layers) * hidden], layer by layer along the last dimension."""
-        h, aux = self._forward(input_ids, positions, kv_caches, attn, capture)
+        h, aux = self._forward(input_ids, positions, kv_caches, attn, capture, max_position)
         assert aux is not None
         return h, aux
 
@@ -457,13 +460,17 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionInputs,
         capture: Capture | None,
+        max_position: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.cfg
         if capture is not None:
             capture.check(cfg.num_layers)
         taken: dict[int, torch.Tensor] = {}
-        if int(positions.max()) >= self._rope_len:
-            self._rope_cache(max(int(positions.max()) + 1, 2 * self._rope_len))
+        # reading the largest position off a device tensor waits for the device, and a CUDA graph cannot
+        # hold a wait: callers that know it on the host pass it
+        top = int(positions.max()) if max_position is None else max_position
+        if top >= self._rope_len:
+            self._rope_cache(max(top + 1, 2 * self._rope_len))
         fused = self._fused_rope
         if not fused:
             cos = [c[positions] for c in self._cos]

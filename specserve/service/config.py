@@ -218,6 +218,13 @@ class ServiceConfig:
         "the throughput of forms picked by the step's rows, docs/benchmarks.md)",
         kind=bool,
     )
+    enforce_eager: bool | None = _opt(
+        "SPECSERVE_ENFORCE_EAGER",
+        None,
+        "run every step eagerly (vLLM's flag): no CUDA graphs for the decode and verify steps, which are "
+        "captured at start on CUDA only (off by default)",
+        kind=bool,
+    )
     tensor_parallel_size: int | None = _opt(
         "SPECSERVE_TENSOR_PARALLEL_SIZE",
         None,
@@ -577,6 +584,7 @@ _ENGINE_KNOBS = (
     "attention_backend",
     "quantization",
     "batch_invariant",
+    "enforce_eager",
     "tensor_parallel_size",
     "chat_template",
     "scheduling_policy",
