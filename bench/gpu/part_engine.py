@@ -53,6 +53,8 @@ def _ours(path: str, ids_list, new_tokens: int, device: torch.device, dtype: str
 
     if device.type == "cuda":  # a pool of its own size: the part builds many engines in one process
         kw.setdefault("kv_cache_bytes", 1 << 30)
+    # CUDA graphs stay on (what users run) for the batch sizes these prompts need: 1, 2, 4, 8
+    kw.setdefault("max_num_seqs", 8)
     llm = LLM(path, dtype=dtype, device=str(device), speculative_config=_spec(method, path), **kw)
     params = SamplingParams(
         max_tokens=new_tokens, temperature=0.0, ignore_eos=True, speculation=4 if method != "off" else "off"
