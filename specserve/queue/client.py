@@ -292,8 +292,8 @@ class QueueClient:
             *(x for pair in requests for x in pair),
         )
         if lane.durable_conn is None:
-            # Idempotent by id, so a retry after a lost connection adds nothing twice. On a cluster the retries
-            # span a failover (about 5 s of backoff: a replica takes over within the node timeout).
+            # Idempotent by id, so a retry after a lost connection adds nothing twice. On a cluster the
+            # retries span a failover (about 5 s of backoff: a replica takes over within the node timeout).
             reply = await lane.fast.execute(*command, retries=FAILOVER_RETRIES if keys.cluster else 2)
         else:
             reply = await self._enqueue_durably(lane.durable_conn, command)

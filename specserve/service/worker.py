@@ -734,7 +734,7 @@ class ShardedWorker:
         self.keys = server_keys(redis, keys)
         config = config or WorkerConfig()
         check_shard_limits(self.keys, config.limits)
-        telemetry = telemetry or Telemetry()
+        self.telemetry = telemetry = telemetry or Telemetry()
         self.shards = [Worker(engine, redis, k, name, config, telemetry) for k in self.keys.every_shard()]
         for w in self.shards:
             w.siblings = self.shards
