@@ -142,7 +142,6 @@ class QueueClient:
         self.ttl_ms = ttl_ms
         self.limits = limits or Limits()
         check_shard_limits(self.keys, self.limits)
-        self._shard_limits = shard_limits(self.limits, self.keys.shards)
         # The fleet's own keys (models, batches, the shard count); with one shard, its stream's slot too.
         self.conns = Connections(redis, route=self.keys.config)
         self.fast = self.conns.fast
@@ -272,7 +271,7 @@ class QueueClient:
         tenant: str | None,
         tokens: int,
     ) -> list[Enqueued]:
-        keys, limits = lane.keys, self._shard_limits
+        keys, limits = lane.keys, shard_limits(self.limits, self.keys.shards)
         command = (
             "EVAL",
             scripts.ENQUEUE,
