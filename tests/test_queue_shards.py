@@ -76,18 +76,27 @@ def test_two_shards_on_one_instance_serve_every_producer(valkey, tiny_model_dir,
                 {"id": raw, "body": orjson.dumps({"prompt": prompts[-1], **GREEDY})},
             )
             again = await client.enqueue({"prompt": prompts[0], **GREEDY}, ids[0])
+            # One XADDed to the other shard: the worker sends it on to its own, where readers find it.
+            wrong = client.keys.of_shard(1 - shard_of("misrouted", 2)).requests
+            await client.r.xadd(
+                wrong, {"id": "misrouted", "body": orjson.dumps({"prompt": prompts[1], **GREEDY})}
+            )
+            misrouted = await client.wait("misrouted")
             results = await asyncio.gather(*(client.wait(i) for i in ids))
             infos = [await client.info(i) for i in ids]
             lengths = [await client.r.xlen(k.requests) for k in client.keys.every_shard()]
             on_shard = [await client.r.exists(client.keys.of_shard(shard_of(i, 2)).req(i)) for i in ids]
-            return again, results, infos, lengths, on_shard, worker.ready
+            pending = [await client.r.xpending(k.requests, k.group) for k in client.keys.every_shard()]
+            return again, results, infos, lengths, on_shard, worker.ready, misrouted, pending
 
-    again, results, infos, lengths, on_shard, ready = run(main())
+    again, results, infos, lengths, on_shard, ready, misrouted, pending = run(main())
     assert ready and not again.created  # idempotent by id across shards too
+    assert misrouted.status == "finished" and misrouted.token_ids == ref[1].token_ids
+    assert all(p["pending"] == 0 for p in pending)  # the misrouted entry was acknowledged where it landed
     for got, want in zip(results, ref):
         assert got.status == "finished" and got.token_ids == want.token_ids
     assert all(info["run"] == "1" and info["status"] == "finished" for info in infos)  # each exactly once
-    assert sum(lengths) == len(ids) and all(lengths) and all(on_shard)
+    assert sum(lengths) == len(ids) + 2 and all(lengths) and all(on_shard)  # misrouted: on both
 
 
 def test_a_process_with_another_shard_count_is_refused_naming_the_setting(valkey) -> None:

@@ -32,6 +32,7 @@ from specserve.queue.consumer import Claim, ClaimVerdict, QueueStats, StreamCons
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
 from specserve.queue.ready import Admission, ReadyQueue
+from specserve.queue.resp import as_bytes
 from specserve.queue.routing import Router
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
@@ -328,6 +329,8 @@ class Worker:
         if count <= 0:
             return
         entries = await self.consumer.read_new(count, wait=wait)
+        if self.keys.shards > 1:
+            entries = [e for e in entries if not await self._forwarded(e)]
         if not entries:
             return
         direct: list[RequestEntry] = []
@@ -357,6 +360,21 @@ class Worker:
             # NOTMINE: it moved on before this sort (a retry's); whoever holds it settles it
         if direct:
             await self._admit(direct, refusals=refusals)
+
+    async def _forwarded(self, e: RequestEntry) -> bool:
+        """A raw XADD to a shard its id does not hash to goes on to the one it does, where readers look for
+        its status and output; then it is acknowledged here. A crash in between leaves it on both streams:
+        the second to be claimed is a duplicate of the first (scripts.CLAIM), so it still runs once."""
+        if e.request_id is None or (right := self.keys.of_request(e.request_id)).shard == self.keys.shard:
+            return False
+        fields = {"id": e.request_id, "body": as_bytes(e.raw_body)}
+        for name, value in (("traceparent", e.traceparent), ("tracestate", e.tracestate)):
+            if value is not None:
+                fields[name] = value
+        await self.r.xadd(right.requests, fields)
+        await self.consumer.ack_mine(e.entry_id)
+        log.info("entry %s (request %s) sent on to shard %d", e.entry_id, e.request_id, right.shard)
+        return True
 
     async def _reclaim(self) -> None:
         n = self._room()
