@@ -113,3 +113,19 @@ def test_a_process_with_another_shard_count_is_refused_naming_the_setting(valkey
             await other.aclose()
 
     assert run(main()) == 0  # nothing was enqueued by the refused one
+
+
+def test_serve_refuses_to_start_on_a_fleet_with_another_shard_count(valkey) -> None:
+    from specserve.service.launch import check_shards
+
+    async def main():
+        r = await open_redis(valkey.url)
+        try:
+            await check_shards(r, Keys("specserve", shards=3), ServiceConfig(queue_shards=3))  # records 3
+            with pytest.raises(SystemExit, match=r"error: SPECSERVE_QUEUE_SHARDS .* is 1 here.* uses 3"):
+                await check_shards(r, Keys("specserve"), ServiceConfig())
+            return await r.hget(Keys("specserve").config, "queue_shards")
+        finally:
+            await r.aclose()
+
+    assert run(main()) == "3"
