@@ -13,7 +13,7 @@ from redis.cluster import key_slot
 from valkey_helpers import run, service_stack
 
 from specserve import SamplingParams
-from specserve.queue.client import Limits, QueueClient, ShardMismatch, check_shard_limits
+from specserve.queue.client import Limits, QueueClient, QuotaExceeded, ShardMismatch, check_shard_limits
 from specserve.queue.connection import open_redis
 from specserve.queue.keys import Keys, shard_of
 from specserve.service.config import ServiceConfig
@@ -129,3 +129,24 @@ def test_serve_refuses_to_start_on_a_fleet_with_another_shard_count(valkey) -> N
             await r.aclose()
 
     assert run(main()) == "3"
+
+
+def test_choices_over_two_shards_are_all_or_none_under_a_tenant_limit(valkey) -> None:
+    first, second = (
+        "pick-0",
+        next(f"pick-{i}" for i in range(1, 50) if shard_of(f"pick-{i}", 2) != shard_of("pick-0", 2)),
+    )
+
+    async def main():
+        client = QueueClient(
+            await open_redis(valkey.url), Keys("specserve", shards=2), limits=Limits(tenant_max_queued=1)
+        )
+        try:
+            with pytest.raises(QuotaExceeded, match="tenant_max_queued"):
+                await client.enqueue_all([({"prompt": "a"}, first), ({"prompt": "b"}, second)], tenant="t")
+            return await client.info(first), await client.info(second)
+        finally:
+            await client.aclose()
+
+    taken, refused = run(main())
+    assert taken["status"] == "cancelled" and refused == {}  # the shard that took one gave it up at once

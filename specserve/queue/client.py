@@ -228,7 +228,8 @@ class QueueClient:
         tokens: int = 0,
     ) -> list[Enqueued]:
         """Add requests of one tenant together, all or none: the limits are checked for all of them at once
-        (`tokens` each), and QuotaExceeded means none was added. Ids already known are left as they are."""
+        (`tokens` each), and QuotaExceeded means none will run (none was added, or with shards, those a shard
+        had already taken are cancelled while still queued). Ids already known are left as they are."""
         ids: list[str] = []
         bodies: list[str] = []
         for body, request_id in requests:
