@@ -303,21 +303,26 @@ def test_finish_run_again_answers_written_and_writes_nothing_twice(valkey) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 3])
 def test_specserve_api_and_worker_processes_serve_from_a_cluster_url(
-    valkey_cluster, tiny_model_dir, tiny_engines, tmp_path
+    valkey_cluster, tiny_model_dir, tiny_engines, tmp_path, shards
 ) -> None:
-    """The CLI's path: REDIS_URL names one cluster node, nothing else says it is a cluster."""
+    """The CLI's path: REDIS_URL names one cluster node, nothing else says it is a cluster (with three shards
+    too: both processes given SPECSERVE_QUEUE_SHARDS)."""
     ref = tiny_engines.llm(tiny_model_dir).generate(["Hello"], SamplingParams(**GREEDY))[0]
     health, api_port = free_port(), free_port()
     env = {
         "SPECSERVE_DTYPE": "float32", "SPECSERVE_KV_CACHE_BYTES": str(4 << 20), "SPECSERVE_DEVICE": "cpu",
         "REDIS_URL": valkey_cluster.nodes[2].url, "SPECSERVE_MODEL": str(tiny_model_dir),
-        "SPECSERVE_HEALTH_PORT": str(health),
+        "SPECSERVE_HEALTH_PORT": str(health), "SPECSERVE_QUEUE_SHARDS": str(shards),
     }  # fmt: skip
     worker = spawn_cli(["worker"], env, tmp_path / "worker.log")
-    api = spawn_cli(
-        ["api"], {"REDIS_URL": env["REDIS_URL"], "SPECSERVE_PORT": str(api_port)}, tmp_path / "api.log"
-    )
+    api_env = {
+        "REDIS_URL": env["REDIS_URL"],
+        "SPECSERVE_PORT": str(api_port),
+        "SPECSERVE_QUEUE_SHARDS": str(shards),
+    }
+    api = spawn_cli(["api"], api_env, tmp_path / "api.log")
     base = f"http://127.0.0.1:{api_port}"
 
     async def ready(url: str) -> bool:
@@ -343,6 +348,9 @@ def test_specserve_api_and_worker_processes_serve_from_a_cluster_url(
             proc.wait(timeout=60)
     assert status == 200, answer
     assert answer["choices"][0]["text"] == ref.text
+    with valkey_cluster.cluster_client() as c:
+        keys = Keys("specserve", cluster=True, shards=shards)
+        assert sum(c.xlen(k.requests) for k in keys.every_shard()) == 1  # on its id's shard, once
 
 
 @pytest.mark.slow

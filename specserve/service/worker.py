@@ -569,7 +569,8 @@ class Worker:
             await self._conclude(state, await self.runner.drive(state, started))
         finally:
             self.inflight.pop(state.request_id, None)
-            self._capacity.set()
+            for w in self.siblings:  # the engine's room: any shard's full worker may take it
+                w._capacity.set()
 
     async def _shown(self, state: RequestState) -> Shown | None:
         """A rerun's earlier output, which it continues instead of repeating (a first run has none)."""
