@@ -1,6 +1,7 @@
 """QUEUE BENCHMARK (no model): the queue path alone, one Redis instance against a Valkey Cluster.
 
     python bench/queue_cluster.py [--requests 2000] [--tokens 64] [--concurrency 256] [--step-ms 0]
+                                  [--shards 3]
 
 The worker's engine is replaced by a token generator that costs nothing: each claimed request gets one token a
 step (every in-flight request in the same step, as a batch does), and the real queue code carries everything
@@ -9,11 +10,13 @@ FINISH scripts, pipelined per step), and QueueClient.wait (the output reader's b
 are what the queue can carry, not what a model serves.
 
 Targets, each started here on loopback: a single valkey-server (append-only file on, as the embedded server
-runs) and a cluster of 3 masters + 3 replicas (tests/valkey_cluster.py). All of the service's keys share
-one hash slot on a cluster (queue/keys.py), so its figure is one master's plus the cluster's redirection
-handling.
+runs) and a cluster of 3 masters + 3 replicas (tests/valkey_cluster.py). With one shard all of the service's
+keys share one hash slot on a cluster (queue/keys.py), so that figure is one master's plus the cluster's
+redirection handling; with --shards N (SPECSERVE_QUEUE_SHARDS) each shard's keys hash to a slot of their own,
+and the token worker serves every shard as the service's worker does (a consumer and a publisher per shard).
 
-Printed per target (the cluster twice: as is, and with SPECSERVE_DURABLE_ENQUEUE=1's WAIT for a replica):
+Printed per target (the cluster with one shard, with SPECSERVE_DURABLE_ENQUEUE=1's WAIT for a replica, and
+with --shards shards):
 the enqueue's latency (p50), requests/s and tokens/s end to end; on the worker's output path, Redis round
 trips (pipelined writes) and bytes sent per generated token; and the servers' CPU seconds per 1,000 tokens
 (INFO cpu, masters summed), which says where a single instance saturates. Every figure is printed with the
@@ -69,9 +72,10 @@ def count_writes(publisher: Publisher, wire: Wire) -> None:
     fast.pipeline = pipeline  # type: ignore[method-assign]
 
 
-async def token_worker(redis: Any, tokens: int, step_ms: float, wire: Wire, stop: asyncio.Event) -> None:
-    """Claims requests and gives each `tokens` tokens, one per step, at no cost."""
-    keys = server_keys(redis, Keys("specserve"))
+async def token_worker(
+    redis: Any, keys: Keys, tokens: int, step_ms: float, wire: Wire, stop: asyncio.Event
+) -> None:
+    """Claims the requests of `keys`' shard and gives each `tokens` tokens, one per step, at no cost."""
     conns = Connections(redis, route=keys.requests)
     consumer = StreamConsumer(conns, keys, "bench-worker")
     publisher = Publisher(conns, keys, "bench-worker", ttl_ms=600_000)
@@ -127,12 +131,24 @@ async def server_cpu(urls: list[str]) -> float:
 
 
 async def measure(
-    url: str, requests: int, tokens: int, concurrency: int, step_ms: float, durable: int = 0
+    url: str,
+    requests: int,
+    tokens: int,
+    concurrency: int,
+    step_ms: float,
+    durable: int = 0,
+    shards: int = 1,
 ) -> dict[str, float]:
-    producer = QueueClient(await open_redis(url), durable=Durability(replicas=durable))
+    producer_redis = await open_redis(url)
+    keys = server_keys(producer_redis, Keys("specserve", shards=shards))
+    await producer_redis.delete(keys.config)  # each target its own shard count: a fresh fleet
+    producer = QueueClient(producer_redis, keys, durable=Durability(replicas=durable))
     worker_redis = await open_redis(url)
     wire, stop = Wire(), asyncio.Event()
-    worker = asyncio.create_task(token_worker(worker_redis, tokens, step_ms, wire, stop))
+    workers = [
+        asyncio.create_task(token_worker(worker_redis, k, tokens, step_ms, wire, stop))
+        for k in keys.every_shard()
+    ]
     gate = asyncio.Semaphore(concurrency)
     cpu0 = await server_cpu([url])
 
@@ -151,7 +167,7 @@ async def measure(
     wall = time.perf_counter() - start
     cpu = await server_cpu([url]) - cpu0
     stop.set()
-    await worker
+    await asyncio.gather(*workers)
     await producer.aclose()
     await worker_redis.aclose()
     generated = sum(got)
@@ -172,6 +188,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--step-ms", type=float, default=0.0, help="pause between token steps (0: none)")
+    ap.add_argument("--shards", type=int, default=3, help="shards of the last cluster target")
     args = ap.parse_args()
     print(f"QUEUE BENCHMARK (no model, zero-cost tokens) on {cpu_line()}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,13 +196,14 @@ def main() -> None:
         cluster = ValkeyCluster(Path(tmp) / "cluster").start()
         try:
             targets = [
-                ("single instance", single.url, 0),
-                ("cluster 3+3, one slot", cluster.url, 0),
-                ("cluster, durable enqueue", cluster.url, 1),
+                ("single instance", single.url, 0, 1),
+                ("cluster 3+3, one slot", cluster.url, 0, 1),
+                ("cluster, durable enqueue", cluster.url, 1, 1),
+                (f"cluster, {args.shards} shards", cluster.url, 0, args.shards),
             ]
-            for name, url, durable in targets:
+            for name, url, durable, shards in targets:
                 figures = asyncio.run(
-                    measure(url, args.requests, args.tokens, args.concurrency, args.step_ms, durable)
+                    measure(url, args.requests, args.tokens, args.concurrency, args.step_ms, durable, shards)
                 )
                 print(f"{name:26s} " + "  ".join(f"{k} {v:,.2f}" for k, v in figures.items()))
         finally:

@@ -1322,3 +1322,21 @@ def test_alerts_and_dashboard_follow_the_metrics_prefix() -> None:
     assert dashboard["description"].startswith("specserve: ")  # the product's name stays where it is prose
     assert not {r for r in refs if r.startswith("specserve:")}
     assert refs - exported == set()
+
+
+@pytest.mark.parametrize("value_set", ["all-on", "external-cluster"])
+def test_sharded_queue_gives_keda_every_shards_stream_as_the_workers_name_it(value_set: str) -> None:
+    values = values_of(value_set)
+    values.setdefault("queue", {})["shards"] = 3
+    docs = list(render(values))
+    cfg = from_args(environ=kubelet_env(container(deployment(docs, "worker"), "worker")))
+    assert cfg.queue_shards == 3
+    keys = Keys(cfg.prefix, cluster=value_set == "external-cluster", shards=cfg.queue_shards)
+    triggers = {t["name"]: t["metadata"] for t in one(docs, "ScaledObject")["spec"]["triggers"]}
+    for shard in keys.every_shard():
+        for name in (f"queue-lag-{shard.shard}", f"in-flight-{shard.shard}"):
+            assert (triggers[name]["stream"], triggers[name]["consumerGroup"]) == (
+                shard.requests,
+                shard.group,
+            )
+    assert len(triggers) == 6

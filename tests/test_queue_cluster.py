@@ -17,13 +17,14 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.cluster import key_slot
 from valkey_cluster import ValkeyCluster
-from valkey_helpers import free_port, run, service_stack, spawn_cli, wait_for
+from valkey_helpers import api_stack, free_port, run, service_stack, spawn_cli, wait_for
 
 from specserve import SamplingParams
 from specserve.queue import scripts
 from specserve.queue.client import Durability, QueueClient
 from specserve.queue.connection import NotReplicated, is_cluster, open_redis
 from specserve.queue.keys import Keys
+from specserve.queue.resp import RespClient
 
 pytest_plugins = ("valkey_fixtures",)
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -145,19 +146,21 @@ async def _enqueue_until_accepted(client: QueueClient, body: dict, request_id: s
 
 
 def _audit_under_load(
-    cluster: ValkeyCluster, model_dir: Path, engines, disrupt: Callable[[str], object]
-) -> None:
-    """Requests running and waiting, stream readers following each, then `disrupt(the service's slot key)`
-    (in a thread, returning once the cluster serves again) while producers go on enqueueing, retrying with
-    the same id. Audit: every accepted request finished exactly once with the greedy reference's tokens, every
-    reader got every token once, and no retry added a request twice."""
+    cluster: ValkeyCluster, model_dir: Path, engines, disrupt: Callable[[str], object], shards: int = 1
+) -> str:
+    """Requests running and waiting, stream readers following each, then `disrupt(a slot key)` (in a
+    thread, returning once the cluster serves again: the slot of the first request's shard) while producers go
+    on enqueueing, retrying with the same id. Audit: every accepted request finished exactly once with the
+    greedy reference's tokens, every reader got every token once, and no retry added a request twice.
+    Returns the disrupted key."""
     body = {"max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
     prompts = [f"{p} {i}" for i in range(4) for p in PROMPTS]
     ref = {
         f"load-{i}": r.token_ids
         for i, r in enumerate(engines.llm(model_dir).generate(prompts, SamplingParams(**body)))
     }
-    tag = Keys("specserve", cluster=True).requests
+    keys = Keys("specserve", cluster=True, shards=shards)
+    tag = keys.of_request("load-0").requests
 
     async def read(client: QueueClient, rid: str) -> list[int]:
         got: list[int] = []
@@ -167,7 +170,10 @@ def _audit_under_load(
 
     async def main():
         # a request whose claim the promoted replica missed waits for a reclaim: keep that wait short
-        async with service_stack(cluster.url, model_dir, claim_timeout_s=3.0) as (worker, client):
+        async with service_stack(cluster.url, model_dir, shards=shards, claim_timeout_s=3.0) as (
+            worker,
+            client,
+        ):
             ids = list(ref)
             first, later = ids[: len(ids) // 2], ids[len(ids) // 2 :]
             for rid in first:
@@ -186,7 +192,7 @@ def _audit_under_load(
             await asyncio.gather(*producers)
             streamed = dict(zip(readers, await asyncio.gather(*readers.values())))
             results = {rid: await client.result(rid) for rid in ids}
-            entries = await client.r.xlen(client.keys.requests)
+            entries = sum([await client.r.xlen(k.requests) for k in keys.every_shard()])
             return streamed, results, entries
 
     streamed, results, entries = run(main(), timeout=240)
@@ -196,6 +202,7 @@ def _audit_under_load(
         assert result.token_ids == want, rid
         assert streamed[rid] == want, rid  # every token once, in order, to the reader that followed it
     assert entries <= len(ref)  # a producer's retry never added a request twice
+    return tag
 
 
 @pytest.mark.slow
@@ -296,21 +303,26 @@ def test_finish_run_again_answers_written_and_writes_nothing_twice(valkey) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("shards", [1, 3])
 def test_specserve_api_and_worker_processes_serve_from_a_cluster_url(
-    valkey_cluster, tiny_model_dir, tiny_engines, tmp_path
+    valkey_cluster, tiny_model_dir, tiny_engines, tmp_path, shards
 ) -> None:
-    """The CLI's path: REDIS_URL names one cluster node, nothing else says it is a cluster."""
+    """The CLI's path: REDIS_URL names one cluster node, nothing else says it is a cluster (with three shards
+    too: both processes given SPECSERVE_QUEUE_SHARDS)."""
     ref = tiny_engines.llm(tiny_model_dir).generate(["Hello"], SamplingParams(**GREEDY))[0]
     health, api_port = free_port(), free_port()
     env = {
         "SPECSERVE_DTYPE": "float32", "SPECSERVE_KV_CACHE_BYTES": str(4 << 20), "SPECSERVE_DEVICE": "cpu",
         "REDIS_URL": valkey_cluster.nodes[2].url, "SPECSERVE_MODEL": str(tiny_model_dir),
-        "SPECSERVE_HEALTH_PORT": str(health),
+        "SPECSERVE_HEALTH_PORT": str(health), "SPECSERVE_QUEUE_SHARDS": str(shards),
     }  # fmt: skip
     worker = spawn_cli(["worker"], env, tmp_path / "worker.log")
-    api = spawn_cli(
-        ["api"], {"REDIS_URL": env["REDIS_URL"], "SPECSERVE_PORT": str(api_port)}, tmp_path / "api.log"
-    )
+    api_env = {
+        "REDIS_URL": env["REDIS_URL"],
+        "SPECSERVE_PORT": str(api_port),
+        "SPECSERVE_QUEUE_SHARDS": str(shards),
+    }
+    api = spawn_cli(["api"], api_env, tmp_path / "api.log")
     base = f"http://127.0.0.1:{api_port}"
 
     async def ready(url: str) -> bool:
@@ -336,6 +348,9 @@ def test_specserve_api_and_worker_processes_serve_from_a_cluster_url(
             proc.wait(timeout=60)
     assert status == 200, answer
     assert answer["choices"][0]["text"] == ref.text
+    with valkey_cluster.cluster_client() as c:
+        keys = Keys("specserve", cluster=True, shards=shards)
+        assert sum(c.xlen(k.requests) for k in keys.every_shard()) == 1  # on its id's shard, once
 
 
 @pytest.mark.slow
@@ -345,3 +360,101 @@ def test_the_batch_api_e2e_runs_unchanged_on_a_cluster(valkey_cluster, tiny_mode
     from test_batch_api import test_a_batch_through_the_openai_client
 
     test_a_batch_through_the_openai_client(valkey_cluster, tiny_model_dir, tiny_engines)
+
+
+def test_shards_spread_over_the_masters_and_serve_50_http_requests_once_each(
+    valkey_cluster, tiny_model_dir, tiny_engines
+) -> None:
+    """Three shards on the 3-master cluster, through the HTTP API: every request answered and run exactly
+    once, the requests spread over the shards, and the shards over more than one master."""
+    body = {"model": str(tiny_model_dir), "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    prompts = [f"{PROMPTS[i % 3]} {i}" for i in range(50)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = tiny_engines.llm(tiny_model_dir).generate(prompts, params)
+    keys = Keys("specserve", cluster=True, shards=3)
+
+    async def main():
+        async with api_stack(valkey_cluster.url, tiny_model_dir, shards=3) as (base, _worker, client):
+            async with aiohttp.ClientSession() as http:
+
+                async def complete(prompt: str) -> tuple[int, dict]:
+                    async with http.post(f"{base}/v1/completions", json={**body, "prompt": prompt}) as r:
+                        return r.status, await r.json()
+
+                answers = await asyncio.gather(*(complete(p) for p in prompts))
+            entries = {k.shard: await client.r.xrange(k.requests) for k in keys.every_shard()}
+            infos = {f["id"]: await client.info(f["id"]) for items in entries.values() for _, f in items}
+            return answers, entries, infos
+
+    answers, entries, infos = run(main(), timeout=300)
+    for (status, answer), want in zip(answers, ref):
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == want.text
+    assert sum(len(items) for items in entries.values()) == 50  # one entry per request, none twice
+    assert sum(1 for items in entries.values() if items) >= 2
+    assert len(infos) == 50
+    assert all(i["status"] == "finished" and i["run"] == "1" for i in infos.values())  # each run once
+    masters = {valkey_cluster.master_of(k.requests).port for k in keys.every_shard()}
+    assert len(masters) >= 2
+
+
+@pytest.mark.slow
+def test_a_shards_master_killed_under_load_loses_no_request_and_no_token(
+    valkey_cluster, tiny_model_dir, tiny_engines
+) -> None:
+    def kill_master(tag: str) -> None:
+        master = valkey_cluster.master_of(tag)
+        master.kill()
+        valkey_cluster.failover_done(tag, master)
+
+    _audit_under_load(valkey_cluster, tiny_model_dir, tiny_engines, kill_master, shards=3)
+
+
+@pytest.mark.slow
+def test_a_shards_slot_moved_under_load_loses_no_request_and_no_token(
+    valkey_cluster, tiny_model_dir, tiny_engines
+) -> None:
+    moved_to = []
+
+    def move(tag: str) -> None:
+        moved_to.append(valkey_cluster.migrate_slot(tag))
+
+    tag = _audit_under_load(valkey_cluster, tiny_model_dir, tiny_engines, move, shards=3)
+    assert valkey_cluster.master_of(tag) is moved_to[0]
+
+
+def test_the_lean_client_follows_ask_to_a_slot_half_migrated(valkey_cluster) -> None:
+    """A key already moved to the target while its slot is still the source's: the source answers ASK, and
+    the lean client asks the target (ASKING first) instead of waiting for the migration to end."""
+    key = Keys("specserve", cluster=True, shards=3).of_shard(1).req("moved")
+    slot = key_slot(key.encode())
+    source = valkey_cluster.master_of(key)
+    target = next(
+        n
+        for n in valkey_cluster.nodes
+        if n is not source and valkey_cluster.client(n).execute_command("ROLE")[0] == "master"
+    )
+    with valkey_cluster.client(source) as src, valkey_cluster.client(target) as dst:
+        src.hset(key, "status", "queued")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src.cluster("myid"))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst.cluster("myid"))
+        src.execute_command(
+            "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "AUTH", valkey_cluster.password, "KEYS", key
+        )
+
+    async def main():
+        r = await open_redis(valkey_cluster.url)
+        fast = RespClient(r, route=key)
+        try:
+            one = await fast.execute("HGET", key, "status")
+            piped = await fast.pipeline([("HGET", key, "status"), ("HSET", key, "status", "running")])
+            return one, piped, await fast.execute("HGET", key, "status")
+        finally:
+            await fast.aclose()
+            await r.aclose()
+
+    one, piped, after = run(main())
+    assert one == "queued" and piped == ["queued", 0] and after == "running"
+    with valkey_cluster.client(target) as dst:
+        dst.execute_command("ASKING")
+        assert dst.hget(key, "status") == "running"  # written once, on the node that holds the key

@@ -161,7 +161,9 @@ class ValkeyCluster:
             return str(c.execute_command("ROLE")[0])
 
     def cluster_client(self) -> RedisCluster:
-        return RedisCluster(port=self.nodes[0].port, password=self.password, decode_responses=True)
+        return RedisCluster(
+            host="127.0.0.1", port=self.nodes[0].port, password=self.password, decode_responses=True
+        )
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -68,19 +68,22 @@ async def service_stack(
     start_worker: bool = True,
     telemetry: Any = None,
     engine_args: dict[str, Any] | None = None,
+    shards: int = 1,
     **worker_cfg: Any,
 ) -> AsyncIterator[tuple[Any, QueueClient]]:
-    """An in-process worker (on the shared tiny engine) and a queue client, both on `url`."""
+    """An in-process worker (on the shared tiny engine) and a queue client, both on `url`; with `shards`
+    > 1 the worker serves every shard (a ShardedWorker)."""
     from specserve.engine.async_engine import AsyncLLMEngine
     from specserve.service.telemetry import Telemetry
-    from specserve.service.worker import Worker, WorkerConfig
+    from specserve.service.worker import ShardedWorker, Worker, WorkerConfig
 
     llm_engine = TINY.llm_engine(model_dir, **(engine_args or {}))
     engine = AsyncLLMEngine(llm_engine)
     await engine.start()
-    keys = Keys(prefix)
+    keys = Keys(prefix, shards=shards)
     worker_redis = await open_redis(url)  # a cluster's client where `url` names a cluster node
-    worker = Worker(engine, worker_redis, keys, name, WorkerConfig(**worker_cfg), telemetry or Telemetry())
+    kind = Worker if shards == 1 else ShardedWorker
+    worker = kind(engine, worker_redis, keys, name, WorkerConfig(**worker_cfg), telemetry or Telemetry())
     client = QueueClient(await open_redis(url), keys)
     if start_worker:
         await worker.start()
@@ -130,14 +133,14 @@ async def wait_for(predicate, timeout: float = 60.0, what: str = "condition", in
 
 @contextlib.asynccontextmanager
 async def api_stack(
-    url: str, model_dir: Path, api_keys: list[str] | None = None, **settings: Any
+    url: str, model_dir: Path, api_keys: list[str] | None = None, shards: int = 1, **settings: Any
 ) -> AsyncIterator[tuple[str, Any, QueueClient]]:
     """service_stack plus the HTTP API on a free loopback port; yields (base URL, worker, client)."""
     from aiohttp import web
 
     from specserve.service.api import Api, ApiSettings
 
-    async with service_stack(url, model_dir) as (worker, client):
+    async with service_stack(url, model_dir, shards=shards) as (worker, client):
         cfg = ApiSettings(api_keys=api_keys or [], **settings)
         api = Api(client, worker.telemetry, cfg, model_ready=lambda: worker.ready)
         runner = web.AppRunner(api.app(refresh_queue_stats=False), access_log=None)

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from redis.asyncio import Redis
@@ -16,6 +16,7 @@ from specserve.queue.connection import Connections, NotReplicated, connect, serv
 from specserve.queue.consumer import ensure_group
 from specserve.queue.keys import DEFAULT_PREFIX, DEFAULT_TTL_MS, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
+from specserve.queue.resp import RespClient
 from specserve.queue.wire import (
     Delta,
     OutputCursor,
@@ -61,6 +62,63 @@ class Durability:
     timeout_ms: int = 1000
 
 
+FAILOVER_RETRIES = 8  # backoff 0.02 s doubling: 5.1 s in all
+
+
+class ShardMismatch(ValueError):
+    """This process was given another shard count than the fleet already on this Redis uses."""
+
+
+async def agree_on_shards(redis: Any, keys: Keys) -> None:
+    """Every worker and producer of a fleet must split requests over the same number of streams, or a request
+    lands on a stream no worker reads (or a reader looks for it on the wrong shard). The first process to
+    start records its count; any other count is refused."""
+    await redis.hsetnx(keys.config, "queue_shards", keys.shards)
+    theirs = await redis.hget(keys.config, "queue_shards")
+    if theirs is not None and int(theirs) != keys.shards:
+        raise ShardMismatch(
+            f"SPECSERVE_QUEUE_SHARDS (--queue-shards) is {keys.shards} here, but the fleet on this Redis "
+            f"uses {theirs} (recorded in {keys.config}): give every worker and producer the same value"
+        )
+
+
+def check_shard_limits(keys: Keys, limits: Limits) -> None:
+    """Tenant limits are counted in keys the admission scripts touch beside the request stream; a cluster
+    runs a script on keys of one slot only, so with several shards each would count its own share."""
+    if keys.cluster and keys.shards > 1 and (limits.tenant_max_queued or limits.tenant_tokens_per_minute):
+        raise ValueError(
+            "SPECSERVE_QUEUE_SHARDS (--queue-shards) > 1 on a Redis Cluster counts tenant limits per shard: "
+            "unset SPECSERVE_TENANT_MAX_QUEUED and SPECSERVE_TENANT_TOKENS_PER_MINUTE, or use one shard"
+        )
+
+
+def shard_limits(limits: Limits, shards: int) -> Limits:
+    """The limits one shard's scripts check: the backlog cap is counted on each shard's own stream, so each
+    holds its share of it (requests spread evenly over shards by id hash)."""
+    if shards <= 1 or not limits.max_backlog:
+        return limits
+    return replace(limits, max_backlog=-(-limits.max_backlog // shards))
+
+
+@dataclass
+class _Lane:
+    """One shard's side of a client: its names, its lean connections (on a cluster, to the master of its
+    slot) and the reader of its output streams."""
+
+    keys: Keys
+    conns: Connections
+    durable_conn: RespClient | None
+    reader: OutputReader
+    reader_task: asyncio.Task[None] | None = None
+    # The workers' group is created once per client, not on every enqueue; should the server lose it later
+    # (restart without persistence), the ENQUEUE script recreates it with the stream.
+    group_ready: bool = False
+    fast: RespClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fast = self.conns.fast
+
+
 class QuotaExceeded(Exception):
     """A limit refused the request; nothing was added. `limit` names it; retry after `retry_after` s."""
 
@@ -83,24 +141,36 @@ class QueueClient:
         self.keys = server_keys(redis, keys or Keys())
         self.ttl_ms = ttl_ms
         self.limits = limits or Limits()
-        self.conns = Connections(redis, route=self.keys.requests)
-        self.fast = self.conns.fast  # enqueue and the reader's wake-ups: a round trip each per request
+        check_shard_limits(self.keys, self.limits)
+        # The fleet's own keys (models, batches, the shard count); with one shard, its stream's slot too.
+        self.conns = Connections(redis, route=self.keys.config)
+        self.fast = self.conns.fast
         self.durable = durable or Durability()
+        self._lanes = [self._lane(k) for k in self.keys.every_shard()]
+        self._agreed = False
+
+    def _lane(self, keys: Keys) -> _Lane:
+        conns = self.conns if keys.base == self.keys.fleet_base else Connections(self.r, route=keys.requests)
         # WAIT holds its connection until the replicas answer: durable enqueues get one of their own, so the
         # readers' wake-ups never queue behind it. WAIT counts the writes of the connection it is sent on,
         # so each enqueue and its WAIT go out together on this one.
-        self._durable_conn = (
-            self.conns.blocking(self.durable.timeout_ms) if self.durable.replicas > 0 else None
-        )
-        self.reader = OutputReader(self.conns, self.keys)
-        self._reader_task: asyncio.Task[None] | None = None
-        # The workers' group is created once per client, not on every enqueue; should the server lose it
-        # later (restart without persistence), the ENQUEUE script recreates it with the stream.
-        self._group_ready = False
+        durable = conns.blocking(self.durable.timeout_ms) if self.durable.replicas > 0 else None
+        return _Lane(keys, conns, durable, OutputReader(conns, keys))
+
+    def lane_of(self, request_id: str) -> _Lane:
+        return self._lanes[self.keys.of_request(request_id).shard]
+
+    def shards(self) -> list[tuple[Connections, Keys]]:
+        """Each shard's connections and names, shard 0 first."""
+        return [(lane.conns, lane.keys) for lane in self._lanes]
+
+    def keys_of(self, request_id: str) -> Keys:
+        """The names of the shard `request_id` belongs to."""
+        return self.keys.of_request(request_id)
 
     @classmethod
-    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kw: Any) -> QueueClient:
-        return cls(connect(url), Keys(prefix), **kw)
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, shards: int = 1, **kw: Any) -> QueueClient:
+        return cls(connect(url), Keys(prefix, shards=shards), **kw)
 
     async def __aenter__(self) -> QueueClient:
         return self
@@ -108,19 +178,29 @@ class QueueClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    def _ensure_reader(self) -> None:
-        if self._reader_task is None or self._reader_task.done():
-            self._reader_task = asyncio.create_task(self.reader.run(), name="specserve-output-reader")
+    @staticmethod
+    def _ensure_reader(lane: _Lane) -> None:
+        if lane.reader_task is None or lane.reader_task.done():
+            name = f"specserve-output-reader-{lane.keys.shard}"
+            lane.reader_task = asyncio.create_task(lane.reader.run(), name=name)
 
     async def ensure_group(self) -> None:
-        """Create the workers' consumer group unless it exists, so its lag counts requests with no worker."""
-        await ensure_group(self.r, self.keys)
-        self._group_ready = True
+        """Create every shard's consumer group unless it exists, so its lag counts requests with no worker;
+        refuses a shard count other than the fleet's (ShardMismatch)."""
+        if not self._agreed:
+            await agree_on_shards(self.r, self.keys)
+            self._agreed = True
+        for lane in self._lanes:
+            await ensure_group(self.r, lane.keys)
+            lane.group_ready = True
 
     async def aclose(self, close_redis: bool = True) -> None:
-        if self._reader_task is not None:
-            await self.reader.close(self._reader_task)
-            self._reader_task = None
+        for lane in self._lanes:
+            if lane.reader_task is not None:
+                await lane.reader.close(lane.reader_task)
+                lane.reader_task = None
+            if lane.conns is not self.conns:
+                await lane.conns.aclose()
         await self.conns.aclose(close_redis)
 
     async def enqueue(
@@ -148,9 +228,10 @@ class QueueClient:
         tokens: int = 0,
     ) -> list[Enqueued]:
         """Add requests of one tenant together, all or none: the limits are checked for all of them at once
-        (`tokens` each), and QuotaExceeded means none was added. Ids already known are left as they are."""
+        (`tokens` each), and QuotaExceeded means none will run (none was added, or with shards, those a shard
+        had already taken are cancelled while still queued). Ids already known are left as they are."""
         ids: list[str] = []
-        args: list[str] = []
+        bodies: list[str] = []
         for body, request_id in requests:
             if request_id is None:
                 request_id = new_request_id()
@@ -159,47 +240,77 @@ class QueueClient:
             parsed = body if isinstance(body, RequestBody) else parse_body(body)
             tenant = tenant or parsed.tenant
             ids.append(request_id)
-            args += [request_id, parsed.to_json()]
-        if not self._group_ready:
+            bodies.append(parsed.to_json())
+        if not self._agreed or not all(lane.group_ready for lane in self._lanes):
             await self.ensure_group()
+        by_lane: dict[int, list[int]] = {}
+        for i, request_id in enumerate(ids):
+            by_lane.setdefault(self.keys.of_request(request_id).shard, []).append(i)
+        results: list[Enqueued | None] = [None] * len(ids)
+        for shard, positions in by_lane.items():
+            try:
+                got = await self._enqueue_on(
+                    self._lanes[shard], [(ids[i], bodies[i]) for i in positions],
+                    traceparent, tracestate, tenant, tokens,
+                )  # fmt: skip
+            except QuotaExceeded:
+                # All or none: the choices another shard already took are cancelled before any runs.
+                for done in results:
+                    if done is not None and done.created:
+                        await self.cancel(done.id)
+                raise
+            for i, result in zip(positions, got):
+                results[i] = result
+        return [r for r in results if r is not None]
+
+    async def _enqueue_on(
+        self,
+        lane: _Lane,
+        requests: list[tuple[str, str]],
+        traceparent: str | None,
+        tracestate: str | None,
+        tenant: str | None,
+        tokens: int,
+    ) -> list[Enqueued]:
+        keys, limits = lane.keys, shard_limits(self.limits, self.keys.shards)
         command = (
             "EVAL",
             scripts.ENQUEUE,
-            1 + len(ids),
-            self.keys.requests,
-            *(self.keys.req(i) for i in ids),
+            1 + len(requests),
+            keys.requests,
+            *(keys.req(i) for i, _ in requests),
             self.ttl_ms,
             traceparent or "",
             tracestate or "",
-            self.keys.group,
+            keys.group,
             tenant or "",
-            self.keys.quota,
-            self.limits.max_backlog,
-            self.limits.tenant_max_queued,
-            self.limits.tenant_tokens_per_minute,
+            keys.quota,
+            limits.max_backlog,
+            limits.tenant_max_queued,
+            limits.tenant_tokens_per_minute,
             tokens,
-            *args,
+            *(x for pair in requests for x in pair),
         )
-        if self._durable_conn is None:
-            # idempotent by id, so a retry after a lost connection adds nothing twice
-            reply = await self.fast.execute(*command, retries=2)
+        if lane.durable_conn is None:
+            # Idempotent by id, so a retry after a lost connection adds nothing twice. On a cluster the
+            # retries span a failover (about 5 s of backoff: a replica takes over within the node timeout).
+            reply = await lane.fast.execute(*command, retries=FAILOVER_RETRIES if keys.cluster else 2)
         else:
-            reply = await self._enqueue_durably(command)
+            reply = await self._enqueue_durably(lane.durable_conn, command)
         if reply and reply[0] == -1:
             _, limit, *rest = reply
             raise QuotaExceeded(str(limit), int(rest[0]) if rest else 1)
         return [
             Enqueued(i, True, "queued", detail) if created else Enqueued(i, False, detail)
-            for i, (created, detail) in zip(ids, reply)
+            for (i, _), (created, detail) in zip(requests, reply)
         ]
 
-    async def _enqueue_durably(self, command: tuple[str | int, ...]) -> list:
+    async def _enqueue_durably(self, conn: RespClient, command: tuple[str | int, ...]) -> list:
         """ENQUEUE, then WAIT for the replicas. Too few in time raises NotReplicated: the requests stay
         queued on the master (they run if it lives), and a retry with the same ids adds nothing and waits
         again, so a producer that retries until accepted gets each request exactly once."""
-        assert self._durable_conn is not None
         d = self.durable
-        reply, acked = await self._durable_conn.pipeline([command, ("WAIT", d.replicas, d.timeout_ms)])
+        reply, acked = await conn.pipeline([command, ("WAIT", d.replicas, d.timeout_ms)])
         if int(acked) < d.replicas:
             raise NotReplicated(
                 f"{acked} of {d.replicas} replicas acknowledged the enqueue within {d.timeout_ms} ms"
@@ -208,12 +319,13 @@ class QueueClient:
 
     async def info(self, request_id: str) -> dict[str, str]:
         """The raw status hash ({} when unknown or expired)."""
-        return await self.r.hgetall(self.keys.req(request_id))
+        return await self.r.hgetall(self.keys_of(request_id).req(request_id))
 
     async def result(self, request_id: str) -> Result | None:
+        keys = self.keys_of(request_id)
         pipe = self.r.pipeline(transaction=False)
-        pipe.hgetall(self.keys.req(request_id))
-        pipe.xrange(self.keys.out(request_id))
+        pipe.hgetall(keys.req(request_id))
+        pipe.xrange(keys.out(request_id))
         info, items = await pipe.execute()
         if not info and not items:
             return None
@@ -222,23 +334,25 @@ class QueueClient:
     async def cancel(self, request_id: str, tenant: str | None = None) -> tuple[str, str]:
         """Returns (outcome, status): missing | terminal | cancelled (was queued) | cancelling (running).
         With `tenant`, another tenant's request is missing."""
+        keys = self.keys_of(request_id)
         outcome, status = await self.r.eval(
             scripts.CANCEL,
             2,
-            self.keys.req(request_id),
-            self.keys.out(request_id),
+            keys.req(request_id),
+            keys.out(request_id),
             self.ttl_ms,
             tenant or "",
-            self.keys.quota,
+            keys.quota,
             request_id,
         )
         return str(outcome), str(status)
 
     async def stream(self, request_id: str, tokens: int = 0, chars: int = 0) -> AsyncIterator[Delta]:
         """New tokens as they are produced, each once, reruns included; resumes after `tokens`/`chars`."""
-        self._ensure_reader()
+        lane = self.lane_of(request_id)
+        self._ensure_reader(lane)
         cursor = OutputCursor(tokens=tokens, chars=chars)
-        async with aclosing(self.reader.follow(request_id)) as entries:
+        async with aclosing(lane.reader.follow(request_id)) as entries:
             async for _, entry in entries:
                 d = cursor.feed(entry)
                 if d is not None:

@@ -94,6 +94,22 @@ class QueueStats:
     # (band, tenant) -> requests waiting in the ready queue ('' for no tenant)
     waiting: dict[tuple[int, str], int] = field(default_factory=dict)
 
+    @classmethod
+    def combine(cls, shards: list[QueueStats]) -> QueueStats:
+        """The fleet's queue from each shard's: every worker reads every shard, so the workers are the most
+        any shard counts, not their sum."""
+        waiting: dict[tuple[int, str], int] = {}
+        for s in shards:
+            for k, v in s.waiting.items():
+                waiting[k] = waiting.get(k, 0) + v
+        return cls(
+            sum(s.depth for s in shards),
+            sum(s.pending for s in shards),
+            max((s.lag_seconds for s in shards), default=0.0),
+            max((s.consumers for s in shards), default=0),
+            waiting,
+        )
+
 
 @dataclass
 class ConsumerConfig:

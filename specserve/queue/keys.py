@@ -4,12 +4,22 @@ On Redis Cluster every key carries the hash tag `{<prefix>}` (`{specserve}:reque
 the scripts of queue/scripts.py and queue/ready.py each touch a request's keys together with the request
 stream, the ready queue and its tenant's counters, and Cluster runs a script only when all its keys share one
 slot. On a single instance the names stay untagged (`specserve:requests`), as producers already use them.
+
+With `--queue-shards N` (N > 1) the request stream is N streams, and everything a script touches beside it
+moves with it: shard k's keys start with `{<prefix>:s<k>}` on a cluster (`<prefix>:s<k>` on a single
+instance), its stream, group, dead letters, ready queue, routing keys, reply streams and the status hash and
+output stream of every request whose id hashes to it (`shard_of`). So each script call stays in one slot,
+and the shards' slots spread over the cluster's masters. A request's keys follow its shard rather than a
+`{<id>}` tag because every script that touches them (CLAIM, FINISH, APPEND, HANDBACK, SORT_IN, PASS) touches
+the shard's stream too. What belongs to the fleet (served models, the API-keys mark, the shard count, the
+Batch API) keeps the shard-less names. Tenant quotas: see `quota`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, replace
 
 DEFAULT_PREFIX = "specserve"
 DEFAULT_TTL_MS = 24 * 3600 * 1000  # how long every per-request key lives
@@ -22,15 +32,46 @@ def valid_request_id(request_id: object) -> bool:
     return isinstance(request_id, str) and bool(_REQUEST_ID.match(request_id))
 
 
+def shard_of(request_id: str, shards: int) -> int:
+    """The shard a request belongs to: CRC-32 (IEEE, as zlib and every language's standard library compute
+    it) of the id's UTF-8 bytes, modulo the shard count. Producers that XADD themselves use the same rule."""
+    return zlib.crc32(request_id.encode("utf-8", "surrogateescape")) % shards if shards > 1 else 0
+
+
 @dataclass(frozen=True)
 class Keys:
     prefix: str = DEFAULT_PREFIX
     cluster: bool = False  # the server is a Redis Cluster: every key in the one slot of `{prefix}`
+    shards: int = 1  # request streams of the fleet (--queue-shards)
+    shard: int = 0  # the shard these names are of (fleet-wide names ignore it)
+
+    @property
+    def fleet_base(self) -> str:
+        """What the fleet's own key names start with: the prefix, hash-tagged on a cluster."""
+        return f"{{{self.prefix}}}" if self.cluster else self.prefix
 
     @property
     def base(self) -> str:
-        """What every key name starts with: the prefix, hash-tagged on a cluster."""
-        return f"{{{self.prefix}}}" if self.cluster else self.prefix
+        """What a shard's key names start with: the fleet's base while there is one shard."""
+        if self.shards <= 1:
+            return self.fleet_base
+        tag = f"{self.prefix}:s{self.shard}"
+        return f"{{{tag}}}" if self.cluster else tag
+
+    def of_shard(self, shard: int) -> Keys:
+        return self if shard == self.shard else replace(self, shard=shard)
+
+    def of_request(self, request_id: str) -> Keys:
+        """The names of the shard `request_id` belongs to (its status, output, stream and group)."""
+        return self.of_shard(shard_of(request_id, self.shards))
+
+    def every_shard(self) -> list[Keys]:
+        return [self.of_shard(k) for k in range(max(1, self.shards))]
+
+    @property
+    def config(self) -> str:
+        """Hash: settings every process of the fleet must share (queue_shards), set by the first to start."""
+        return f"{self.fleet_base}:config"
 
     @property
     def requests(self) -> str:
@@ -50,13 +91,13 @@ class Keys:
     @property
     def models(self) -> str:
         """Hash: served model name -> JSON info refreshed by live workers."""
-        return f"{self.base}:models"
+        return f"{self.fleet_base}:models"
 
     @property
     def keyed(self) -> str:
         """String: set by an API with keys, so that one without keys does not serve their tenants' requests
         to anyone unless told to."""
-        return f"{self.base}:keyed"
+        return f"{self.fleet_base}:keyed"
 
     def req(self, request_id: str) -> str:
         """Status hash of one request."""
@@ -69,8 +110,12 @@ class Keys:
     @property
     def quota(self) -> str:
         """Prefix of the admission-limit keys: quota:queued:<tenant> (a sorted set of request ids) and
-        quota:tpm:<tenant>:<minute> (tokens asked for in that minute)."""
-        return f"{self.base}:quota:"
+        quota:tpm:<tenant>:<minute> (tokens asked for in that minute).
+
+        Fleet-wide wherever a script may reach them: one set of keys under the fleet's base, so a tenant's
+        limits hold across every shard. A cluster runs a script only on keys of its one slot, so there each
+        shard keeps its own (the service refuses tenant limits with more than one shard on a cluster)."""
+        return f"{self.base if self.cluster else self.fleet_base}:quota:"
 
     def reply(self, name: str) -> str:
         """A producer's reply stream: the final results (and, if asked, deltas) of the requests naming it."""
@@ -101,4 +146,4 @@ class Keys:
 
     def batch(self, kind: str, name: str) -> str:
         """The batch API's keys: file:<id>, files:<tenant>, batch:<id>, batches:<tenant>."""
-        return f"{self.base}:{kind}:{name}"
+        return f"{self.fleet_base}:{kind}:{name}"

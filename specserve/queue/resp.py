@@ -13,10 +13,13 @@ The server, credentials, database and TLS context are those of the redis-py clie
 errors are redis-py's exceptions, so callers' handling of transient errors (TRANSIENT_ERRORS) is unchanged.
 A lost connection fails what was in flight with ConnectionError and the next command connects again; a
 READONLY reply (a failed-over primary) drops the connection, so the next one reaches the new primary.
-On a cluster it talks to the master of one slot (every key of the service shares it, queue/keys.py); a
-MOVED, ASK or CLUSTERDOWN reply drops the connection too, and each new connection asks the cluster client for
-a fresh slot map first, so after a failover or a slot move the next command reaches the slot's new owner.
-These replies mean the command did not run, so `execute` retries them whatever the command.
+On a cluster it talks to the master of one slot (every key of a shard shares it, queue/keys.py); a MOVED
+or CLUSTERDOWN reply drops the connection too, and each new connection asks the cluster client for a fresh
+slot map first, so after a failover or a slot move the next command reaches the slot's new owner. An ASK (the
+slot half migrated, the command's keys already on the target) is answered on a connection to the node it
+names, with ASKING first, as Cluster asks clients to; the slot's own connection stays. These replies mean the
+command did not run, so `execute` retries them whatever the command, and `pipeline` sends again just the
+commands that got one: nothing that ran is sent twice.
 
 Binary-safe: replies are decoded as UTF-8 with surrogateescape, so bytes that are not UTF-8 (anyone can XADD
 them) come back as lone surrogates instead of failing the whole reply, and with it every command behind it
@@ -31,14 +34,14 @@ import collections
 import socket
 import ssl
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
-from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, TryAgainError
+from redis.exceptions import AskError, ClusterDownError, MovedError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -97,7 +100,7 @@ class Endpoint:
 
 
 # Replies after which this connection no longer reaches the owner of the slot (or the primary).
-_MOVED_ON = (ReadOnlyError, AskError, ClusterDownError)
+_MOVED_ON = (ReadOnlyError, MovedError, ClusterDownError)
 # Replies that say the command did not run: retried by `execute` whatever the command.
 _NOT_RUN = (AskError, ClusterDownError, TryAgainError)
 NOT_RUN_RETRIES = 40  # with the backoff below (capped at 0.25 s): about 8 s, a cluster's failover and more
@@ -207,13 +210,20 @@ class RespClient:
     async def execute(self, *args: str | bytes | int | float, retries: int = 0) -> Any:
         """One command; an error reply raises. `retries`: for idempotent commands, how many more tries
         after a lost connection or a timeout (as redis-py's client retries them)."""
-        data = hiredis.pack_command(args)
+        reply = await self._execute(hiredis.pack_command(args), retries)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    async def _execute(self, data: bytes, retries: int) -> Any:
         attempt = not_run = 0
         while True:
             try:
                 proto = await self._ready()
                 (future,) = proto.send(data, 1)
                 reply = await future
+                if _is_ask(reply):
+                    reply = await self._asking(reply, data)
             except (RedisConnectionError, RedisTimeoutError):
                 if attempt == retries or self._closed:
                     raise
@@ -224,9 +234,18 @@ class RespClient:
                 await asyncio.sleep(min(0.25, 0.01 * 2**not_run))
                 not_run += 1
                 continue
-            break
-        if isinstance(reply, Exception):
-            raise reply
+            return reply
+
+    async def _asking(self, ask: AskError, data: bytes) -> Any:
+        """The command once more, on the node an ASK names, preceded by ASKING (good for one command)."""
+        if self._endpoint is None:
+            return ask
+        proto = await self._open(replace(self._endpoint, host=ask.host, port=ask.port))
+        try:
+            _, reply = await asyncio.gather(*proto.send(b"".join([_ASKING, data]), 2))
+        finally:
+            if proto.transport is not None:
+                proto.transport.close()
         return reply
 
     async def pipeline(self, commands: Sequence[Command], raise_on_error: bool = True) -> list[Any]:
@@ -235,8 +254,14 @@ class RespClient:
         if not commands:
             return []
         proto = await self._ready()
-        data = b"".join(hiredis.pack_command(tuple(c)) for c in commands)
-        replies = await asyncio.gather(*proto.send(data, len(commands)))
+        packed = [hiredis.pack_command(tuple(c)) for c in commands]
+        replies = list(await asyncio.gather(*proto.send(b"".join(packed), len(commands))))
+        # Commands a redirect or a failover turned away did not run: each goes again on its own, with
+        # execute's retries. Not inside MULTI, where they must run together or not at all.
+        if not any(str(c[0]).upper() == "MULTI" for c in commands):
+            for i, reply in enumerate(replies):
+                if isinstance(reply, _NOT_RUN) and not self._closed:
+                    replies[i] = await self._execute(packed[i], 0)
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -273,7 +298,16 @@ class RespClient:
             self._endpoint = Endpoint.of_slot(self._redis, self._route)
         elif self._endpoint is None:
             self._endpoint = Endpoint.of(self._redis)
-        e = self._endpoint
+        proto = await self._open(self._endpoint)
+        if self._closed:
+            if proto.transport is not None:
+                proto.transport.close()
+            raise RedisConnectionError("the client is closed")
+        self._proto = proto
+        return proto
+
+    async def _open(self, e: Endpoint) -> _Protocol:
+        """A connection to `e`, authenticated and on its database."""
         loop = asyncio.get_running_loop()
 
         def factory() -> _Protocol:
@@ -302,12 +336,15 @@ class RespClient:
                     if proto.transport is not None:
                         proto.transport.close()
                     raise reply
-        if self._closed:
-            if proto.transport is not None:
-                proto.transport.close()
-            raise RedisConnectionError("the client is closed")
-        self._proto = proto
         return proto
+
+
+_ASKING = hiredis.pack_command(("ASKING",))
+
+
+def _is_ask(reply: Any) -> bool:
+    """An ASK redirect (MOVED is its subclass in redis-py, and means something else: the slot has moved)."""
+    return isinstance(reply, AskError) and not isinstance(reply, MovedError)
 
 
 def is_text(value: str) -> bool:

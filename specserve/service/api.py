@@ -105,14 +105,15 @@ class Api:
         self.gateway.end_streams()
 
     async def _start_stats(self, _app: web.Application) -> None:
-        from specserve.queue.consumer import StreamConsumer  # the stats query lives with the consumer
+        # the stats query lives with the consumer
+        from specserve.queue.consumer import QueueStats, StreamConsumer
 
-        consumer = StreamConsumer(self.client.conns, self.client.keys, "api")
+        consumers = [StreamConsumer(conns, keys, "api") for conns, keys in self.client.shards()]
 
         async def refresh() -> None:
             while True:
                 with contextlib.suppress(*TRANSIENT_ERRORS):
-                    self.telemetry.queue = await consumer.stats()
+                    self.telemetry.queue = QueueStats.combine([await c.stats() for c in consumers])
                 await asyncio.sleep(2.0)
 
         self._stats_task = asyncio.create_task(refresh())
@@ -191,7 +192,9 @@ class Api:
             if not self.gateway.owns(request, info):
                 raise self._not_found(client_id)
         # A raw producer's request has no status hash until a worker claims it; only an open API shows it.
-        elif request.get(TENANT_KEY) is not None or not await self.client.r.exists(self.client.keys.out(rid)):
+        elif request.get(TENANT_KEY) is not None or not await self.client.r.exists(
+            self.client.keys_of(rid).out(rid)
+        ):
             raise self._not_found(client_id)
         resp = await sse_start(request)
         with contextlib.suppress(ConnectionResetError):  # the client left; it can resume later

@@ -340,7 +340,7 @@ class BatchRoutes:
         if rids:
             pipe = self.r.pipeline(transaction=False)
             for rid in rids:
-                pipe.hget(self.keys.req(rid), "status")
+                pipe.hget(self.keys.of_request(rid).req(rid), "status")
             statuses = await pipe.execute()
             ended = [(rid, s) for rid, s in zip(rids, statuses) if s in wire.TERMINAL or s is None]
             still = [rid for rid, s in zip(rids, statuses) if not (s in wire.TERMINAL or s is None)]

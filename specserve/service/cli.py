@@ -145,13 +145,12 @@ def _body(ns: argparse.Namespace) -> dict[str, Any]:
 async def _client(cfg: config_mod.ServiceConfig):
     from specserve.queue.client import QueueClient
     from specserve.queue.connection import open_redis
-    from specserve.queue.keys import Keys
     from specserve.service.launch import resolve_redis
 
     url, _ = await resolve_redis(cfg, start_embedded=False)
     return QueueClient(
         await open_redis(url, cfg.seed_nodes()),
-        Keys(cfg.prefix),
+        cfg.queue_keys(),
         ttl_ms=int(cfg.result_ttl * 1000),
         durable=cfg.durability(),
     )

@@ -11,7 +11,7 @@ from typing import Any
 
 from specserve.queue.client import Durability, Limits
 from specserve.queue.consumer import ConsumerConfig
-from specserve.queue.keys import DEFAULT_PREFIX
+from specserve.queue.keys import DEFAULT_PREFIX, Keys
 from specserve.queue.ready import FairShare
 from specserve.queue.routing import RoutingConfig
 
@@ -122,6 +122,13 @@ class ServiceConfig:
         nargs="+",
     )
     prefix: str = _opt("SPECSERVE_PREFIX", DEFAULT_PREFIX, "prefix of every Redis key")
+    queue_shards: int = _opt(
+        "SPECSERVE_QUEUE_SHARDS",
+        1,
+        "request streams the queue is split into, by CRC-32 of the request id (docs/wire-format.md); on a "
+        "cluster each shard's keys share a slot of their own, so the shards spread over its masters; every "
+        "worker and producer of a fleet must use the same value (the first to start records it)",
+    )
     model: str | None = _opt(
         "SPECSERVE_MODEL",
         None,
@@ -440,7 +447,7 @@ class ServiceConfig:
                 raise ValueError(f"--speculative-method {method} needs --speculative-model")
         limits = ("max_connections", "header_timeout", "body_timeout", "keepalive_timeout")
         checked = ("dead_letter_maxlen", "dead_letter_ttl", "reply_maxlen", "max_file_bytes")
-        for name in (*limits, *checked, "prepare_workers", "prepare_timeout"):
+        for name in (*limits, *checked, "prepare_workers", "prepare_timeout", "queue_shards"):
             if not getattr(self, name) > 0:  # also false for NaN
                 raise ValueError(f"{_env_of(name)}: must be positive")
         if self.max_logprobs < 0:
@@ -480,6 +487,10 @@ class ServiceConfig:
         """The names the model is served under, primary first: --served-model-name, else --model."""
         names = (self.served_model_name or "").replace(",", " ").split()
         return names or ([self.model] if self.model else [])
+
+    def queue_keys(self, cluster: bool = False) -> Keys:
+        """The names of the fleet's keys (queue/keys.py); `server_keys` tags them once the server is known."""
+        return Keys(self.prefix, cluster=cluster, shards=self.queue_shards)
 
     def keys_list(self) -> list[str]:
         keys = [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]

@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from specserve.queue.client import QueueClient
+from specserve.queue.client import QueueClient, agree_on_shards, check_shard_limits
 from specserve.queue.connection import TRANSIENT_ERRORS, connect, open_redis, server_keys
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
@@ -154,6 +154,18 @@ async def guard_tenant_data(redis: Any, keys: Keys, cfg: ServiceConfig) -> None:
         log.warning("could not check %s (%s)", keys.keyed, e)
 
 
+async def check_shards(redis: Any, keys: Keys, cfg: ServiceConfig) -> None:
+    """Refuse, before serving, a shard count the fleet on this Redis does not use, or tenant limits a
+    cluster cannot count across shards."""
+    try:
+        check_shard_limits(keys, cfg.limits())
+        await agree_on_shards(redis, keys)
+    except ValueError as e:  # ShardMismatch too
+        raise SystemExit(f"error: {e}") from None
+    except RedisError as e:  # Redis away at start: the worker and the first enqueue check it again
+        log.warning("could not check %s (%s)", keys.config, e)
+
+
 async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     """serve = both; `api` and `worker` one each. Returns after a drained shutdown on SIGTERM/SIGINT."""
     if with_api:
@@ -163,7 +175,8 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
     redis = await open_redis(
         url, cfg.seed_nodes()
     )  # a cluster's client when the server at `url` is a cluster node
-    keys = server_keys(redis, Keys(cfg.prefix))
+    keys = server_keys(redis, cfg.queue_keys())
+    await check_shards(redis, keys, cfg)
     # An API-only process has no engine: it exports no engine series rather than ones stuck at 0.
     telemetry = Telemetry(
         "specserve",
@@ -194,11 +207,12 @@ async def run(cfg: ServiceConfig, with_api: bool, with_worker: bool) -> None:
             runners.append(await serve(health, cfg.host, cfg.health_port, cfg.http_limits()))
             log.info("worker health on http://%s:%d", cfg.host, cfg.health_port)
         if with_worker:
-            from specserve.service.worker import Worker  # imports the engine: only where a worker runs
+            # imports the engine: only where a worker runs
+            from specserve.service.worker import ShardedWorker
 
             engine = await load_engine(cfg)
             await engine.start()
-            worker = Worker(engine, redis, keys, cfg.consumer_name, cfg.worker_config(), telemetry)
+            worker = ShardedWorker(engine, redis, keys, cfg.consumer_name, cfg.worker_config(), telemetry)
             await worker.start()
             if cfg.log_stats_interval > 0:
                 stats_task = asyncio.create_task(log_stats_every(telemetry, cfg.log_stats_interval))

@@ -26,11 +26,13 @@ from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.errors import InvalidParameter
 from specserve.engine.prepare import PreparePool
 from specserve.queue import outputs, wire
+from specserve.queue.client import agree_on_shards, check_shard_limits, shard_limits
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever, server_keys
-from specserve.queue.consumer import Claim, ClaimVerdict, StreamConsumer, entry_ms
+from specserve.queue.consumer import Claim, ClaimVerdict, QueueStats, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
 from specserve.queue.publisher import Publisher, Reply
 from specserve.queue.ready import Admission, ReadyQueue
+from specserve.queue.resp import as_bytes
 from specserve.queue.routing import Router
 from specserve.queue.wire import RequestBody, RequestEntry, WireError
 from specserve.service.config import WorkerConfig
@@ -91,9 +93,9 @@ class Worker:
             self.cfg.consumer_config(),
         )
         self.publisher = Publisher(self.conns, keys, name, ttl_ms, self.cfg.reply_maxlen)
-        self.ready_queue = ReadyQueue(
-            self.conns.fast, keys, name, self.cfg.fair_share, self.cfg.limits, ttl_ms
-        )
+        # a raw XADD's backlog is counted on this shard's stream: it holds its share of the cap
+        limits = shard_limits(self.cfg.limits, keys.shards)
+        self.ready_queue = ReadyQueue(self.conns.fast, keys, name, self.cfg.fair_share, limits, ttl_ms)
         self._ready_waiting = 0  # entries in the ready queue, as the last take saw it
         self.clock = ServerClock()
         self.runner = Runner(
@@ -116,6 +118,9 @@ class Worker:
             self.routing = PrefixRouting(self.consumer, router, self.cfg.routing, ttl_ms)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
+        # The workers of the other shards this process serves over the same engine (ShardedWorker): room is
+        # the engine's, so what each of them has taken counts against it.
+        self.siblings: list[Worker] = [self]
         self._capacity = asyncio.Event()
         self._arrivals = self.conns.blocking(ARRIVAL_WAIT_MS)  # a full worker's wake-up on new entries
         self._arrival: asyncio.Task[None] | None = None
@@ -236,7 +241,7 @@ class Worker:
     # ---- admission ------------------------------------------------------------------------------------
 
     def _room(self) -> int:
-        return self.engine.free_capacity() - self._admitting - self.runner.preparing
+        return self.engine.free_capacity() - sum(w._admitting + w.runner.preparing for w in self.siblings)
 
     async def _pull_loop(self) -> None:
         while not self.draining:
@@ -311,7 +316,8 @@ class Worker:
         may still be taken although every slot is full (the engine then preempts the worst for it)."""
         if not self.engine.by_priority or not self.inflight:
             return None
-        if len(self.inflight) + self._admitting >= self.engine.max_num_seqs + OVERBOOK:
+        taken = sum(len(w.inflight) + w._admitting for w in self.siblings)
+        if taken >= self.engine.max_num_seqs + OVERBOOK:
             return None
         return max(s.body.priority for s in self.inflight.values())
 
@@ -323,6 +329,8 @@ class Worker:
         if count <= 0:
             return
         entries = await self.consumer.read_new(count, wait=wait)
+        if self.keys.shards > 1:
+            entries = [e for e in entries if not await self._forwarded(e)]
         if not entries:
             return
         direct: list[RequestEntry] = []
@@ -352,6 +360,21 @@ class Worker:
             # NOTMINE: it moved on before this sort (a retry's); whoever holds it settles it
         if direct:
             await self._admit(direct, refusals=refusals)
+
+    async def _forwarded(self, e: RequestEntry) -> bool:
+        """A raw XADD to a shard its id does not hash to goes on to the one it does, where readers look for
+        its status and output; then it is acknowledged here. A crash in between leaves it on both streams:
+        the second to be claimed is a duplicate of the first (scripts.CLAIM), so it still runs once."""
+        if e.request_id is None or (right := self.keys.of_request(e.request_id)).shard == self.keys.shard:
+            return False
+        fields = {"id": e.request_id, "body": as_bytes(e.raw_body)}
+        for name, value in (("traceparent", e.traceparent), ("tracestate", e.tracestate)):
+            if value is not None:
+                fields[name] = value
+        await self.r.xadd(right.requests, fields)
+        await self.consumer.ack_mine(e.entry_id)
+        log.info("entry %s (request %s) sent on to shard %d", e.entry_id, e.request_id, right.shard)
+        return True
 
     async def _reclaim(self) -> None:
         n = self._room()
@@ -546,7 +569,8 @@ class Worker:
             await self._conclude(state, await self.runner.drive(state, started))
         finally:
             self.inflight.pop(state.request_id, None)
-            self._capacity.set()
+            for w in self.siblings:  # the engine's room: any shard's full worker may take it
+                w._capacity.set()
 
     async def _shown(self, state: RequestState) -> Shown | None:
         """A rerun's earlier output, which it continues instead of repeating (a first run has none)."""
@@ -703,5 +727,52 @@ class Worker:
         if (routing := self.routing) is not None:
             g.routing_passed, g.routing_received = routing.passed, routing.received
             g.routing_taken_back = routing.taken_back
-        self.telemetry.queue = await self.consumer.stats()
-        g.dead_letters = await self.r.xlen(self.keys.dead)
+        if self is not self.siblings[0]:  # one of them reports the queue, every shard's together
+            return
+        self.telemetry.queue = QueueStats.combine([await w.consumer.stats() for w in self.siblings])
+        g.dead_letters = sum([await self.r.xlen(w.keys.dead) for w in self.siblings])
+
+
+class ShardedWorker:
+    """One worker process serving every shard of the request stream (--queue-shards): a Worker per shard,
+    each reading its own shard's consumer group (on a cluster its lean clients talk to the master of that
+    shard's slot), all over the one engine. Each blocks on its own stream, so a busy shard never starves a
+    quiet one, and they share the engine's room (Worker.siblings)."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        redis: Any,
+        keys: Keys,
+        name: str,
+        config: WorkerConfig | None = None,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.engine = engine
+        self.r = redis
+        self.keys = server_keys(redis, keys)
+        config = config or WorkerConfig()
+        check_shard_limits(self.keys, config.limits)
+        self.telemetry = telemetry = telemetry or Telemetry()
+        self.shards = [Worker(engine, redis, k, name, config, telemetry) for k in self.keys.every_shard()]
+        for w in self.shards:
+            w.siblings = self.shards
+
+    @property
+    def ready(self) -> bool:
+        return all(w.ready for w in self.shards)
+
+    @property
+    def inflight(self) -> dict[str, RequestState]:
+        return {rid: s for w in self.shards for rid, s in w.inflight.items()}
+
+    async def start(self) -> None:
+        await retry_forever(lambda: agree_on_shards(self.r, self.keys), what="agree on the shard count")
+        for w in self.shards:
+            await w.start()
+
+    async def drain(self, timeout: float) -> None:
+        await asyncio.gather(*(w.drain(timeout) for w in self.shards))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(w.close() for w in self.shards))

@@ -58,6 +58,14 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- define "specserve.requestStream" -}}{{ include "specserve.keyBase" . }}:requests{{- end }}
 {{- define "specserve.consumerGroup" -}}{{ include "specserve.keyBase" . }}:workers{{- end }}
+{{/* Shard `shard` of `ctx`'s queue (--queue-shards): with one shard the plain key base, else `<prefix>:s<k>`,
+hash-tagged on a cluster. */}}
+{{- define "specserve.shardBase" -}}
+{{- $ctx := .ctx }}
+{{- if le (int $ctx.Values.queue.shards) 1 }}{{ include "specserve.keyBase" $ctx }}
+{{- else if eq (include "specserve.redisCluster" $ctx) "true" }}{{ printf "{%s:s%d}" $ctx.Values.prefix (int .shard) }}
+{{- else }}{{ printf "%s:s%d" $ctx.Values.prefix (int .shard) }}{{ end }}
+{{- end }}
 
 {{/* Images. The variant suffix keeps one repository for the CUDA and the CPU build of the same version; a tag
 given with its suffix already (`0.2.0-cuda`) is the version, so the suffix is not doubled. */}}
@@ -236,6 +244,8 @@ so the password never appears in the rendered manifest.
 {{- end }}
 - name: SPECSERVE_PREFIX
   value: {{ $.Values.prefix | quote }}
+- name: SPECSERVE_QUEUE_SHARDS
+  value: {{ int64 $.Values.queue.shards | quote }}
 - name: SPECSERVE_MAX_BACKLOG
   value: {{ int64 $.Values.queue.maxBacklog | quote }}
 - name: SPECSERVE_TENANT_MAX_QUEUED
