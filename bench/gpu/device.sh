@@ -17,9 +17,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,temperature.gp
 GGUF=.gpu/SmolLM2-135M-Instruct.Q4_1.gguf
 case $stage in
   kernels)
-    # the CPU library some engine paths import is built once here (cached in ~/.cache for the next call)
-    (python3 -c "from specserve.kernels.cpu import build; build.load()" > "$OUT/cpu-build.log" 2>&1 &)
-    timeout 240 python3 bench/gpu/run.py --out "$OUT" --parts env,kernels --budget-s 170
+    timeout 200 python3 bench/gpu/run.py --out "$OUT" --parts env,kernels --budget-s 120
     ;;
   model)
     if [ -f .gpu/model.part-a ] && [ -f .gpu-b/model.part-b ]; then
@@ -29,11 +27,11 @@ case $stage in
     if [ -f "$GGUF" ] && [ -f .gpu/eagle_prompts.jsonl ]; then
       timeout 200 python3 tools/train_eagle.py --device cuda --target "$GGUF" \
         --prompts .gpu/eagle_prompts.jsonl --out /tmp/eagle3 --work /tmp/eagle3-work \
-        --time-budget-min 2.5 > "$OUT/eagle-train.log" 2>&1
+        --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct --time-budget-min 2.5 > "$OUT/eagle-train.log" 2>&1
       (cd /tmp && tar cf eagle3.tar eagle3 && split -b 15M eagle3.tar "$OUT/eagle3.tar.")
     fi
-    timeout 380 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
-      --parts env,engine,graphs,throughput,worker --budget-s 350
+    timeout 300 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
+      --parts env,engine,graphs,throughput,worker --budget-s 250
     ;;
 esac
 ls -la "$OUT"
