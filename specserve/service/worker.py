@@ -44,6 +44,7 @@ from specserve.service.running import (
     Started,
     quick_to_prepare,
 )
+from specserve.service.suffix_fleet import SuffixFleet
 from specserve.service.telemetry import Telemetry, access_line, access_log, cache_config_info
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,11 @@ class Worker:
                 self.conns.fast, self.conns.blocking(block_ms), block_ms, keys, name, self.cfg.routing
             )
             self.routing = PrefixRouting(self.consumer, router, self.cfg.routing, ttl_ms)
+        self.suffix_fleet: SuffixFleet | None = None
+        tree = engine.fleet_tree() if self.cfg.suffix_fleet else None
+        if tree is not None:
+            key = keys.suffix_outputs(engine.model_name)
+            self.suffix_fleet = SuffixFleet(self.conns, key, name, tree, engine.vocab_size)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
         self._capacity = asyncio.Event()
@@ -146,6 +152,11 @@ class Worker:
             spawn(self._pull_loop(), name="pull"),
             spawn(self._every(self.cfg.reclaim_s, self._reclaim, pulling=True), name="reclaim"),
         ]
+        if (fleet := self.suffix_fleet) is not None:
+            self._background += [
+                spawn(fleet.run_reader(lambda: self._closed), name="suffix-fleet-read"),
+                spawn(fleet.run_sender(lambda: self._closed), name="suffix-fleet-send"),
+            ]
         if self.routing is not None:
             self._pulling.append(
                 spawn(self.routing.receive(self._admit_passed, lambda: self.draining), name="passes")
@@ -184,6 +195,8 @@ class Worker:
         self.runner.preparer.close()
         watch = [self._arrival] if self._arrival is not None else []
         await self._stop(self._pulling + self._background + list(self._detached) + watch)
+        if self.suffix_fleet is not None:
+            self.suffix_fleet.tree.close()
         await self.conns.aclose()
 
     async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:

@@ -22,6 +22,7 @@ from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
 from specserve.spec.proposer import Draft, Proposer
+from specserve.spec.suffix import FleetTree, SuffixProposer
 from specserve.spec.verifier import VerifyBatch, verify
 
 if TYPE_CHECKING:
@@ -154,6 +155,14 @@ class SpeculativeDecoder:
             for seq, k in zip(auto, chosen):
                 ks[seq.seq_id] = self._cap(seq, k)
         return ks
+
+    def fleet_tree(self) -> FleetTree | None:
+        """Where other workers' finished outputs go for drafting (service/suffix_fleet.py feeds it): the
+        suffix proposer's, if this decoder holds one that keeps a shared tree."""
+        for proposer in self.proposers.values():
+            if isinstance(proposer, SuffixProposer):
+                return proposer.fleet_tree()
+        return None
 
     # ---- the target's hidden states --------------------------------------------------------------------
 
