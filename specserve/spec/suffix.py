@@ -211,7 +211,7 @@ class Walk:
             score = 0.0
             while len(tokens) < limit:
                 child = node.best
-                if child is None:
+                if child is None or child.count <= 0:  # <= 0: removed since it was reached (FleetTree)
                     break
                 prob *= child.count / node.count
                 if prob < self.min_token_prob:
@@ -270,8 +270,11 @@ class GlobalTree:
             pass
 
     def add_steps(self, key: Hashable, tokens: list[int], chunk: int) -> Iterator[None]:
-        """add(key, tokens) about `chunk` tokens of tree work at a time; between two steps the tree is whole
-        (and `version` has changed if it changed), so a reader holding the writer's lock may walk it."""
+        """add(key, tokens) about `chunk` tokens of tree work at a time; between two steps the tree is whole,
+        so a reader holding the writer's lock may walk it. `version` changes once per output inserted or
+        removed, not per step: a reader's nodes from before stay usable meanwhile (a node removed since is
+        detached, its counts only lower, and Walk stops at a count of 0), and rebuilding every reader's nodes
+        per chunk would cost the step more than the drafts it misses."""
         if self.max_requests <= 0 or not tokens:
             return
         old = self.outputs.pop(key, None)
@@ -282,22 +285,23 @@ class GlobalTree:
         self.outputs[key] = list(tokens)
         for added in self.tree.insert_steps(tokens, chunk):
             self.num_nodes += added
-            self.version += 1
             yield
+        self.version += 1
         while self.num_nodes > self.max_nodes and len(self.outputs) > 1:
             yield from self._removing(self.outputs.popitem(last=False)[1], chunk)
 
     def _removing(self, tokens: list[int], chunk: int) -> Iterator[None]:
         for dropped in self.tree.remove_steps(tokens, chunk):
             self.num_nodes -= dropped
-            self.version += 1
             yield
+        self.version += 1
 
 
 _DONE = object()
 # Tree work the fleet's builder does per hold of its lock: ~40 us a token (CPython 3.11, depth 24, the 2-core
 # Xeon, loaded), so a step that wants the tree waits for none of it: it skips the fleet's tree that step.
 FLEET_CHUNK_TOKENS = 16
+MAX_REST_S = 0.01
 # Outputs waiting to be built into the fleet's tree, and this worker's waiting to be sent: past this many the
 # newest incoming one is dropped (the feed counts it) and the oldest outgoing one.
 FLEET_MAX_PENDING = 256
@@ -376,10 +380,13 @@ class FleetTree:
             steps = self.cache.add_steps(key, tokens, self.chunk)
             try:
                 while True:
+                    started = time.perf_counter()
                     with self.lock:
                         if next(steps, _DONE) is _DONE:
                             break
-                    time.sleep(0)  # hands the GIL over: a step waiting to run Python gets it now
+                    # Rest as long as the chunk took: the builder holds the GIL half the time at most, so a
+                    # step's Python (scheduling, sampling, proposing) is never crowded out by it.
+                    time.sleep(min(time.perf_counter() - started, MAX_REST_S))
             finally:
                 self.num_built += 1
                 self._incoming.task_done()
