@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sys
-import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -214,9 +213,15 @@ def test_the_fleet_setting_reaches_the_worker_and_only_it() -> None:
     assert "suffix_fleet" in read_by("worker") and "suffix_fleet" not in read_by("api")
 
 
-def test_the_builder_thread_ends_on_close() -> None:
-    fleet = FleetTree(4, 10)
-    fleet.close()
+@pytest.mark.parametrize("full", [False, True])
+def test_the_builder_thread_ends_on_close(full: bool) -> None:
+    fleet = FleetTree(4, 10, max_pending=2)
+    if full:  # no room for the wake-up: it stops after the output it is building
+        with fleet.lock:
+            while fleet.offer(("k", 0), [1, 2, 3]):
+                pass
+            fleet.close()
+    else:
+        fleet.close()
     fleet._thread.join(timeout=5)
     assert not fleet._thread.is_alive()
-    assert threading.current_thread().is_alive()

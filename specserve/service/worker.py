@@ -195,8 +195,6 @@ class Worker:
         self.runner.preparer.close()
         watch = [self._arrival] if self._arrival is not None else []
         await self._stop(self._pulling + self._background + list(self._detached) + watch)
-        if self.suffix_fleet is not None:
-            self.suffix_fleet.tree.close()
         await self.conns.aclose()
 
     async def _stop(self, tasks: list[asyncio.Task[Any]]) -> None:

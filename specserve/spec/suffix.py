@@ -331,6 +331,7 @@ class FleetTree:
         self.num_built = 0  # outputs built into the tree
         self.num_dropped = 0  # incoming outputs dropped for want of room (the builder behind)
         self.num_unsent = 0  # own outputs dropped before the feed sent them
+        self._closed = False
         self._thread = threading.Thread(target=self._build, name="specserve-suffix-fleet", daemon=True)
         self._thread.start()
 
@@ -361,6 +362,9 @@ class FleetTree:
         return self._incoming.unfinished_tasks
 
     def close(self) -> None:
+        """Stop the builder. It lives as long as its proposer otherwise: a worker that stops leaves it to the
+        next feed on the same engine."""
+        self._closed = True  # seen after the output being built, should the queue be too full to wake it
         with contextlib.suppress(queue.Full):
             self._incoming.put_nowait(None)
 
@@ -375,7 +379,11 @@ class FleetTree:
     # ---- the builder -------------------------------------------------------------------------------------
 
     def _build(self) -> None:
-        while (item := self._incoming.get()) is not None:
+        while True:
+            item = self._incoming.get()
+            if item is None or self._closed:
+                self._incoming.task_done()
+                return
             key, tokens = item
             steps = self.cache.add_steps(key, tokens, self.chunk)
             try:
@@ -390,7 +398,6 @@ class FleetTree:
             finally:
                 self.num_built += 1
                 self._incoming.task_done()
-        self._incoming.task_done()
 
 
 class SuffixProposer:
