@@ -225,3 +225,30 @@ def test_the_builder_thread_ends_on_close(full: bool) -> None:
         fleet.close()
     fleet._thread.join(timeout=5)
     assert not fleet._thread.is_alive()
+
+
+def test_a_starting_feed_takes_the_newest_outputs_its_builder_has_room_for(valkey) -> None:
+    from specserve.queue.connection import Connections
+    from specserve.service.suffix_fleet import SuffixFleet
+
+    async def main() -> tuple[dict[Any, list[int]], Any, list[str]]:
+        redis = await open_redis(valkey.url)
+        conns = Connections(redis)
+        tree = FleetTree(4, 100, max_pending=8)
+        ids = []
+        for i in range(20):
+            ids.append(await redis.xadd("fleet", {"w": "other", "t": encode_tokens([i, i + 1])}))
+        fleet = SuffixFleet(conns, "fleet", "me", tree, 1000, block_ms=100)
+        await fleet.read_once()
+        await asyncio.to_thread(_wait_built, tree)
+        await conns.aclose(close_redis=True)
+        tree.close()
+        return (
+            dict(tree.cache.outputs),
+            fleet.counters,
+            [i.decode() if isinstance(i, bytes) else i for i in ids],
+        )
+
+    built, counters, ids = run(main())
+    assert built == {("fleet", ids[i]): [i, i + 1] for i in range(16, 20)}  # the newest half of its room
+    assert counters.received == 4 and counters.dropped == 0

@@ -6,8 +6,8 @@ MAXLEN ~ SUFFIX_FLEET_MAXLEN, and follows it with a blocking XREAD on a connecti
 own entries. Following the output streams instead would cost more for the same ids: they are one per request,
 so a reader would first have to learn every new request's key, and they hold deltas and text, the ids of one
 output spread over many entries. Here one XREAD brings any number of outputs, each in one field, and a
-worker that (re)starts reads from the stream's oldest entry, so it learns what the fleet said recently (at
-most MAXLEN outputs) before its first request.
+worker that (re)starts first reads the stream's newest outputs (as many as its builder takes at once), so it
+learns what the fleet said recently before its first request.
 
 Nothing the product promises rests on this stream: drafts are verified, so an output lost (a trimmed stream,
 a restarted server, a full queue) costs acceptance only, never a token of anyone's output; nothing here is
@@ -43,6 +43,7 @@ MAX_OUTPUT_TOKENS = 16384  # ids in one entry at most; a longer one is junk
 READ_COUNT = 64  # entries per XREAD
 SEND_EVERY_S = 0.1  # how often this worker's finished outputs go out
 MAX_BACKOFF_S = 2.0
+BEHIND_WAIT_S = 0.05  # how often a reader waiting for the builder looks again
 
 
 @dataclass
@@ -101,6 +102,7 @@ class SuffixFleet:
         self._fast = conns.fast
         self._blocking = conns.blocking(block_ms)
         self.last_id = "0-0"
+        self._started = False
         self.counters = FleetCounters()
 
     async def send(self) -> None:
@@ -131,9 +133,24 @@ class SuffixFleet:
             except Exception:  # a bug here must not end the loop: the next round tries again
                 log.exception("suffix fleet: sending failed")
 
+    async def start_at_recent(self) -> None:
+        """A first read takes the newest outputs the builder has room for (XREVRANGE), not the stream's
+        oldest: those would fill its queue and the newer ones be dropped."""
+        reply = await self._fast.execute("XREVRANGE", self.key, "+", "-", "COUNT", self.tree.capacity // 2)
+        entries = [(item[0], _fields(item[1] if len(item) > 1 else None)) for item in reply or []]
+        for entry_id, fields in reversed(entries):
+            self._take(entry_id, fields)
+        self.last_id = entries[0][0] if entries else "0-0"
+        self._started = True
+
     async def read_once(self) -> int:
         """One XREAD (blocking up to block_ms): hands the new entries' outputs to the tree; returns how many
-        entries it read."""
+        entries it read. While the builder is behind by half its queue, it waits instead of reading, so a
+        burst waits in the stream rather than being dropped here."""
+        if not self._started:
+            await self.start_at_recent()
+        while self.tree.pending >= self.tree.capacity // 2:
+            await asyncio.sleep(BEHIND_WAIT_S)
         reply = await self._blocking.execute(
             "XREAD", "COUNT", READ_COUNT, "BLOCK", self.block_ms, "STREAMS", self.key, self.last_id
         )
@@ -183,12 +200,11 @@ def _entries(reply: Any) -> list[tuple[str, dict[str, Any]]]:
     if not reply:
         return []
     (_key, items), *_ = reply
-    out = []
-    for item in items:
-        entry_id, flat = item[0], item[1] if len(item) > 1 else None
-        fields: dict[str, Any] = {}
-        if isinstance(flat, list) and len(flat) % 2 == 0:
-            it = iter(flat)
-            fields = dict(zip(it, it))
-        out.append((entry_id, fields))
-    return out
+    return [(item[0], _fields(item[1] if len(item) > 1 else None)) for item in items]
+
+
+def _fields(flat: Any) -> dict[str, Any]:
+    if isinstance(flat, list) and len(flat) % 2 == 0:
+        it = iter(flat)
+        return dict(zip(it, it))
+    return {}

@@ -357,6 +357,11 @@ class FleetTree:
         return out
 
     @property
+    def capacity(self) -> int:
+        """Outputs that may wait for the builder."""
+        return self._incoming.maxsize
+
+    @property
     def pending(self) -> int:
         """Outputs offered and not yet in the tree."""
         return self._incoming.unfinished_tasks
