@@ -182,6 +182,11 @@ def _two_workers(url: str, model_dir: Path, fleet: bool, prefix: str) -> tuple[l
                     await wait_for(learnt, timeout=30, what="B learnt A's outputs")
                 second = await answer(client)
                 counters = b.suffix_fleet.counters if fleet else None
+                if fleet:
+                    await b._refresh_stats()
+                    metrics = b.telemetry.metrics_text().decode().splitlines()
+                    assert f"specserve_suffix_fleet_received_total {float(len(PROMPTS))}" in metrics
+                    assert "specserve_suffix_fleet_junk_total 0.0" in metrics
             return first, second, counters
         finally:
             await client.aclose()

@@ -714,5 +714,9 @@ class Worker:
         if (routing := self.routing) is not None:
             g.routing_passed, g.routing_received = routing.passed, routing.received
             g.routing_taken_back = routing.taken_back
+        if (fleet := self.suffix_fleet) is not None:
+            c = fleet.counters
+            g.suffix_fleet_received, g.suffix_fleet_junk = c.received, c.junk
+            g.suffix_fleet_dropped = c.dropped
         self.telemetry.queue = await self.consumer.stats()
         g.dead_letters = await self.r.xlen(self.keys.dead)
