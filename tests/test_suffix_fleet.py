@@ -21,7 +21,7 @@ from specserve.engine.sequence import SeqStatus
 from specserve.queue.connection import open_redis
 from specserve.queue.keys import Keys
 from specserve.service.suffix_fleet import MAX_OUTPUT_TOKENS, decode_tokens, encode_tokens
-from specserve.spec.suffix import FleetTree, GlobalTree, SuffixProposer
+from specserve.spec.suffix import FLEET_REFRESH, FleetTree, GlobalTree, SuffixProposer
 
 pytest_plugins = ("valkey_fixtures",)
 
@@ -65,6 +65,20 @@ def test_the_fleets_outputs_are_drafted_and_a_held_lock_skips_them_without_waiti
         assert time.perf_counter() - started < 5.0  # it returned while the lock was held: no wait
     assert proposer.propose([(seq, 4)])[1].token_ids == [10, 11, 12]  # followed again from its last tokens
     fleet.close()
+
+
+def test_a_drafting_sequence_sees_a_new_fleet_output_within_the_refresh_bound() -> None:
+    proposer = SuffixProposer(4, max_tree_depth=8)
+    fleet = proposer.fleet_tree()
+    assert fleet is not None
+    fleet.offer(("fleet", "1-0"), [7, 8, 9, 10])
+    _wait_built(fleet)
+    seq = _seq(1, [1, 2])
+    assert proposer.propose([(seq, 4)])[1].token_ids == []  # its place found, in a tree without [1, 2]
+    fleet.offer(("fleet", "2-0"), [1, 2, 3, 4, 5])
+    _wait_built(fleet)
+    drafts = [proposer.propose([(seq, 4)])[1].token_ids for _ in range(FLEET_REFRESH + 1)]
+    assert drafts == [[]] * FLEET_REFRESH + [[3, 4]]  # a match of 2: a draft of 2 at most
 
 
 def test_finished_outputs_are_shared_once_and_aborted_ones_not() -> None:
