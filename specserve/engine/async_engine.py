@@ -18,6 +18,7 @@ from specserve.engine.config import EngineConfig
 from specserve.engine.llm_engine import EngineStats, LLMEngine, Prepared
 from specserve.engine.outputs import StepDelta
 from specserve.engine.sampling_params import SamplingParams
+from specserve.spec.suffix import FleetTree
 
 SWITCH_INTERVAL_S = 0.0005
 
@@ -116,6 +117,10 @@ class AsyncLLMEngine:
         return self.engine.model_name
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
     def has_chat_template(self) -> bool:
         return self.engine.tokenizer.chat_template is not None
 
@@ -202,6 +207,12 @@ class AsyncLLMEngine:
     def by_priority(self) -> bool:
         """The engine orders by priority (scheduling_policy="priority"), and preempts for it."""
         return self.engine.scheduler.by_priority
+
+    def fleet_tree(self) -> FleetTree | None:
+        """The suffix proposer's tree for other workers' outputs (None: the engine drafts with no suffix
+        tree): its feed runs on the caller's loop and its builder on a thread of its own, never the step's."""
+        spec = self.engine.spec
+        return None if spec is None else spec.fleet_tree()
 
     def free_capacity(self) -> int:
         """Requests to pull now: free sequence slots, and none while admissions are stuck on KV blocks."""

@@ -139,6 +139,11 @@ class Keys:
         """Private stream an output reader blocks on alongside its output streams, to be woken up."""
         return f"{self.base}:wake:{reader_id}"
 
+    def suffix_outputs(self, model: str) -> str:
+        """Stream of the finished outputs' token ids of the workers serving `model`, which each one's suffix
+        tree learns from (service/suffix_fleet.py), trimmed to about SUFFIX_FLEET_MAXLEN entries."""
+        return f"{self.base}:suffix:{model}"
+
     @property
     def ready(self) -> str:
         """Prefix of the ready queue's keys (queue/ready.py)."""

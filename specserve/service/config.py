@@ -68,6 +68,8 @@ class WorkerConfig:
     dead_letter_ttl_s: float = _QUEUE.dead_ttl_ms / 1000
     reply_maxlen: int = 10_000  # a producer's reply stream is trimmed (MAXLEN ~) to about this many entries
     access_log: bool = False  # one log line per request that ends (logger specserve.access)
+    # the suffix proposer also drafts from the other workers' finished outputs (service/suffix_fleet.py)
+    suffix_fleet: bool = True
     routing: RoutingConfig = RoutingConfig()  # prefix-aware claiming (queue/routing.py)
     fair_share: FairShare = FairShare()  # the ready queue's bands and round robin (queue/ready.py)
     limits: Limits = Limits()  # the API's admission limits, applied to raw XADDs as they are sorted in
@@ -429,6 +431,13 @@ class ServiceConfig:
         "how long a passed request waits for the warm worker before the passer runs it",
         kind=int,
     )
+    suffix_fleet: bool = _opt(
+        "SPECSERVE_SUFFIX_FLEET",
+        _WORKER.suffix_fleet,
+        "with --speculative-method suffix: share finished outputs with the other workers of the model "
+        "through Redis, and draft from theirs (service/suffix_fleet.py)",
+        kind=bool,
+    )
     worker_name: str | None = _opt("SPECSERVE_WORKER_NAME", None, "consumer name (default host-pid)")
     access_log: bool = _opt(
         "SPECSERVE_ACCESS_LOG",
@@ -525,6 +534,7 @@ class ServiceConfig:
             dead_letter_ttl_s=self.dead_letter_ttl,
             reply_maxlen=self.reply_maxlen,
             access_log=self.access_log,
+            suffix_fleet=self.suffix_fleet,
             routing=RoutingConfig(enabled=self.prefix_routing, wait_ms=self.prefix_routing_wait_ms),
             fair_share=FairShare(quantum=self.fair_share_quantum, oldest_every=self.oldest_every),
             limits=self.limits(),
@@ -625,6 +635,7 @@ WORKER_ONLY = {
     "reply_maxlen",
     "prefix_routing",
     "prefix_routing_wait_ms",
+    "suffix_fleet",
     "worker_name",
     "access_log",
     "log_stats_interval",

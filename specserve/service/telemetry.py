@@ -98,6 +98,11 @@ class EngineGauges:
     routing_passed: int = 0
     routing_received: int = 0
     routing_taken_back: int = 0
+    # The fleet-wide suffix tree (service/suffix_fleet.py): other workers' outputs taken, entries skipped
+    # as junk, outputs dropped for want of room in the builder's queue.
+    suffix_fleet_received: int = 0
+    suffix_fleet_junk: int = 0
+    suffix_fleet_dropped: int = 0
     cache_config: dict[str, str] = field(default_factory=dict)  # cache_config_info's labels (set at start)
 
     @property
@@ -313,6 +318,21 @@ class Telemetry:
             "specserve_prefix_routing_taken_back",
             "passed requests the warm worker did not claim in time, run here after all",
             lambda: self.engine.routing_taken_back,
+        )
+        counter(
+            "specserve_suffix_fleet_received",
+            "other workers' finished outputs taken into this worker's suffix tree",
+            lambda: self.engine.suffix_fleet_received,
+        )
+        counter(
+            "specserve_suffix_fleet_junk",
+            "entries of the suffix stream skipped as not an output",
+            lambda: self.engine.suffix_fleet_junk,
+        )
+        counter(
+            "specserve_suffix_fleet_dropped",
+            "other workers' outputs dropped, the suffix tree's builder behind",
+            lambda: self.engine.suffix_fleet_dropped,
         )
         self.registry.register(_EngineCollector(self))
         reg, model, prefix = self.registry, ["model_name"], self.prefix

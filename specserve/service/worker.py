@@ -46,6 +46,7 @@ from specserve.service.running import (
     Started,
     quick_to_prepare,
 )
+from specserve.service.suffix_fleet import SuffixFleet
 from specserve.service.telemetry import Telemetry, access_line, access_log, cache_config_info
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,11 @@ class Worker:
                 self.conns.fast, self.conns.blocking(block_ms), block_ms, keys, name, self.cfg.routing
             )
             self.routing = PrefixRouting(self.consumer, router, self.cfg.routing, ttl_ms)
+        self.suffix_fleet: SuffixFleet | None = None
+        tree = engine.fleet_tree() if self.cfg.suffix_fleet else None
+        if tree is not None:
+            key = keys.suffix_outputs(engine.model_name)
+            self.suffix_fleet = SuffixFleet(self.conns, key, name, tree, engine.vocab_size)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
         # The workers of the other shards this process serves over the same engine (ShardedWorker): room is
@@ -151,6 +157,11 @@ class Worker:
             spawn(self._pull_loop(), name="pull"),
             spawn(self._every(self.cfg.reclaim_s, self._reclaim, pulling=True), name="reclaim"),
         ]
+        if (fleet := self.suffix_fleet) is not None:
+            self._background += [
+                spawn(fleet.run_reader(lambda: self._closed), name="suffix-fleet-read"),
+                spawn(fleet.run_sender(lambda: self._closed), name="suffix-fleet-send"),
+            ]
         if self.routing is not None:
             self._pulling.append(
                 spawn(self.routing.receive(self._admit_passed, lambda: self.draining), name="passes")
@@ -727,6 +738,10 @@ class Worker:
         if (routing := self.routing) is not None:
             g.routing_passed, g.routing_received = routing.passed, routing.received
             g.routing_taken_back = routing.taken_back
+        if (fleet := self.suffix_fleet) is not None:
+            c = fleet.counters
+            g.suffix_fleet_received, g.suffix_fleet_junk = c.received, c.junk
+            g.suffix_fleet_dropped = c.dropped
         if self is not self.siblings[0]:  # one of them reports the queue, every shard's together
             return
         self.telemetry.queue = QueueStats.combine([await w.consumer.stats() for w in self.siblings])
@@ -757,6 +772,8 @@ class ShardedWorker:
         self.shards = [Worker(engine, redis, k, name, config, telemetry) for k in self.keys.every_shard()]
         for w in self.shards:
             w.siblings = self.shards
+        for w in self.shards[1:]:  # one fleet feed a process: every shard's worker drafts from one engine
+            w.suffix_fleet = None
 
     @property
     def ready(self) -> bool:

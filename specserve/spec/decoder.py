@@ -22,6 +22,7 @@ from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
 from specserve.spec.proposer import Draft, Proposer
+from specserve.spec.suffix import FleetTree, SuffixProposer
 from specserve.spec.verifier import VerifyBatch, verify
 
 if TYPE_CHECKING:
@@ -114,23 +115,30 @@ class SpeculativeDecoder:
         return state
 
     def _pick(self, seq: Sequence) -> None:
-        """The proposer to draft for an "auto" request: the one it names, else the one whose acceptance for
-        it is highest (an untried one's is the workload's for that method)."""
+        """The proposer to draft for an "auto" request: the one it names, else the one that makes it the most
+        tokens per second at its acceptance for it (an untried one's is the workload's for that method) and
+        its measured cost per draft step (AdaptivePolicy.method_rate); by acceptance alone until the target's
+        cost is measured."""
         state = self._seq_state(seq)
         named = seq.params.speculation
         if named in self.proposers:
             best = named
         else:
-            best, best_acceptance = state.method, state.acceptance
+            best, best_value = state.method, self._value(state.acceptance, state.method)
             for method in self.methods:
                 shelved = state.shelved.get(method)
                 acceptance = self.workload_acceptance[method] if shelved is None else shelved.acceptance
-                if method != state.method and acceptance > best_acceptance:
-                    best, best_acceptance = method, acceptance
+                value = self._value(acceptance, method)
+                if method != state.method and value > best_value:
+                    best, best_value = method, value
         if best != state.method:
             state.shelved[state.method] = _Estimate(state.acceptance, state.failed_probes)
             taken = state.shelved.pop(best, None) or _Estimate(self.workload_acceptance[best])
             state.method, state.acceptance, state.failed_probes = best, taken.acceptance, taken.failed_probes
+
+    def _value(self, acceptance: float, method: str) -> float:
+        rate = self.policy.method_rate(acceptance, method)
+        return acceptance if rate is None else rate
 
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
         """k per decoding sequence this step: fixed-k requests as asked, "auto" ones by the policy."""
@@ -154,6 +162,14 @@ class SpeculativeDecoder:
             for seq, k in zip(auto, chosen):
                 ks[seq.seq_id] = self._cap(seq, k)
         return ks
+
+    def fleet_tree(self) -> FleetTree | None:
+        """Where other workers' finished outputs go for drafting (service/suffix_fleet.py feeds it): the
+        suffix proposer's, if this decoder holds one that keeps a shared tree."""
+        for proposer in self.proposers.values():
+            if isinstance(proposer, SuffixProposer):
+                return proposer.fleet_tree()
+        return None
 
     # ---- the target's hidden states --------------------------------------------------------------------
 
@@ -187,7 +203,10 @@ class SpeculativeDecoder:
                 by_method.setdefault(self._seq_state(seq).method, []).append((seq, k))
             drafts = {}
             for method, group in by_method.items():
+                started = time.perf_counter()
                 drafts.update(self.proposers[method].propose(group))
+                depth = max(k for _, k in group)
+                self.policy.observe_draft(method, len(group), (time.perf_counter() - started) / depth)
         if grammar is not None:
             drafts = self._grammar_drafts(grammar, requests, drafts)
         k = max(k for _, k in requests)

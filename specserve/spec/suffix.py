@@ -25,8 +25,12 @@ A request's tree holds up to prompt length x max_depth nodes (each one object), 
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable
+import contextlib
+import queue
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
 
 from specserve.engine.sequence import Sequence
@@ -137,24 +141,39 @@ class SuffixTree:
 
     def insert(self, tokens: Iterable[int]) -> int:
         """Count every suffix of `tokens`; returns the nodes it added."""
+        return sum(self.insert_steps(tokens, 1 << 62))
+
+    def insert_steps(self, tokens: Iterable[int], chunk: int) -> Iterator[int]:
+        """insert(tokens) `chunk` tokens at a time, yielding the nodes each chunk added: the tree is whole
+        between chunks (as if a prefix of `tokens` had been inserted), so a reader may walk it there."""
         added = 0
         ends: list[_Node] = []
-        for token in tokens:
+        for i, token in enumerate(tokens, 1):
             nodes = self._counted(ends, token)
             added += sum(node.count == 1 for node in nodes)  # a node of count 0 does not stay in the tree
             ends = nodes[: self.max_depth - 1]
-        return added
+            if i % chunk == 0:
+                yield added
+                added = 0
+        yield added
 
     def remove(self, tokens: list[int]) -> int:
         """Undo insert(tokens): every suffix's occurrences go, and nodes no sequence reaches any more;
         returns how many nodes went."""
+        return sum(self.remove_steps(tokens, 1 << 62))
+
+    def remove_steps(self, tokens: list[int], chunk: int) -> Iterator[int]:
+        """remove(tokens) `chunk` suffixes at a time, yielding the nodes each chunk dropped."""
         dropped = 0
         for start in range(len(tokens)):
             node = self.root
             for token in tokens[start : start + self.max_depth]:
                 node = node.remove(token)
                 dropped += node.count == 0
-        return dropped
+            if (start + 1) % chunk == 0:
+                yield dropped
+                dropped = 0
+        yield dropped
 
     def follow(self, ends: list[_Node | None], token: int) -> list[_Node | None]:
         """Like extend, read-only: None where the suffix does not occur in the tree."""
@@ -192,7 +211,7 @@ class Walk:
             score = 0.0
             while len(tokens) < limit:
                 child = node.best
-                if child is None:
+                if child is None or child.count <= 0:  # <= 0: removed since it was reached (FleetTree)
                     break
                 prob *= child.count / node.count
                 if prob < self.min_token_prob:
@@ -205,15 +224,27 @@ class Walk:
         return best
 
 
+class _Followed:
+    """Where a sequence's suffixes stand in a shared tree, as of that tree's `version`."""
+
+    __slots__ = ("ends", "version", "age")
+
+    def __init__(self) -> None:
+        self.ends: list[_Node | None] = []
+        self.version = -1  # no version: the next reading rebuilds `ends`
+        self.age = 0  # proposals since `ends` were rebuilt
+
+
 class _RequestState:
-    """One sequence's tree over its tokens so far, and where its suffixes stand in the global tree."""
+    """One sequence's tree over its tokens so far, and where its suffixes stand in the shared trees."""
 
     def __init__(self, max_depth: int) -> None:
         self.tree = SuffixTree(max_depth)
         self.ends: list[_Node] = []
         self.num_tokens = 0
-        self.global_ends: list[_Node | None] = []
-        self.global_version = -1
+        self.shared = _Followed()  # this worker's finished outputs
+        self.fleet = _Followed()  # other workers' (FleetTree)
+        self.num_fleet = 0  # tokens followed in the fleet's tree
 
 
 # The shared tree's nodes at most, whatever max_requests allows: an output of n tokens adds up to n x depth
@@ -236,22 +267,147 @@ class GlobalTree:
         self.version = 0  # changes with the tree, so followers know their nodes may be stale
 
     def add(self, key: Hashable, tokens: list[int]) -> None:
+        for _ in self.add_steps(key, tokens, 1 << 62):
+            pass
+
+    def add_steps(self, key: Hashable, tokens: list[int], chunk: int) -> Iterator[None]:
+        """add(key, tokens) about `chunk` tokens of tree work at a time; between two steps the tree is whole,
+        so a reader holding the writer's lock may walk it. `version` changes once per output inserted or
+        removed, not per step: a reader's nodes from before stay usable meanwhile (a node removed since is
+        detached, its counts only lower, and Walk stops at a count of 0), and rebuilding every reader's nodes
+        per chunk would cost the step more than the drafts it misses."""
         if self.max_requests <= 0 or not tokens:
             return
         old = self.outputs.pop(key, None)
         if old is not None:
-            self.num_nodes -= self.tree.remove(old)
+            yield from self._removing(old, chunk)
         while len(self.outputs) >= self.max_requests:
-            self._evict_oldest()
+            yield from self._removing(self.outputs.popitem(last=False)[1], chunk)
         self.outputs[key] = list(tokens)
-        self.num_nodes += self.tree.insert(tokens)
+        for added in self.tree.insert_steps(tokens, chunk):
+            self.num_nodes += added
+            yield
+        self.version += 1
         while self.num_nodes > self.max_nodes and len(self.outputs) > 1:
-            self._evict_oldest()
+            yield from self._removing(self.outputs.popitem(last=False)[1], chunk)
+
+    def _removing(self, tokens: list[int], chunk: int) -> Iterator[None]:
+        for dropped in self.tree.remove_steps(tokens, chunk):
+            self.num_nodes -= dropped
+            yield
         self.version += 1
 
-    def _evict_oldest(self) -> None:
-        _, evicted = self.outputs.popitem(last=False)
-        self.num_nodes -= self.tree.remove(evicted)
+
+_DONE = object()
+# Tree work the fleet's builder does per hold of its lock: ~40 us a token (CPython 3.11, depth 24, the 2-core
+# Xeon, loaded), so a step that wants the tree waits for none of it: it skips the fleet's tree that step.
+FLEET_CHUNK_TOKENS = 16
+MAX_REST_S = 0.01
+# A sequence re-finds its place in the fleet's tree, after it changed, at most every this many proposals:
+# at every change, 32 sequences' rebuilds took a proposal from 1.6 to 16 ms while the builder ran
+# (bench/suffix_fleet.py's micro part, 2-core Xeon, loaded), for drafts from the outputs of the last steps.
+FLEET_REFRESH = 8
+# Outputs waiting to be built into the fleet's tree, and this worker's waiting to be sent: past this many the
+# newest incoming one is dropped (the feed counts it) and the oldest outgoing one.
+FLEET_MAX_PENDING = 256
+
+
+class FleetTree:
+    """Other workers' finished outputs (service/suffix_fleet.py reads them from Redis), and this worker's for
+    them: a GlobalTree of its own, built on a thread of its own, never on the step's.
+
+    The builder inserts `FLEET_CHUNK_TOKENS` tokens at a time, each under `lock`; a proposal takes the lock
+    only if it is free (`acquire(blocking=False)`) and otherwise drafts from the other trees alone that step,
+    so no step waits on the fleet. Both queues are bounded; `offer` and `share` never block."""
+
+    def __init__(
+        self,
+        max_depth: int,
+        max_requests: int,
+        max_nodes: int = MAX_SHARED_NODES,
+        max_pending: int = FLEET_MAX_PENDING,
+        chunk: int = FLEET_CHUNK_TOKENS,
+    ) -> None:
+        self.cache = GlobalTree(max_depth, max_requests, max_nodes)
+        self.lock = threading.Lock()
+        self.chunk = chunk
+        self._incoming: queue.Queue[tuple[Hashable, list[int]] | None] = queue.Queue(max_pending)
+        self._outgoing: deque[list[int]] = deque(maxlen=max_pending)
+        self.num_built = 0  # outputs built into the tree
+        self.num_dropped = 0  # incoming outputs dropped for want of room (the builder behind)
+        self.num_unsent = 0  # own outputs dropped before the feed sent them
+        self._closed = False
+        self._thread = threading.Thread(target=self._build, name="specserve-suffix-fleet", daemon=True)
+        self._thread.start()
+
+    # ---- the feed's side (any thread) --------------------------------------------------------------------
+
+    def offer(self, key: Hashable, tokens: list[int]) -> bool:
+        """Queue another worker's output for the tree; False when the queue is full (it is dropped)."""
+        try:
+            self._incoming.put_nowait((key, tokens))
+        except queue.Full:
+            self.num_dropped += 1
+            return False
+        return True
+
+    def outgoing(self) -> list[list[int]]:
+        """This worker's outputs shared since the last call, oldest first."""
+        out = []
+        while self._outgoing:
+            try:
+                out.append(self._outgoing.popleft())
+            except IndexError:
+                break
+        return out
+
+    @property
+    def capacity(self) -> int:
+        """Outputs that may wait for the builder."""
+        return self._incoming.maxsize
+
+    @property
+    def pending(self) -> int:
+        """Outputs offered and not yet in the tree."""
+        return self._incoming.unfinished_tasks
+
+    def close(self) -> None:
+        """Stop the builder. It lives as long as its proposer otherwise: a worker that stops leaves it to the
+        next feed on the same engine."""
+        self._closed = True  # seen after the output being built, should the queue be too full to wake it
+        with contextlib.suppress(queue.Full):
+            self._incoming.put_nowait(None)
+
+    # ---- the step's side ---------------------------------------------------------------------------------
+
+    def share(self, tokens: list[int]) -> None:
+        """A finished output of this worker's, for the feed to send (the deque drops the oldest when full)."""
+        if len(self._outgoing) == self._outgoing.maxlen:
+            self.num_unsent += 1
+        self._outgoing.append(tokens)
+
+    # ---- the builder -------------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        while True:
+            item = self._incoming.get()
+            if item is None or self._closed:
+                self._incoming.task_done()
+                return
+            key, tokens = item
+            steps = self.cache.add_steps(key, tokens, self.chunk)
+            try:
+                while True:
+                    started = time.perf_counter()
+                    with self.lock:
+                        if next(steps, _DONE) is _DONE:
+                            break
+                    # Rest as long as the chunk took: the builder holds the GIL half the time at most, so a
+                    # step's Python (scheduling, sampling, proposing) is never crowded out by it.
+                    time.sleep(min(time.perf_counter() - started, MAX_REST_S))
+            finally:
+                self.num_built += 1
+                self._incoming.task_done()
 
 
 class SuffixProposer:
@@ -271,38 +427,70 @@ class SuffixProposer:
     ) -> None:
         self.max_depth = max_tree_depth
         self.max_tokens = num_speculative_tokens
+        self.max_cached_requests = max_cached_requests
+        self.max_cached_nodes = max_cached_nodes
         self.walk = Walk(max_spec_factor, max_spec_offset, min_token_prob)
         self.cache = GlobalTree(max_tree_depth, max_cached_requests, max_cached_nodes)
+        self.fleet: FleetTree | None = None  # other workers' outputs, once a feed asks for them
         self._requests: dict[int, _RequestState] = {}
+
+    def fleet_tree(self) -> FleetTree | None:
+        """The tree other workers' outputs go into (made on the first call; any thread may call it); None
+        when no shared tree is kept (max_cached_requests 0)."""
+        if self.fleet is None and self.max_cached_requests > 0:
+            self.fleet = FleetTree(self.max_depth, self.max_cached_requests, self.max_cached_nodes)
+        return self.fleet
 
     # ---- Proposer ----------------------------------------------------------------------------------------
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
-        drafts = {}
-        for seq, k in requests:
-            state = self._catch_up(seq)
-            drafts[seq.seq_id] = Draft(self.speculate(state, min(k, self.max_tokens)).token_ids)
-        return drafts
+        fleet = self.fleet
+        held = fleet is not None and bool(fleet.cache.outputs) and fleet.lock.acquire(blocking=False)
+        try:
+            drafts = {}
+            for seq, k in requests:
+                state = self._catch_up(seq)
+                if held:
+                    assert fleet is not None
+                    self._follow(fleet.cache, state.fleet, seq.token_ids, state.num_fleet, FLEET_REFRESH)
+                    state.num_fleet = state.num_tokens
+                else:
+                    state.fleet.version = -1  # not followed this step: rebuilt when it is next
+                drafts[seq.seq_id] = Draft(self.speculate(state, min(k, self.max_tokens), held).token_ids)
+            return drafts
+        finally:
+            if held:
+                assert fleet is not None
+                fleet.lock.release()
 
     def accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         pass  # the trees hold committed tokens only: nothing to roll back
 
     def forget(self, seq: Sequence) -> None:
-        """A finished sequence's output joins the global tree (an aborted one's does not: it was cut
-        short); a preempted one's tree is rebuilt when it drafts again."""
+        """A finished sequence's output joins the global tree and goes to the fleet (an aborted one's does
+        not: it was cut short); a preempted one's tree is rebuilt when it drafts again."""
         self._requests.pop(seq.seq_id, None)
         if seq.is_finished and seq.finish_reason != "abort":
-            self.cache.add(seq.seq_id, seq.output_token_ids)
+            output = seq.output_token_ids
+            self.cache.add(seq.seq_id, output)
+            if self.fleet is not None and output:
+                self.fleet.share(list(output))
 
     # ---- the trees ---------------------------------------------------------------------------------------
 
-    def speculate(self, state: _RequestState, max_tokens: int) -> Speculation:
-        own = self.walk.speculate(state.ends, max_tokens)
+    def speculate(self, state: _RequestState, max_tokens: int, fleet: bool = False) -> Speculation:
+        """The best of the request's own tree, this worker's outputs and (`fleet`: its lock is held) the
+        fleet's; on a tie, in that order."""
+        best = self.walk.speculate(state.ends, max_tokens)
         if self.cache.outputs:
-            shared = self.walk.speculate(state.global_ends, max_tokens)
-            if shared.score > own.score:
-                return shared
-        return own
+            shared = self.walk.speculate(state.shared.ends, max_tokens)
+            if shared.score > best.score:
+                best = shared
+        if fleet:
+            other = self.walk.speculate(state.fleet.ends, max_tokens)
+            if other.score > best.score:
+                best = other
+        return best
 
     def _catch_up(self, seq: Sequence) -> _RequestState:
         """Append the tokens committed since the last proposal to the sequence's trees."""
@@ -310,16 +498,24 @@ class SuffixProposer:
         tokens = seq.token_ids
         if state is None or state.num_tokens > len(tokens):
             state = self._requests[seq.seq_id] = _RequestState(self.max_depth)
-        new = tokens[state.num_tokens :]
+        start = state.num_tokens
         tree = state.tree
-        for token in new:
+        for token in tokens[start:]:
             state.ends = tree.extend(state.ends, token)
         state.num_tokens = len(tokens)
         if self.cache.outputs:
-            shared = self.cache.tree
-            if state.global_version != self.cache.version:
-                state.global_ends, new = [], tokens[-(self.max_depth - 1) :]
-                state.global_version = self.cache.version
-            for token in new:
-                state.global_ends = shared.follow(state.global_ends, token)
+            self._follow(self.cache, state.shared, tokens, start)
         return state
+
+    def _follow(
+        self, cache: GlobalTree, at: _Followed, tokens: list[int], start: int, refresh: int = 0
+    ) -> None:
+        """Bring `at` up to `tokens` in `cache`'s tree: from tokens[start:], or from the last max_depth - 1
+        tokens after the tree changed, at once or (`refresh`) once `at` is that many proposals old: its nodes
+        stay walkable meanwhile (GlobalTree.add_steps), they only miss what was added since."""
+        at.age += 1
+        if at.version != cache.version and (at.version < 0 or at.age > refresh):
+            at.ends, start = [], max(0, len(tokens) - (self.max_depth - 1))
+            at.version, at.age = cache.version, 0
+        for token in tokens[start:]:
+            at.ends = cache.tree.follow(at.ends, token)

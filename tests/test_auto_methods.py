@@ -1,0 +1,102 @@
+"""`auto` across proposers: a request drafts with the method that makes it the most tokens per second, its
+acceptance priced by the target's measured step cost and each proposer's measured cost per draft step
+(AdaptivePolicy.method_rate), by acceptance alone while the costs are not yet measured."""
+
+from __future__ import annotations
+
+import pytest
+
+from specserve import SamplingParams
+from specserve.engine.sequence import Sequence
+from specserve.engine.step import ScheduledSeq, SchedulerOutput
+from specserve.spec.decoder import SpeculativeDecoder
+from specserve.spec.ngram import NgramProposer
+from specserve.spec.policy import AdaptivePolicy, expected_tokens
+from specserve.spec.suffix import SuffixProposer
+
+# the target's step: 10 ms + 1 ms per query token
+BASE, PER_TOKEN = 0.010, 0.001
+
+
+def _measured(policy: AdaptivePolicy, costs: dict[str, float]) -> AdaptivePolicy:
+    for n in range(1, 2 * policy.warmup_steps):  # past the warm-up (its count decays as it goes)
+        policy.target.observe(n, BASE + PER_TOKEN * n)
+    for method, seconds in costs.items():
+        for n in (1, 2, 4):  # a draft step costs the same whatever the batch: seconds per step
+            policy.observe_draft(method, n, seconds)
+    return policy
+
+
+def _rate(acceptance: float, draft: float, k_max: int = 4) -> float:
+    return max(
+        expected_tokens(acceptance, k) / (BASE + PER_TOKEN * (1 + k) + k * draft) for k in range(k_max + 1)
+    )
+
+
+def test_no_rate_before_the_targets_cost_is_measured() -> None:
+    assert AdaptivePolicy(4).method_rate(0.9, "suffix") is None
+
+
+@pytest.mark.parametrize(
+    ("acceptance", "draft_seconds"),
+    [(0.0, 0.0), (0.6, 0.0), (0.9, 0.0), (0.9, 0.002), (0.9, 0.05), (0.3, 0.01)],
+)
+def test_the_rate_is_the_best_k_of_expected_tokens_over_the_steps_cost(
+    acceptance: float, draft_seconds: float
+) -> None:
+    policy = _measured(AdaptivePolicy(4), {"m": draft_seconds})
+    assert policy.method_rate(acceptance, "m") == pytest.approx(_rate(acceptance, draft_seconds), rel=1e-6)
+    # never below not drafting: k = 0 is one of the choices
+    assert policy.method_rate(acceptance, "m") >= 1 / (BASE + PER_TOKEN) - 1e-9
+
+
+# (suffix's acceptance, its seconds per draft step, n-gram's acceptance, its seconds, the method auto takes)
+TABLE = [
+    (0.8, 0.0, 0.6, 0.0, "suffix"),  # equal costs: the more accurate one
+    (0.5, 0.0, 0.7, 0.0, "ngram"),
+    (0.8, 0.02, 0.6, 0.0, "ngram"),  # suffix's drafts cost more than their extra acceptance makes
+    (0.8, 0.0005, 0.6, 0.0, "suffix"),  # a cheap draft step does not outweigh it
+    (0.6, 0.0, 0.6, 0.001, "suffix"),  # equal acceptance: the cheaper one
+]
+
+
+@pytest.mark.parametrize(("suffix_a", "suffix_s", "ngram_a", "ngram_s", "chosen"), TABLE)
+def test_auto_takes_the_method_with_the_best_rate(
+    suffix_a: float, suffix_s: float, ngram_a: float, ngram_s: float, chosen: str
+) -> None:
+    spec = SpeculativeDecoder(
+        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+    )
+    _measured(spec.policy, {"suffix": suffix_s, "ngram": ngram_s})
+    spec.workload_acceptance.update(suffix=suffix_a, ngram=ngram_a)  # a new request's estimates
+    seq = Sequence(0, "r0", [1, 2, 3], SamplingParams(), detokenizer=None, arrival_time=0.0)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    spec.lookahead([seq])
+    assert spec._state[0].method == chosen
+    expected = {"suffix": _rate(suffix_a, suffix_s), "ngram": _rate(ngram_a, ngram_s)}
+    assert max(expected, key=expected.__getitem__) == chosen  # the table agrees with the formula
+
+
+def test_proposing_measures_each_methods_draft_cost() -> None:
+    spec = SpeculativeDecoder(
+        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+    )
+    seqs = []
+    for i, method in enumerate(("suffix", "ngram")):
+        seq = Sequence(
+            i,
+            f"r{i}",
+            [1, 2, 3, 1, 2],
+            SamplingParams(speculation=method),
+            detokenizer=None,
+            arrival_time=0.0,
+        )
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seqs.append(seq)
+    ks = spec.lookahead(seqs)
+    plan = SchedulerOutput(
+        scheduled=tuple(ScheduledSeq(s, 1, ks[s.seq_id], True) for s in seqs), preempted=()
+    )
+    spec.propose(plan)
+    assert set(spec.policy.method_seconds) == {"suffix", "ngram"}
+    assert all(c.samples == 1 for c in spec.policy.method_seconds.values())
