@@ -16,6 +16,8 @@ from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import train_eagle  # noqa: E402
+from eagle3_train import answers as answers_mod  # noqa: E402
+from eagle3_train import prompts as prompts_mod  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,29 +50,55 @@ def tiny_target(tmp_path_factory, demo_tokenizer):
 
 def _argv(target: Path, out: Path, steps: int) -> list[str]:
     return [
-        "--target", str(target), "--out", str(out),
-        "--num-prompts", "20", "--prompt-scan-s", "2", "--gen-batch", "10", "--max-new-tokens", "12",
-        "--sampled-fraction", "1",  # the first batch is greedy all the same, the second sampled
+        "--target", str(target), "--out", str(out), "--device", "cpu",
+        "--num-prompts", "20", "--prompt-scan-s", "2", "--in-flight", "8", "--max-new-tokens", "12",
+        "--sampled-fraction", "0.5",
         "--layer-ids", "1,2,3", "--min-vocab", "512", "--max-vocab", "1024",
-        "--ttt-steps", "3", "--k", "3", "--batch-tokens", "256", "--max-steps", str(steps),
-        "--time-budget-min", "5", "--eval-reserve-min", "0", "--threads", "2",
+        "--ttt-steps", "3", "--k", "3", "--batch-tokens", "256", "--feature-batch-tokens", "256",
+        "--max-steps", str(steps), "--time-budget-min", "5", "--eval-reserve-min", "0", "--threads", "2",
+        "--dtype", "float32",  # the engine's greedy answers compared with HF's in float32
     ]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
+    """The whole CPU flow on a tiny target: prompts exported and read back, answers from specserve's
+    engine, features once, training, the held-out figure, a head that loads; --resume reuses the answers
+    and the features and carries the step count on; a head past --max-file-mib is sharded."""
     target, model = tiny_target
+    prompts = tmp_path / "prompts.jsonl"
+    assert train_eagle.main([*_argv(target, tmp_path / "unused", 0), "--export-prompts", str(prompts)])
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    assert len(rows) == 20 and [r["holdout"] for r in rows] == [i % 10 == 0 for i in range(20)]
+    assert not (tmp_path / "unused").exists()
+
     out = tmp_path / "head"
-    report = train_eagle.main(_argv(target, out, steps=3))
+    report = train_eagle.main([*_argv(target, out, steps=3), "--prompts", str(prompts)])
     assert report["train_steps"] == 3
     assert report["answers"] == 20 and report["answer_tokens"] > 0
-    figure = report["heldout"]
-    assert figure["rows"] > 0 and figure["k"] == 3
-    assert all(0.0 <= a <= 1.0 for a in figure["acceptance_per_position"])
-    through = figure["accepted_through_position"]
-    assert all(a >= b for a, b in zip(through, through[1:]))  # accepting draft j needs drafts 1..j-1
-    assert figure["mean_acceptance_length"] == pytest.approx(1.0 + sum(through), abs=1e-3)
-    assert json.loads((out / "train_report.json").read_text())["heldout"] == figure
+    answers = [json.loads(line) for line in (out / "work" / "answers.jsonl").read_text().splitlines()]
+    assert sorted(a["index"] for a in answers) == list(range(20))
+    assert all(a["greedy"] for a in answers if a["holdout"]) and not all(a["greedy"] for a in answers)
+    tok = train_eagle.load_target(target, "cpu", torch.float32)[1]
+    for a in answers:  # the engine's answers are the target's: greedy ones equal HF's greedy decoding
+        assert a["prompt_ids"] == answers_mod.chat_ids(tok, rows[a["index"]]["messages"][0]["content"])
+        assert 0 < len(a["answer_ids"]) <= 12
+    greedy = next(a for a in answers if a["greedy"])
+    want = model.generate(
+        torch.tensor([greedy["prompt_ids"]]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(greedy["prompt_ids"]) :].tolist()
+    assert greedy["answer_ids"] == want[: len(greedy["answer_ids"])]
+
+    report_file = json.loads((out / "eval.json").read_text())
+    assert set(report_file["phases"]) == {"prompts", "answers", "features", "training", "eval"}
+    for k in (4, 6):
+        figure = report["heldout"][f"k{k}"]
+        assert figure["rows"] > 0 and figure["k"] == k
+        assert all(0.0 <= a <= 1.0 for a in figure["acceptance_per_position"])
+        through = figure["accepted_through_position"]
+        assert all(a >= b for a, b in zip(through, through[1:]))  # accepting draft j needs 1..j-1
+        assert figure["mean_acceptance_length"] == pytest.approx(1.0 + sum(through), abs=1e-3)
+        assert report_file["heldout"][f"k{k}"] == figure
 
     cfg = Eagle3Config.from_dir(out)
     assert cfg.target_layer_ids == (1, 2, 3) and cfg.speculative_tokens == 3
@@ -79,23 +107,46 @@ def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
     assert 512 <= cfg.draft_vocab_size <= 1024 and int(head.t2d.sum()) == cfg.draft_vocab_size
     assert torch.equal(head.embed_tokens.weight, model.get_input_embeddings().weight)
 
-    # --resume continues the same run: the answers on disk are reused and the step count carries on
-    shards = {p: p.stat().st_mtime_ns for p in (out / "work" / "samples").glob("shard_*.pt")}
+    # --resume continues the same run: answers and features on disk are reused, the step count carries on
+    work = out / "work"
+    kept = {p: p.stat().st_mtime_ns for p in [work / "answers.jsonl", *(work / "features").glob("*.pt")]}
     with pytest.raises(SystemExit, match="--resume"):
         train_eagle.main(_argv(target, out, steps=5))
-    report = train_eagle.main([*_argv(target, out, steps=5), "--resume"])
+    report = train_eagle.main([*_argv(target, out, steps=5), "--prompts", str(prompts), "--resume"])
     assert report["train_steps"] == 5
-    assert {p: p.stat().st_mtime_ns for p in (out / "work" / "samples").glob("shard_*.pt")} == shards
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    resumed = load_eagle3(out, target_embed=model.get_input_embeddings().weight.detach())
+
+    # the same head under a 0.1 MiB file limit: shards and an index, each file under it, loading equal
+    small = tmp_path / "sharded"
+    files = train_eagle.save_head(resumed, small, "tiny", with_embed=False, max_file_bytes=100_000)
+    assert len(files) > 1 and all(f.stat().st_size <= 100_000 for f in files)
+    index = json.loads((small / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    again = load_eagle3(small, target_embed=model.get_input_embeddings().weight.detach())
+    for (n, a), b in zip(resumed.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_a_prompts_file_round_trips_and_bad_lines_are_refused_by_number(tmp_path):
+    prompts = [train_eagle.Prompt("What is a kite?", True), train_eagle.Prompt("Write me a poem.", False)]
+    path = tmp_path / "p.jsonl"
+    train_eagle.write_prompts(path, prompts)
+    assert train_eagle.read_prompts(path) == prompts
+    path.write_text(path.read_text() + '{"messages": [{"role": "system", "content": "x"}]}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3: messages"):
+        train_eagle.read_prompts(path)
 
 
 def test_prompts_come_from_installed_packages_not_the_stdlib():
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    roots = train_eagle._package_roots()
+    roots = prompts_mod._package_roots()
     assert roots and all(r != stdlib for r in roots)
-    files = train_eagle._text_files(roots)
+    files = prompts_mod._text_files(roots)
     assert files and not any(stdlib in f.parents and "site-packages" not in f.parts for f in files)
     prompts = train_eagle.build_prompts(12, seed=0, scan_s=2)
-    assert len(prompts) == len(set(prompts)) == 12
+    assert len({p.text for p in prompts}) == 12
+    assert [p.holdout for p in prompts] == [i % 10 == 0 for i in range(12)]
     assert prompts == train_eagle.build_prompts(12, seed=0, scan_s=2)  # the held-out split is stable
 
 
