@@ -76,7 +76,9 @@ def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
     report = train_eagle.main([*_argv(target, out, steps=3), "--prompts", str(prompts)])
     assert report["train_steps"] == 3
     assert report["answers"] == 20 and report["answer_tokens"] > 0
-    answers = [json.loads(line) for line in (out / "work" / "answers.jsonl").read_text().splitlines()]
+    answers = [
+        json.loads(line) for line in (tmp_path / "head-work" / "answers.jsonl").read_text().splitlines()
+    ]
     assert sorted(a["index"] for a in answers) == list(range(20))
     assert all(a["greedy"] for a in answers if a["holdout"]) and not all(a["greedy"] for a in answers)
     tok = train_eagle.load_target(target, "cpu", torch.float32)[1]
@@ -108,7 +110,8 @@ def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
     assert torch.equal(head.embed_tokens.weight, model.get_input_embeddings().weight)
 
     # --resume continues the same run: answers and features on disk are reused, the step count carries on
-    work = out / "work"
+    work = tmp_path / "head-work"
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "eval.json", "model.safetensors"]
     kept = {p: p.stat().st_mtime_ns for p in [work / "answers.jsonl", *(work / "features").glob("*.pt")]}
     with pytest.raises(SystemExit, match="--resume"):
         train_eagle.main(_argv(target, out, steps=5))
@@ -270,3 +273,29 @@ def test_the_heldout_figure_is_chain_drafting_with_the_dense_forward():
     assert figure["accepted_through_position"] == pytest.approx([a / rows for a in accepted], abs=1e-4)
     assert figure["accepted_through_position"][0] == 1.0
     assert figure["mean_acceptance_length"] == pytest.approx(1 + sum(accepted) / rows, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_hf_answers_in_left_padded_batches_equal_one_prompt_at_a_time(tiny_target, tmp_path):
+    """The CUDA path's answerer (run here on the CPU): greedy answers from a left-padded batch of prompts
+    of different lengths equal each prompt decoded alone; held-out prompts are never sampled."""
+    target, model = tiny_target
+    tok = train_eagle.load_target(target, "cpu", torch.float32)[1]
+    texts = ["Hi.", "What is a kite? Explain it simply.", "Write a short poem about rain on a tin roof."]
+    prompts = [train_eagle.Prompt(t, i == 0) for i, t in enumerate(texts * 2)]
+    cache = answers_mod.AnswerCache(tmp_path / "answers.jsonl")
+    answers_mod.answer_with_hf(
+        model, tok, prompts, list(range(6)), cache, float("inf"),
+        batch=4, max_tokens=10, temperature=0.7, sampled_fraction=0.5, seed=3,
+    )  # fmt: skip
+    cache.close()
+    got = answers_mod.AnswerCache(tmp_path / "answers.jsonl").ordered()
+    assert [a.index for a in got] == list(range(6)) and got[0].greedy
+    assert any(not a.greedy for a in got)
+    for a in got:
+        assert a.prompt_ids == answers_mod.chat_ids(tok, prompts[a.index].text)
+        if a.greedy:
+            alone = model.generate(
+                torch.tensor([a.prompt_ids]), max_new_tokens=10, do_sample=False, pad_token_id=0
+            )[0, len(a.prompt_ids) :].tolist()
+            assert a.answer_ids == alone[: len(a.answer_ids)]

@@ -490,7 +490,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="where the head is written (speculators' layout)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
-        "--work", default=None, help="prompts, answers, features, checkpoints (default: <out>/work)"
+        "--work",
+        default=None,
+        help="prompts, answers, features, checkpoints (default: <out>-work; --out holds the head only)",
     )
     p.add_argument("--resume", action="store_true", help="continue from --work's checkpoint")
     p.add_argument("--prompts", default=None, help="a prompts file (--export-prompts' format) to use")
@@ -511,6 +513,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-min", type=float, default=3.0)
     p.add_argument("--num-prompts", type=int, default=6000)
     p.add_argument("--prompt-scan-s", type=float, default=60.0, help="time spent reading package text")
+    p.add_argument(
+        "--answerer",
+        choices=("auto", "engine", "hf"),
+        default="auto",
+        help="who generates the answers (auto: specserve's engine on cpu, HF generate on cuda)",
+    )
     p.add_argument("--in-flight", type=int, default=48, help="CPU: prompts the engine answers at once")
     p.add_argument("--gen-batch", type=int, default=256, help="CUDA: prompts per HF generate batch")
     p.add_argument("--max-new-tokens", type=int, default=192)
@@ -544,6 +552,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "feature_batch_tokens": 65536 if cuda else 4096,
         "batch_tokens": 32768 if cuda else 2048,
     }
+    if cuda and args.answerer == "engine":
+        p.error("--answerer engine: specserve's engine answers on the CPU here (it is unchecked on CUDA)")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -593,7 +603,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA device")
     out = Path(args.out)
-    work = Path(args.work) if args.work else out / "work"
+    work = Path(args.work) if args.work else out.with_name(out.name + "-work")
     args.work = str(work)
     work.mkdir(parents=True, exist_ok=True)
     if not args.resume and (work / "train_state.pt").exists():
@@ -633,9 +643,18 @@ def main(argv: list[str] | None = None) -> dict:
     )
     dtype = target_dtype(args.dtype, args.device)
     model = None
-    if todo and args.device == "cpu":
+    engine = args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu")
+    if todo and engine:
         answer_with_engine(
-            str(path), prompts, todo, cache, gen_deadline, in_flight=args.in_flight, dtype=args.dtype, **gen
+            str(path),
+            prompts,
+            todo,
+            cache,
+            gen_deadline,
+            in_flight=args.in_flight,
+            dtype=args.dtype,
+            log=log,
+            **gen,
         )
     elif todo:
         model, tokenizer = load_target(path, args.device, dtype)

@@ -95,25 +95,31 @@ def answer_with_engine(
     sampled_fraction: float,
     seed: int,
     on_answer: Callable[[Answer], None] = lambda a: None,
+    log: Callable[[str], None] = lambda msg: None,
 ) -> None:
     """specserve's engine keeps `in_flight` prompts running, refilling as each finishes; at the deadline
-    the ones still running are aborted and left for a later run."""
+    the answers still running are kept as far as they got. The deadline waits for a first answer: a run
+    without one has nothing to train on."""
     from specserve.engine.config import EngineConfig
     from specserve.engine.llm_engine import LLMEngine
     from specserve.engine.sampling_params import SamplingParams
 
+    t = time.monotonic()
     engine = LLMEngine(EngineConfig.from_kwargs(model=target, max_num_seqs=in_flight, seed=seed, dtype=dtype))
+    log(f"engine ready in {time.monotonic() - t:.1f} s ({engine.dtype})")
     tokenizer = engine.tokenizer
     eos = sorted(engine.eos_token_ids)
     queue = list(reversed(todo))
     running: dict[str, tuple[int, list[int], bool]] = {}
     out: dict[str, list[int]] = {}
     while queue or running:
-        if time.monotonic() > deadline:
-            for rid in list(running):
-                engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
+        if time.monotonic() > deadline and cache.answers:
+            # what the target wrote so far is its own continuation all the same: kept, cut short
+            for rid, (i, ids, greedy) in running.items():
+                if out[rid]:
+                    a = Answer(i, ids, out[rid], greedy, prompts[i].holdout)
+                    cache.add(a)
+                    on_answer(a)
             break
         while queue and len(running) < in_flight:
             i = queue.pop()
@@ -170,7 +176,7 @@ def answer_with_hf(
         groups += [mine[s : s + batch] for s in range(0, len(mine), batch)]
     torch.manual_seed(seed)
     for group in groups:
-        if time.monotonic() > deadline:
+        if time.monotonic() > deadline and cache.answers:
             break
         sampled = is_sampled(group[0], prompts[group[0]], sampled_fraction, seed)
         width = max(len(encoded[i]) for i in group)

@@ -97,7 +97,7 @@ def compute_features(
         rows = [
             {
                 "index": a.index,
-                "tokens": torch.tensor(seq, dtype=torch.int32),
+                "tokens": torch.tensor(seq, dtype=torch.int32, device=aux.device),
                 "prompt_len": len(a.prompt_ids),
                 "aux": aux,
                 "last": last,
