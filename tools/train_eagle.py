@@ -106,7 +106,16 @@ def load_target(path: Path, device: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path.is_file() and path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        kwargs = {}
+        try:
+            from transformers import GgufConfig
+        except ImportError:  # transformers before GgufConfig always dequantized a GGUF
+            pass
+        else:
+            # plain dense weights: init_head copies them, and the features' matmuls run in `dtype` rather
+            # than through float32 kernels over the packed blocks
+            kwargs["quantization_config"] = GgufConfig(gguf_file=path.name, dequantize=True)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -508,7 +517,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget-min", type=float, default=120.0)
     p.add_argument("--gen-share", type=float, default=None, help="of the budget (cpu 0.3, cuda 0.4)")
     p.add_argument("--feature-share", type=float, default=None, help="of the budget (cpu 0.3, cuda 0.1)")
-    p.add_argument("--eval-reserve-min", type=float, default=None, help="kept for eval (cpu 3, cuda 0.25)")
+    p.add_argument("--eval-reserve-min", type=float, default=None, help="kept for eval (cpu 3, cuda 0.3)")
     p.add_argument("--eval-max-answers", type=int, default=200, help="held-out answers the figure reads")
     p.add_argument("--checkpoint-min", type=float, default=3.0)
     p.add_argument("--num-prompts", type=int, default=6000)
@@ -548,7 +557,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = {
         "gen_share": 0.4 if cuda else 0.3,
         "feature_share": 0.1 if cuda else 0.3,
-        "eval_reserve_min": 0.25 if cuda else 3.0,
+        "eval_reserve_min": 0.3 if cuda else 3.0,
         "feature_batch_tokens": 65536 if cuda else 4096,
         "batch_tokens": 32768 if cuda else 2048,
     }
