@@ -17,6 +17,7 @@ from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3, 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import train_eagle  # noqa: E402
 from eagle3_train import answers as answers_mod  # noqa: E402
+from eagle3_train import features as features_mod  # noqa: E402
 from eagle3_train import prompts as prompts_mod  # noqa: E402
 
 
@@ -299,3 +300,42 @@ def test_hf_answers_in_left_padded_batches_equal_one_prompt_at_a_time(tiny_targe
                 torch.tensor([a.prompt_ids]), max_new_tokens=10, do_sample=False, pad_token_id=0
             )[0, len(a.prompt_ids) :].tolist()
             assert a.answer_ids == alone[: len(a.answer_ids)]
+
+
+@pytest.mark.slow
+def test_features_are_the_targets_hidden_states_computed_once(tiny_target, tmp_path):
+    """Each answer's features equal HF's own forward of it alone (aux layers, the final normed state, the
+    argmax); shards on disk are read back, not recomputed; a deadline already past still yields one
+    training and one held-out answer."""
+    _, model = tiny_target
+    g = torch.Generator().manual_seed(5)
+    answers = [
+        answers_mod.Answer(
+            i, torch.randint(0, 1000, (4 + i,), generator=g).tolist(),
+            torch.randint(0, 1000, (3 + 2 * i,), generator=g).tolist(), True, i % 3 == 0,
+        )
+        for i in range(6)
+    ]  # fmt: skip
+    shards = tmp_path / "features"
+    first = features_mod.compute_features(
+        model, (1, 2, 3), answers, deadline=0.0, batch_tokens=32, shard_dir=shards
+    )
+    assert {s.holdout for s in first} == {True, False} and len(first) < len(answers)
+    calls = []
+    samples = features_mod.compute_features(
+        model, (1, 2, 3), answers, float("inf"), batch_tokens=32, shard_dir=shards,
+        on_batch=lambda n, tokens: calls.append(n),
+    )  # fmt: skip
+    assert sum(calls) == len(answers) - len(first)  # only the answers without a shard
+    assert len(samples) == len(answers) and len(list(shards.glob("*.pt"))) > 1
+    by_tokens = {tuple(s.tokens.tolist()): s for s in samples}
+    with torch.no_grad():
+        for a in answers:
+            s = by_tokens[tuple(a.prompt_ids + a.answer_ids)]
+            assert s.prompt_len == len(a.prompt_ids) and s.holdout == a.holdout
+            out = model(torch.tensor([a.prompt_ids + a.answer_ids]), output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i][0] for i in (1, 2, 3)], -1)
+            torch.testing.assert_close(s.aux.float(), aux, atol=2e-2, rtol=1e-2)
+            want_last = model.model(torch.tensor([a.prompt_ids + a.answer_ids])).last_hidden_state[0]
+            torch.testing.assert_close(s.last.float(), want_last, atol=2e-2, rtol=1e-2)
+            assert torch.equal(s.greedy_next, out.logits[0].argmax(-1))

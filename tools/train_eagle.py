@@ -653,6 +653,9 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = target_dtype(args.dtype, args.device)
     model = None
     engine = args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu")
+    # past the deadline, a cache with answers in it is enough: no target loaded only to stop at once
+    if time.monotonic() > gen_deadline and cache.answers:
+        todo = []
     if todo and engine:
         answer_with_engine(
             str(path),
