@@ -163,7 +163,7 @@ def answer_with_hf(
     on_answer: Callable[[Answer], None] = lambda a: None,
 ) -> None:
     """HF generate on left-padded batches of `batch` prompts (greedy ones and sampled ones apart), prompts
-    of similar length together; stops between batches at the deadline."""
+    of similar length together; stops between batches at the deadline, once there is an answer."""
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos = set(_as_list(model.generation_config.eos_token_id)) | {tokenizer.eos_token_id}
