@@ -339,3 +339,17 @@ def test_features_are_the_targets_hidden_states_computed_once(tiny_target, tmp_p
             want_last = model.model(torch.tensor([a.prompt_ids + a.answer_ids])).last_hidden_state[0]
             torch.testing.assert_close(s.last.float(), want_last, atol=2e-2, rtol=1e-2)
             assert torch.equal(s.greedy_next, out.logits[0].argmax(-1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
+def test_bad_flags_are_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--device cuda"):
+        train_eagle.main(["--device", "cuda", "--out", str(tmp_path / "h")])
+    for argv, field in (
+        (["--device", "cuda", "--answerer", "engine", "--out", "x"], "--answerer engine"),
+        (["--gen-share", "0.6", "--feature-share", "0.5", "--out", "x"], "--gen-share"),
+        ([], "--out"),
+    ):
+        with pytest.raises(SystemExit):
+            train_eagle.parse_args(argv)
+        assert field in capsys.readouterr().err
