@@ -515,8 +515,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the (frozen, the target's own) embedding too; without it loaders take the target's",
     )
     p.add_argument("--time-budget-min", type=float, default=120.0)
-    p.add_argument("--gen-share", type=float, default=None, help="of the budget (cpu 0.3, cuda 0.4)")
-    p.add_argument("--feature-share", type=float, default=None, help="of the budget (cpu 0.3, cuda 0.1)")
+    p.add_argument("--gen-share", type=float, default=0.4, help="of the budget, for the answers")
+    p.add_argument("--feature-share", type=float, default=None, help="of the budget (cpu 0.2, cuda 0.1)")
     p.add_argument("--eval-reserve-min", type=float, default=None, help="kept for eval (cpu 3, cuda 0.3)")
     p.add_argument("--eval-max-answers", type=int, default=200, help="held-out answers the figure reads")
     p.add_argument("--checkpoint-min", type=float, default=3.0)
@@ -555,8 +555,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     cuda = args.device == "cuda"
     defaults = {
-        "gen_share": 0.4 if cuda else 0.3,
-        "feature_share": 0.1 if cuda else 0.3,
+        "feature_share": 0.1 if cuda else 0.2,
         "eval_reserve_min": 0.3 if cuda else 3.0,
         "feature_batch_tokens": 65536 if cuda else 4096,
         "batch_tokens": 32768 if cuda else 2048,
