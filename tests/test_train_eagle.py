@@ -16,6 +16,9 @@ from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import train_eagle  # noqa: E402
+from eagle3_train import answers as answers_mod  # noqa: E402
+from eagle3_train import features as features_mod  # noqa: E402
+from eagle3_train import prompts as prompts_mod  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,29 +51,57 @@ def tiny_target(tmp_path_factory, demo_tokenizer):
 
 def _argv(target: Path, out: Path, steps: int) -> list[str]:
     return [
-        "--target", str(target), "--out", str(out),
-        "--num-prompts", "20", "--prompt-scan-s", "2", "--gen-batch", "10", "--max-new-tokens", "12",
-        "--sampled-fraction", "1",  # the first batch is greedy all the same, the second sampled
+        "--target", str(target), "--out", str(out), "--device", "cpu",
+        "--num-prompts", "20", "--prompt-scan-s", "2", "--in-flight", "8", "--max-new-tokens", "12",
+        "--sampled-fraction", "0.5",
         "--layer-ids", "1,2,3", "--min-vocab", "512", "--max-vocab", "1024",
-        "--ttt-steps", "3", "--k", "3", "--batch-tokens", "256", "--max-steps", str(steps),
-        "--time-budget-min", "5", "--eval-reserve-min", "0", "--threads", "2",
+        "--ttt-steps", "3", "--k", "3", "--batch-tokens", "256", "--feature-batch-tokens", "256",
+        "--max-steps", str(steps), "--time-budget-min", "5", "--eval-reserve-min", "0", "--threads", "2",
+        "--dtype", "float32",  # the engine's greedy answers compared with HF's in float32
     ]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
+    """The whole CPU flow on a tiny target: prompts exported and read back, answers from specserve's
+    engine, features once, training, the held-out figure, a head that loads; --resume reuses the answers
+    and the features and carries the step count on; a head past --max-file-mib is sharded."""
     target, model = tiny_target
+    prompts = tmp_path / "prompts.jsonl"
+    assert train_eagle.main([*_argv(target, tmp_path / "unused", 0), "--export-prompts", str(prompts)])
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    assert len(rows) == 20 and [r["holdout"] for r in rows] == [i % 10 == 0 for i in range(20)]
+    assert not (tmp_path / "unused").exists()
+
     out = tmp_path / "head"
-    report = train_eagle.main(_argv(target, out, steps=3))
+    report = train_eagle.main([*_argv(target, out, steps=3), "--prompts", str(prompts)])
     assert report["train_steps"] == 3
     assert report["answers"] == 20 and report["answer_tokens"] > 0
-    figure = report["heldout"]
-    assert figure["rows"] > 0 and figure["k"] == 3
-    assert all(0.0 <= a <= 1.0 for a in figure["acceptance_per_position"])
-    through = figure["accepted_through_position"]
-    assert all(a >= b for a, b in zip(through, through[1:]))  # accepting draft j needs drafts 1..j-1
-    assert figure["mean_acceptance_length"] == pytest.approx(1.0 + sum(through), abs=1e-3)
-    assert json.loads((out / "train_report.json").read_text())["heldout"] == figure
+    answers = [
+        json.loads(line) for line in (tmp_path / "head-work" / "answers.jsonl").read_text().splitlines()
+    ]
+    assert sorted(a["index"] for a in answers) == list(range(20))
+    assert all(a["greedy"] for a in answers if a["holdout"]) and not all(a["greedy"] for a in answers)
+    tok = train_eagle.load_target(target, "cpu", torch.float32)[1]
+    for a in answers:  # the engine's answers are the target's: greedy ones equal HF's greedy decoding
+        assert a["prompt_ids"] == answers_mod.chat_ids(tok, rows[a["index"]]["messages"][0]["content"])
+        assert 0 < len(a["answer_ids"]) <= 12
+    greedy = next(a for a in answers if a["greedy"])
+    want = model.generate(
+        torch.tensor([greedy["prompt_ids"]]), max_new_tokens=12, do_sample=False, pad_token_id=0
+    )[0, len(greedy["prompt_ids"]) :].tolist()
+    assert greedy["answer_ids"] == want[: len(greedy["answer_ids"])]
+
+    report_file = json.loads((out / "eval.json").read_text())
+    assert set(report_file["phases"]) == {"prompts", "answers", "features", "training", "eval"}
+    for k in (4, 6):
+        figure = report["heldout"][f"k{k}"]
+        assert figure["rows"] > 0 and figure["k"] == k
+        assert all(0.0 <= a <= 1.0 for a in figure["acceptance_per_position"])
+        through = figure["accepted_through_position"]
+        assert all(a >= b for a, b in zip(through, through[1:]))  # accepting draft j needs 1..j-1
+        assert figure["mean_acceptance_length"] == pytest.approx(1.0 + sum(through), abs=1e-3)
+        assert report_file["heldout"][f"k{k}"] == figure
 
     cfg = Eagle3Config.from_dir(out)
     assert cfg.target_layer_ids == (1, 2, 3) and cfg.speculative_tokens == 3
@@ -79,23 +110,47 @@ def test_trains_resumes_and_writes_a_loadable_head(tiny_target, tmp_path):
     assert 512 <= cfg.draft_vocab_size <= 1024 and int(head.t2d.sum()) == cfg.draft_vocab_size
     assert torch.equal(head.embed_tokens.weight, model.get_input_embeddings().weight)
 
-    # --resume continues the same run: the answers on disk are reused and the step count carries on
-    shards = {p: p.stat().st_mtime_ns for p in (out / "work" / "samples").glob("shard_*.pt")}
+    # --resume continues the same run: answers and features on disk are reused, the step count carries on
+    work = tmp_path / "head-work"
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "eval.json", "model.safetensors"]
+    kept = {p: p.stat().st_mtime_ns for p in [work / "answers.jsonl", *(work / "features").glob("*.pt")]}
     with pytest.raises(SystemExit, match="--resume"):
         train_eagle.main(_argv(target, out, steps=5))
-    report = train_eagle.main([*_argv(target, out, steps=5), "--resume"])
+    report = train_eagle.main([*_argv(target, out, steps=5), "--prompts", str(prompts), "--resume"])
     assert report["train_steps"] == 5
-    assert {p: p.stat().st_mtime_ns for p in (out / "work" / "samples").glob("shard_*.pt")} == shards
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept
+    resumed = load_eagle3(out, target_embed=model.get_input_embeddings().weight.detach())
+
+    # the same head under a 0.1 MiB file limit: shards and an index, each file under it, loading equal
+    small = tmp_path / "sharded"
+    files = train_eagle.save_head(resumed, small, "tiny", with_embed=False, max_file_bytes=100_000)
+    assert len(files) > 1 and all(f.stat().st_size <= 100_000 for f in files)
+    index = json.loads((small / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {f.name for f in files}
+    again = load_eagle3(small, target_embed=model.get_input_embeddings().weight.detach())
+    for (n, a), b in zip(resumed.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_a_prompts_file_round_trips_and_bad_lines_are_refused_by_number(tmp_path):
+    prompts = [train_eagle.Prompt("What is a kite?", True), train_eagle.Prompt("Write me a poem.", False)]
+    path = tmp_path / "p.jsonl"
+    train_eagle.write_prompts(path, prompts)
+    assert train_eagle.read_prompts(path) == prompts
+    path.write_text(path.read_text() + '{"messages": [{"role": "system", "content": "x"}]}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl:3: messages"):
+        train_eagle.read_prompts(path)
 
 
 def test_prompts_come_from_installed_packages_not_the_stdlib():
     stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    roots = train_eagle._package_roots()
+    roots = prompts_mod._package_roots()
     assert roots and all(r != stdlib for r in roots)
-    files = train_eagle._text_files(roots)
+    files = prompts_mod._text_files(roots)
     assert files and not any(stdlib in f.parents and "site-packages" not in f.parts for f in files)
     prompts = train_eagle.build_prompts(12, seed=0, scan_s=2)
-    assert len(prompts) == len(set(prompts)) == 12
+    assert len({p.text for p in prompts}) == 12
+    assert [p.holdout for p in prompts] == [i % 10 == 0 for i in range(12)]
     assert prompts == train_eagle.build_prompts(12, seed=0, scan_s=2)  # the held-out split is stable
 
 
@@ -219,3 +274,82 @@ def test_the_heldout_figure_is_chain_drafting_with_the_dense_forward():
     assert figure["accepted_through_position"] == pytest.approx([a / rows for a in accepted], abs=1e-4)
     assert figure["accepted_through_position"][0] == 1.0
     assert figure["mean_acceptance_length"] == pytest.approx(1 + sum(accepted) / rows, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_hf_answers_in_left_padded_batches_equal_one_prompt_at_a_time(tiny_target, tmp_path):
+    """The CUDA path's answerer (run here on the CPU): greedy answers from a left-padded batch of prompts
+    of different lengths equal each prompt decoded alone; held-out prompts are never sampled."""
+    target, model = tiny_target
+    tok = train_eagle.load_target(target, "cpu", torch.float32)[1]
+    texts = ["Hi.", "What is a kite? Explain it simply.", "Write a short poem about rain on a tin roof."]
+    prompts = [train_eagle.Prompt(t, i == 0) for i, t in enumerate(texts * 2)]
+    cache = answers_mod.AnswerCache(tmp_path / "answers.jsonl")
+    answers_mod.answer_with_hf(
+        model, tok, prompts, list(range(6)), cache, float("inf"),
+        batch=4, max_tokens=10, temperature=0.7, sampled_fraction=0.5, seed=3,
+    )  # fmt: skip
+    cache.close()
+    got = answers_mod.AnswerCache(tmp_path / "answers.jsonl").ordered()
+    assert [a.index for a in got] == list(range(6)) and got[0].greedy
+    assert any(not a.greedy for a in got)
+    for a in got:
+        assert a.prompt_ids == answers_mod.chat_ids(tok, prompts[a.index].text)
+        if a.greedy:
+            alone = model.generate(
+                torch.tensor([a.prompt_ids]), max_new_tokens=10, do_sample=False, pad_token_id=0
+            )[0, len(a.prompt_ids) :].tolist()
+            assert a.answer_ids == alone[: len(a.answer_ids)]
+
+
+@pytest.mark.slow
+def test_features_are_the_targets_hidden_states_computed_once(tiny_target, tmp_path):
+    """Each answer's features equal HF's own forward of it alone (aux layers, the final normed state, the
+    argmax); shards on disk are read back, not recomputed; a deadline already past still yields one
+    training and one held-out answer."""
+    _, model = tiny_target
+    g = torch.Generator().manual_seed(5)
+    answers = [
+        answers_mod.Answer(
+            i, torch.randint(0, 1000, (4 + i,), generator=g).tolist(),
+            torch.randint(0, 1000, (3 + 2 * i,), generator=g).tolist(), True, i % 3 == 0,
+        )
+        for i in range(6)
+    ]  # fmt: skip
+    shards = tmp_path / "features"
+    first = features_mod.compute_features(
+        model, (1, 2, 3), answers, deadline=0.0, batch_tokens=32, shard_dir=shards
+    )
+    assert {s.holdout for s in first} == {True, False} and len(first) < len(answers)
+    calls = []
+    samples = features_mod.compute_features(
+        model, (1, 2, 3), answers, float("inf"), batch_tokens=32, shard_dir=shards,
+        on_batch=lambda n, tokens: calls.append(n),
+    )  # fmt: skip
+    assert sum(calls) == len(answers) - len(first)  # only the answers without a shard
+    assert len(samples) == len(answers) and len(list(shards.glob("*.pt"))) > 1
+    by_tokens = {tuple(s.tokens.tolist()): s for s in samples}
+    with torch.no_grad():
+        for a in answers:
+            s = by_tokens[tuple(a.prompt_ids + a.answer_ids)]
+            assert s.prompt_len == len(a.prompt_ids) and s.holdout == a.holdout
+            out = model(torch.tensor([a.prompt_ids + a.answer_ids]), output_hidden_states=True)
+            aux = torch.cat([out.hidden_states[i][0] for i in (1, 2, 3)], -1)
+            torch.testing.assert_close(s.aux.float(), aux, atol=2e-2, rtol=1e-2)
+            want_last = model.model(torch.tensor([a.prompt_ids + a.answer_ids])).last_hidden_state[0]
+            torch.testing.assert_close(s.last.float(), want_last, atol=2e-2, rtol=1e-2)
+            assert torch.equal(s.greedy_next, out.logits[0].argmax(-1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch sees no CUDA device")
+def test_bad_flags_are_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--device cuda"):
+        train_eagle.main(["--device", "cuda", "--out", str(tmp_path / "h")])
+    for argv, field in (
+        (["--device", "cuda", "--answerer", "engine", "--out", "x"], "--answerer engine"),
+        (["--gen-share", "0.6", "--feature-share", "0.5", "--out", "x"], "--gen-share"),
+        ([], "--out"),
+    ):
+        with pytest.raises(SystemExit):
+            train_eagle.parse_args(argv)
+        assert field in capsys.readouterr().err

@@ -2,76 +2,55 @@
 
     python tools/train_eagle.py --target <HF dir, hub id or .gguf; default the demo SmolLM2> --out <dir>
 
-1. Prompts: open-chat requests (questions, advice, stories, emails, explanations) built from the text of
-   installed third-party packages (their READMEs, package descriptions and docstrings in site-packages),
-   never CPython's standard library, which the benchmarks are cut from. Every tenth prompt is held out.
-2. The target answers each chat-templated prompt (greedy, a share sampled at T=0.7) and one teacher-forced
-   forward records, per token, its three aux hidden states (vLLM's layer ids), its final hidden state and
-   its greedy next token. Shards on disk under --work: the costly part, kept across runs.
-3. The draft vocabulary: the target's most frequent answer tokens, as many as reach --vocab-coverage of
-   the answers (bounded by --min-vocab / --max-vocab), giving d2t / t2d.
-4. The head starts from the target (embedding, final norm, lm_head rows of the draft vocabulary, the last
-   decoder layer's weights where shapes allow; fc passes the highest aux state through) and learns the
-   target's next-token distribution restricted to the draft vocabulary (soft cross-entropy), on its own
-   chain of --ttt-steps drafts (EAGLE-3's training-time test: Eagle3Head.forward_chain).
-5. The held-out figure: chain drafting of --k tokens (greedy) from every answer position of the held-out
-   greedy answers, against the target's greedy continuation: acceptance per draft position and the mean
-   acceptance length, in <out>/train_report.json and the log.
+Four phases, each with its share of --time-budget-min, each cached under --work and resumable:
 
-Resumable (--resume continues from the last checkpoint, written every --checkpoint-min), bounded by
---time-budget-min, with a progress bar (tqdm when installed).
+1. Prompts: open-chat requests built from installed third-party packages' prose, never CPython's standard
+   library (eagle3_train/prompts.py), or read from --prompts (a file --export-prompts wrote, for a machine
+   whose packages differ). Held-out prompts are marked in the file.
+2. Answers: the target answers each chat-templated prompt, greedy, a share sampled at --temperature; on
+   the CPU through specserve's engine, on CUDA through HF generate in large batches (eagle3_train/answers.py).
+3. Features: one target forward per answer records its aux hidden states, its final hidden state and its
+   greedy next token (eagle3_train/features.py); shards on disk on the CPU, GPU memory on CUDA.
+4. Training from the features only: the head starts from the target, learns the target's next-token
+   distribution over the draft vocabulary (the most frequent answer tokens: d2t / t2d) on its own chain of
+   --ttt-steps drafts (EAGLE-3's training-time test: Eagle3Head.forward_chain). Then the held-out figure:
+   chain drafting (greedy) of k = 4 and k = 6 tokens from every answer position of the held-out answers,
+   acceptance per draft position and mean acceptance length, in <out>/eval.json and the log.
+
+Every file written to --out stays under --max-file-mib (the weights sharded HF-style past it).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import math
-import os
 import random
-import re
 import sys
-import sysconfig
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from eagle3_train.answers import AnswerCache, answer_with_engine, answer_with_hf  # noqa: E402
+from eagle3_train.features import Sample, compute_features  # noqa: E402
+from eagle3_train.prompts import Prompt, build_prompts, read_prompts, write_prompts  # noqa: E402
 
 from specserve.spec.eagle3.head import (  # noqa: E402
+    CONFIG_FILE,
     Eagle3Config,
     Eagle3Head,
     default_layer_ids,
-    save_eagle3,
     vocab_maps,
 )
 
-# prompt i is held out when i % 10 == 0: the first batch, always greedy, holds one, so even a run cut
-# short after it has a held-out figure
-HOLDOUT_EVERY = 10
-TOPIC_TEMPLATES = (
-    "What is {t}? Explain it simply.",
-    "Give me three practical tips about {t}.",
-    "Write a short story in which someone discovers {t}.",
-    "Write a polite email to a colleague asking for help with {t}.",
-    "I'm feeling stuck learning about {t}. Any advice?",
-    "Write a short poem about {t}.",
-    "What are the pros and cons of {t}?",
-    "How would you explain {t} to a ten-year-old?",
-    "What are common mistakes people make with {t}?",
-    "Plan a one-week study schedule for {t}.",
-)
-SNIPPET_TEMPLATES = (
-    "Explain the following to someone new to the subject:\n\n{s}",
-    "Summarize this in a few sentences:\n\n{s}",
-    "Write a short email to my team that explains this:\n\n{s}",
-    "What are the main points here, and why do they matter?\n\n{s}",
-    "{s}\n\nWhat questions would a beginner ask about this? Answer two of them.",
-)
+EVAL_KS = (4, 6)
 
 
 # -- progress ---------------------------------------------------------------------------------------------
@@ -115,24 +94,44 @@ def log(msg: str) -> None:
 # -- the target -------------------------------------------------------------------------------------------
 
 
-def load_target(target: str | None):
-    """(model fp32 eval, tokenizer, name) through transformers; a .gguf through its gguf_file loading."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def target_path(target: str | None) -> Path:
     from specserve.models.loader import demo_model_path
     from specserve.models.loader.resolve import resolve_model
 
-    path = demo_model_path() if target is None else resolve_model(target)
+    return demo_model_path() if target is None else resolve_model(target)
+
+
+def load_target(path: Path, device: str, dtype: torch.dtype):
+    """(model eval on `device` in `dtype`, tokenizer) through transformers; a .gguf dequantized to `dtype`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if path.is_file() and path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        kwargs = {}
+        try:
+            from transformers import GgufConfig
+        except ImportError:  # transformers before GgufConfig always dequantized a GGUF
+            pass
+        else:
+            # plain dense weights: init_head copies them, and the features' matmuls run in `dtype` rather
+            # than through float32 kernels over the packed blocks
+            kwargs["quantization_config"] = GgufConfig(gguf_file=path.name, dequantize=True)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.eval().requires_grad_(False)
-    return model, tokenizer, str(target if target is not None else path.name)
+    tokenizer.padding_side = "left"
+    model.to(device).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def target_dtype(name: str, device: str) -> torch.dtype:
+    """`auto`: bf16 on CUDA and on CPUs with native bf16 (the engine's own rule), float32 elsewhere."""
+    from specserve.engine.config import EngineConfig
+
+    return EngineConfig(dtype=name).torch_dtype(torch.device(device))
 
 
 def text_config(model):
@@ -142,238 +141,6 @@ def text_config(model):
 
 def decoder_layers(model):
     return model.model.layers
-
-
-# -- prompts ----------------------------------------------------------------------------------------------
-
-
-def _package_roots() -> list[Path]:
-    """site-packages directories (third-party code), never the standard library's own directory."""
-    import site
-
-    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    roots = {Path(p).resolve() for p in site.getsitepackages() + [sysconfig.get_paths()["purelib"]]}
-    return sorted(r for r in roots if r.is_dir() and r != stdlib)
-
-
-def _text_files(roots: list[Path]) -> list[Path]:
-    files: list[Path] = []
-    for root in roots:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", "tests", "test"))
-            for f in sorted(filenames):
-                if f.endswith((".md", ".rst", ".py")) or f == "METADATA":
-                    files.append(Path(dirpath) / f)
-    return files
-
-
-def _clean(paragraph: str) -> str | None:
-    text = re.sub(r"\s+", " ", paragraph).strip()
-    if not 160 <= len(text) <= 700:
-        return None
-    letters = sum(c.isalpha() or c == " " for c in text)
-    if letters / len(text) < 0.85 or re.search(r"[{}<>=_\\|]|://|\.\. |::", text):
-        return None
-    return text
-
-
-def _texts_of(path: Path) -> tuple[list[str], list[str]]:
-    """(paragraphs, topics) of one file: prose paragraphs; headings and one-line summaries of docs."""
-    try:
-        raw = path.read_text(encoding="utf-8", errors="replace")[:200_000]
-    except OSError:
-        return [], []
-    topics: list[str] = []
-    if path.suffix == ".py":
-        try:
-            tree = ast.parse(raw)
-        except (SyntaxError, ValueError):
-            return [], []
-        docs = [
-            ast.get_docstring(n) or ""
-            for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-        ]
-        raw = "\n\n".join(d for d in docs if len(d) > 160)
-    else:
-        lines = raw.splitlines()
-        for j, line in enumerate(lines):
-            line = line.strip()
-            under = lines[j + 1].strip() if j + 1 < len(lines) else ""
-            m = re.match(r"^(?:#{1,3} +|Summary: +)?([A-Za-z][A-Za-z ,'-]{6,60})$", line)
-            heading = line.startswith(("#", "Summary:")) or (len(under) >= 4 and set(under) <= set("=-~^"))
-            if m and heading and 2 <= len(m.group(1).split()) <= 7:
-                topics.append(m.group(1).strip().rstrip(".").lower())
-    paragraphs = [p for p in (_clean(x) for x in re.split(r"\n\s*\n", raw)) if p]
-    return paragraphs, topics
-
-
-def build_prompts(count: int, seed: int, scan_s: float = 60.0) -> list[str]:
-    """`count` distinct open-chat prompts from the installed packages' text, in a fixed order (docs first,
-    then docstrings, until there is enough text or `scan_s` has passed)."""
-    rng = random.Random(seed)
-    files = _text_files(_package_roots())
-    docs = [f for f in files if f.suffix != ".py"]
-    code = [f for f in files if f.suffix == ".py"]
-    rng.shuffle(docs)
-    rng.shuffle(code)
-    paragraphs: list[str] = []
-    topics: set[str] = set()
-    stop = time.monotonic() + scan_s
-    for f in docs + code:
-        p, t = _texts_of(f)
-        paragraphs.extend(p)
-        topics.update(t)
-        if (len(paragraphs) >= count and len(topics) >= count // 2) or time.monotonic() > stop:
-            break
-    paragraphs = sorted(set(paragraphs))
-    topic_list = sorted(topics)
-    rng.shuffle(paragraphs)
-    rng.shuffle(topic_list)
-    if not paragraphs and not topic_list:
-        raise RuntimeError("no prose found in site-packages to build prompts from")
-    prompts: list[str] = []
-    seen: set[str] = set()
-    i = 0
-    while len(prompts) < count and i < 20 * count:
-        if topic_list and (rng.random() < 0.6 or not paragraphs):
-            p = rng.choice(TOPIC_TEMPLATES).format(t=topic_list[i % len(topic_list)])
-        else:
-            p = rng.choice(SNIPPET_TEMPLATES).format(s=paragraphs[i % len(paragraphs)])
-        i += 1
-        if p not in seen:
-            seen.add(p)
-            prompts.append(p)
-    return prompts
-
-
-# -- generating the target's answers ------------------------------------------------------------------------
-
-
-@dataclass
-class Sample:
-    tokens: torch.Tensor  # [L] int64: the chat-templated prompt and the target's answer
-    prompt_len: int
-    aux: torch.Tensor  # [L, 3 * hidden] bf16: the aux hidden states, layer-id order
-    last: torch.Tensor  # [L, hidden] bf16: the final hidden state (after the target's norm)
-    greedy_next: torch.Tensor  # [L] int64: the target's argmax at each position
-    greedy: bool  # answered greedily (the held-out figure reads only these)
-    holdout: bool
-
-
-@torch.inference_mode()
-def answer(model, tokenizer, prompts: list[str], greedy: bool, max_new_tokens: int, temperature: float):
-    """The target's answers: [(prompt ids, answer ids)] with the answer ending at its EOS."""
-    encoded = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
-        )
-        for p in prompts
-    ]
-    encoded = [e["input_ids"] if isinstance(e, dict) or hasattr(e, "keys") else e for e in encoded]
-    width = max(len(e) for e in encoded)
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([[pad] * (width - len(e)) + list(e) for e in encoded])
-    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    kwargs = dict(temperature=temperature, top_p=1.0, top_k=0) if not greedy else {}
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=max_new_tokens,
-        do_sample=not greedy,
-        pad_token_id=pad,
-        **kwargs,
-    )
-    eos = {tokenizer.eos_token_id} | set(_as_list(model.generation_config.eos_token_id))
-    results = []
-    for e, row in zip(encoded, out[:, width:].tolist()):
-        end = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
-        results.append((list(e), row[:end]))
-    return results
-
-
-def _as_list(x) -> list[int]:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [int(x)]
-
-
-@torch.inference_mode()
-def teacher(model, layer_ids: tuple[int, ...], sequences: list[list[int]]):
-    """Per sequence: (aux [L, 3H], last [L, H], greedy next [L]) from one forward (right-padded batch)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
-    out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    hs = out.hidden_states
-    aux = torch.cat([hs[i] for i in layer_ids], dim=-1)
-    argmax = out.logits.argmax(-1)
-    return [
-        (aux[b, : len(s)].bfloat16(), hs[-1][b, : len(s)].bfloat16(), argmax[b, : len(s)])
-        for b, s in enumerate(sequences)
-    ]
-
-
-def generate(args, model, tokenizer, layer_ids, prompts: list[str], deadline: float) -> None:
-    """Answers for prompts not yet in a shard, written in shards of --gen-batch; stops at the deadline."""
-    samples_dir = Path(args.work) / "samples"
-    samples_dir.mkdir(parents=True, exist_ok=True)
-    done = {int(p.stem.split("_")[1]) for p in samples_dir.glob("shard_*.pt")}
-    batch = args.gen_batch
-    starts = [s for s in range(0, len(prompts), batch) if s not in done]
-    bar = progress(len(prompts), "target answers", initial=len(prompts) - len(starts) * batch)
-    rng = random.Random(args.seed + 1)
-    # the first batch is greedy: a run cut short still has greedy held-out answers for its figure
-    sampled = {s for s in range(batch, len(prompts), batch) if rng.random() < args.sampled_fraction}
-    written = 0
-    for start in starts:
-        # past the time share, stop, but never before one shard exists: the run needs answers to train on
-        if time.monotonic() > deadline and (done or written):
-            log(f"generation: time share spent, {len(list(samples_dir.glob('shard_*.pt')))} shards on disk")
-            break
-        chunk = prompts[start : start + batch]
-        greedy = start not in sampled
-        pairs = answer(model, tokenizer, chunk, greedy, args.max_new_tokens, args.temperature)
-        seqs = [p + a for p, a in pairs]
-        rows = teacher(model, layer_ids, seqs)
-        shard = []
-        for j, ((p, _), seq, (aux, last, nxt)) in enumerate(zip(pairs, seqs, rows)):
-            shard.append(
-                {
-                    "tokens": torch.tensor(seq, dtype=torch.int32),
-                    "prompt_len": len(p),
-                    "aux": aux,
-                    "last": last,
-                    "greedy_next": nxt.int(),
-                    "greedy": greedy,
-                    "holdout": (start + j) % HOLDOUT_EVERY == 0,
-                }
-            )
-        tmp = samples_dir / f"shard_{start:06d}.tmp"
-        torch.save(shard, tmp)
-        tmp.rename(samples_dir / f"shard_{start:06d}.pt")  # a killed run never leaves half a shard
-        written += 1
-        bar.update(len(chunk))
-        bar.set_postfix_str(f"{sum(len(s) for s in seqs)} tokens")
-    bar.close()
-
-
-def load_samples(work: Path) -> list[Sample]:
-    out = []
-    for f in sorted((work / "samples").glob("shard_*.pt")):
-        for r in torch.load(f, weights_only=True):
-            out.append(
-                Sample(
-                    tokens=r["tokens"].long(),
-                    prompt_len=int(r["prompt_len"]),
-                    aux=r["aux"],
-                    last=r["last"],
-                    greedy_next=r["greedy_next"].long(),
-                    greedy=bool(r["greedy"]),
-                    holdout=bool(r["holdout"]),
-                )
-            )
-    return out
 
 
 # -- the draft vocabulary ---------------------------------------------------------------------------------
@@ -503,13 +270,13 @@ def collate(group: list[Sample], head: Eagle3Head, max_len: int):
     """Rows i = 0..L-2 of each sample (token i + 1, fused aux state i, position i), right-padded, with the
     teacher's final hidden state and argmax per position and a mask of the answer tokens."""
     width = min(max_len, max(len(s.tokens) for s in group)) - 1
-    b, th = len(group), group[0].aux.shape[-1]
-    ids = torch.zeros(b, width, dtype=torch.long)
-    aux = torch.zeros(b, width, th, dtype=torch.bfloat16)
-    last = torch.zeros(b, width + 1, group[0].last.shape[-1], dtype=torch.bfloat16)
-    answer = torch.zeros(b, width + 1, dtype=torch.bool)  # position p holds an answer token
-    nxt = torch.zeros(b, width + 1, dtype=torch.long)
-    toks = torch.zeros(b, width + 1, dtype=torch.long)
+    b, th, dev = len(group), group[0].aux.shape[-1], group[0].aux.device
+    ids = torch.zeros(b, width, dtype=torch.long, device=dev)
+    aux = torch.zeros(b, width, th, dtype=torch.bfloat16, device=dev)
+    last = torch.zeros(b, width + 1, group[0].last.shape[-1], dtype=torch.bfloat16, device=dev)
+    answer = torch.zeros(b, width + 1, dtype=torch.bool, device=dev)  # position p holds an answer token
+    nxt = torch.zeros(b, width + 1, dtype=torch.long, device=dev)
+    toks = torch.zeros(b, width + 1, dtype=torch.long, device=dev)
     for r, s in enumerate(group):
         n = min(len(s.tokens), width + 1)
         ids[r, : n - 1] = s.tokens[1:n]
@@ -518,7 +285,7 @@ def collate(group: list[Sample], head: Eagle3Head, max_len: int):
         answer[r, s.prompt_len : n] = True
         nxt[r, :n] = s.greedy_next[:n]
         toks[r, :n] = s.tokens[:n]
-    positions = torch.arange(width).expand(b, width)
+    positions = torch.arange(width, device=dev).expand(b, width)
     return ids, aux, positions, last, answer, nxt, toks
 
 
@@ -534,15 +301,15 @@ def ttt_loss(head: Eagle3Head, lm_rows: torch.Tensor, batch, steps: int, decay: 
     w = ids.shape[1]
     # a row before the first answer token minus the chain's reach drafts no answer token at any step: it
     # serves as context only
-    starts = [int(a.nonzero()[0]) if a.any() else w for a in answer]
-    first = min(w - 1, max(0, min(starts) - steps - 1))
+    has = answer.any(1)
+    start = int(torch.where(has, answer.int().argmax(1), w).min())
+    first = min(w - 1, max(0, start - steps - 1))
     chain = head.forward_chain(ids, head.fuse(aux.float()), positions, steps, first_row=first)
     probs = teacher_probs(head, lm_rows, last)  # [B, W + 1, Vd]: row p predicts token p + 1
-    t2d_ids = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long)
-    t2d_ids[head.draft_to_target(torch.arange(head.cfg.draft_vocab_size))] = torch.arange(
-        head.cfg.draft_vocab_size
-    )
-    total = torch.zeros(())
+    dev, vd = ids.device, head.cfg.draft_vocab_size
+    t2d_ids = torch.full((head.cfg.target_vocab_size,), -1, dtype=torch.long, device=dev)
+    t2d_ids[head.draft_to_target(torch.arange(vd, device=dev))] = torch.arange(vd, device=dev)
+    total = torch.zeros((), device=dev)
     agree = []
     for s, logits in enumerate(chain):
         # step s at row i drafts the token at position i + s + 2, which the target predicts at i + s + 1
@@ -551,7 +318,9 @@ def ttt_loss(head: Eagle3Head, lm_rows: torch.Tensor, batch, steps: int, decay: 
             break
         lo = first + s + 1
         target = probs[:, lo : lo + rows]
-        mask = torch.zeros(ids.shape[0], rows, dtype=torch.bool)  # the last row's token is past the end
+        mask = torch.zeros(
+            ids.shape[0], rows, dtype=torch.bool, device=dev
+        )  # the last row's token is past the end
         mask[:, : rows - 1] = answer[:, lo + 1 :]
         logp = logits[:, :rows].float().log_softmax(-1)
         ce = -(target * logp).sum(-1)
@@ -581,6 +350,10 @@ def train(
     ckpt_path = Path(args.work) / "train_state.pt"
     last_ckpt = time.monotonic()
     bar = progress(None, "training", initial=step)
+    dev = lm_rows.device
+    # bf16 autocast on CUDA, where the tensor cores want it; the CPU trains in float32, the reference
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else nullcontext()
+    tokens = state.get("tokens", 0)
     head.train()
     while time.monotonic() < deadline and (args.max_steps is None or step < args.max_steps):
         for group in batches(train_set, args.batch_tokens, args.max_len, rng):
@@ -589,31 +362,33 @@ def train(
             t0 = time.monotonic()
             for g in opt.param_groups:
                 g["lr"] = lr_at(args, step, trained_s / max(1.0, budget_s))
-            loss, agree = ttt_loss(
-                head, lm_rows, collate(group, head, args.max_len), args.ttt_steps, args.ttt_decay
-            )
+            batch = collate(group, head, args.max_len)
+            with autocast:
+                loss, agree = ttt_loss(head, lm_rows, batch, args.ttt_steps, args.ttt_decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             step += 1
+            tokens += batch[0].numel()
             trained_s += time.monotonic() - t0
             bar.update(1)
             bar.set_postfix_str(f"loss {loss.item():.3f} top1/step " + " ".join(f"{a:.2f}" for a in agree))
             if time.monotonic() - last_ckpt > 60 * args.checkpoint_min:
-                save_state(ckpt_path, head, opt, step, trained_s)
+                save_state(ckpt_path, head, opt, step, trained_s, tokens)
                 last_ckpt = time.monotonic()
+        if not train_set:
+            break
     bar.close()
     head.eval()
-    save_state(ckpt_path, head, opt, step, trained_s)
-    return step, trained_s
+    save_state(ckpt_path, head, opt, step, trained_s, tokens)
+    return step, trained_s, tokens
 
 
-def save_state(path: Path, head: Eagle3Head, opt, step: int, trained_s: float) -> None:
+def save_state(path: Path, head: Eagle3Head, opt, step: int, trained_s: float, tokens: int) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save(
-        {"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "trained_s": trained_s}, tmp
-    )
+    state = {"head": head.state_dict(), "opt": opt.state_dict()}
+    torch.save({**state, "step": step, "trained_s": trained_s, "tokens": tokens}, tmp)
     tmp.rename(path)
     log(f"checkpoint: step {step}, {trained_s / 60:.1f} min of training")
 
@@ -625,7 +400,7 @@ def save_state(path: Path, head: Eagle3Head, opt, step: int, trained_s: float) -
 def evaluate(head: Eagle3Head, samples: list[Sample], k: int, max_len: int) -> dict:
     """Chain drafting of k tokens (greedy) from every answer position of the held-out greedy answers:
     draft j counts as accepted when drafts 1..j all equal the target's greedy continuation."""
-    accepted_at = torch.zeros(k)  # how often drafts 1..j were all accepted
+    accepted_at = torch.zeros(k, device=head.d2t.device)  # how often drafts 1..j were all accepted
     rows = 0
     for s in samples:
         if not (s.holdout and s.greedy):
@@ -634,13 +409,12 @@ def evaluate(head: Eagle3Head, samples: list[Sample], k: int, max_len: int) -> d
         n = ids.shape[1]
         # verification at row i: the target's own token at i + 1 is in the answer, and its greedy
         # continuation (positions i + 2 .. i + k + 1) is there to compare with
-        valid = [i for i in range(n - k) if answer[0, i + 1]]
-        if not valid:
+        v = answer[0, 1 : max(1, n - k + 1)].nonzero().flatten()
+        if not len(v):
             continue
-        first = valid[0]
+        first = int(v[0])
         chain = head.forward_chain(ids, head.fuse(aux.float()), positions, k, first_row=first)
-        v = torch.tensor(valid)
-        ok = torch.ones(len(valid), dtype=torch.bool)
+        ok = torch.ones(len(v), dtype=torch.bool, device=v.device)
         for j, logits in enumerate(chain):
             draft = head.draft_to_target(logits[0, v - first].argmax(-1))
             # the continuation is the target's: its greedy token after position i + j + 1, which the
@@ -648,7 +422,7 @@ def evaluate(head: Eagle3Head, samples: list[Sample], k: int, max_len: int) -> d
             want = toks[0, v + j + 2]
             ok &= (draft == want) & (nxt[0, v + j + 1] == want)
             accepted_at[j] += ok.sum()
-        rows += len(valid)
+        rows += len(v)
     if rows == 0:
         return {"rows": 0}
     cumulative = (accepted_at / rows).tolist()
@@ -666,15 +440,72 @@ def evaluate(head: Eagle3Head, samples: list[Sample], k: int, max_len: int) -> d
     }
 
 
+# -- writing the head -------------------------------------------------------------------------------------
+
+
+def save_head(
+    head: Eagle3Head, out: Path, verifier_name: str, with_embed: bool, max_file_bytes: int
+) -> list[Path]:
+    """config.json and the weights in bf16, in one model.safetensors or, past max_file_bytes, in HF's
+    sharded layout (model-0000i-of-0000n.safetensors and model.safetensors.index.json), which load_eagle3
+    and vLLM both read."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+        old.unlink()  # a shard of an earlier write would be read as part of this head
+    state = {
+        n: (t.to(torch.bfloat16) if t.is_floating_point() else t).detach().cpu().contiguous()
+        for n, t in head.state_dict().items()
+    }
+    if not with_embed:
+        state.pop("embed_tokens.weight")
+    # the room each file's JSON header takes: a name, a dtype, a shape and offsets per tensor
+    room = max_file_bytes - 1024 - 256 * len(state)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state, key=lambda n: -state[n].nbytes):  # largest first: fewest shards
+        t = state[name]
+        if t.nbytes > room:
+            raise ValueError(f"{name}: {t.nbytes} bytes alone exceeds --max-file-mib")
+        if shards[-1] and size + t.nbytes > room:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.nbytes
+    written = []
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        written.append(out / "model.safetensors")
+    else:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())}, "weight_map": {}}
+        for i, shard in enumerate(shards, 1):
+            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            index["weight_map"].update(dict.fromkeys(shard, name))
+            written.append(out / name)
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    cfg = replace(head.cfg, verifier_name=verifier_name)
+    (out / CONFIG_FILE).write_text(cfg.to_json(), encoding="utf-8")
+    return written
+
+
 # -- main -------------------------------------------------------------------------------------------------
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="HF directory, hub id or .gguf (default: the demo SmolLM2)")
-    p.add_argument("--out", required=True, help="where the head is written (speculators' layout)")
-    p.add_argument("--work", default=None, help="answers and checkpoints (default: <out>/work)")
+    p.add_argument("--out", help="where the head is written (speculators' layout)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--work",
+        default=None,
+        help="prompts, answers, features, checkpoints (default: <out>-work; --out holds the head only)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from --work's checkpoint")
+    p.add_argument("--prompts", default=None, help="a prompts file (--export-prompts' format) to use")
+    p.add_argument("--export-prompts", default=None, help="write the prompts to this file and stop")
     p.add_argument(
         "--verifier-name", default=None, help="the target's name in config.json (default: --target)"
     )
@@ -684,32 +515,86 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the (frozen, the target's own) embedding too; without it loaders take the target's",
     )
     p.add_argument("--time-budget-min", type=float, default=120.0)
-    p.add_argument(
-        "--gen-share", type=float, default=0.45, help="share of the budget for the target's answers"
-    )
-    p.add_argument("--eval-reserve-min", type=float, default=3.0, help="kept back for the held-out figure")
+    p.add_argument("--gen-share", type=float, default=0.4, help="of the budget, for the answers")
+    p.add_argument("--feature-share", type=float, default=None, help="of the budget (cpu 0.2, cuda 0.1)")
+    p.add_argument("--eval-reserve-min", type=float, default=None, help="kept for eval (cpu 3, cuda 0.3)")
+    p.add_argument("--eval-max-answers", type=int, default=200, help="held-out answers the figure reads")
     p.add_argument("--checkpoint-min", type=float, default=3.0)
-    p.add_argument("--num-prompts", type=int, default=4000)
+    p.add_argument("--num-prompts", type=int, default=6000)
     p.add_argument("--prompt-scan-s", type=float, default=60.0, help="time spent reading package text")
-    p.add_argument("--gen-batch", type=int, default=8)
+    p.add_argument(
+        "--answerer",
+        choices=("auto", "engine", "hf"),
+        default="auto",
+        help="who generates the answers (auto: specserve's engine on cpu, HF generate on cuda)",
+    )
+    p.add_argument("--in-flight", type=int, default=48, help="CPU: prompts the engine answers at once")
+    p.add_argument("--gen-batch", type=int, default=256, help="CUDA: prompts per HF generate batch")
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--sampled-fraction", type=float, default=0.25)
     p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--feature-batch-tokens", type=int, default=None, help="cpu 4096, cuda 65536")
     p.add_argument("--layer-ids", type=str, default=None, help="three aux layer ids (default: vLLM's)")
     p.add_argument("--vocab-coverage", type=float, default=0.99)
     p.add_argument("--min-vocab", type=int, default=4096)
-    p.add_argument("--max-vocab", type=int, default=16384)
+    p.add_argument("--max-vocab", type=int, default=8192)
     p.add_argument("--ttt-steps", type=int, default=4)
     p.add_argument("--ttt-decay", type=float, default=0.8)
-    p.add_argument("--k", type=int, default=4, help="draft length of the held-out figure")
+    p.add_argument("--k", type=int, default=4, help="speculative_tokens written in the head's config")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--batch-tokens", type=int, default=2048)
+    p.add_argument("--batch-tokens", type=int, default=None, help="per training step (cpu 2048, cuda 32768)")
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--max-file-mib", type=float, default=16.0, help="the largest file written to --out")
+    p.add_argument(
+        "--dtype", choices=("auto", "float32", "bfloat16"), default="auto", help="the target's (auto: best)"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cuda = args.device == "cuda"
+    defaults = {
+        "feature_share": 0.1 if cuda else 0.2,
+        "eval_reserve_min": 0.3 if cuda else 3.0,
+        "feature_batch_tokens": 65536 if cuda else 4096,
+        "batch_tokens": 32768 if cuda else 2048,
+    }
+    if cuda and args.answerer == "engine":
+        p.error("--answerer engine: specserve's engine answers on the CPU here (it is unchecked on CUDA)")
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.export_prompts is None and args.out is None:
+        p.error("--out is required (unless --export-prompts)")
+    if args.gen_share + args.feature_share >= 1.0:
+        p.error("--gen-share + --feature-share must leave time for training (< 1)")
+    return args
+
+
+def get_prompts(args, work: Path | None) -> list[Prompt]:
+    """--prompts' file, else the copy in --work from an earlier run, else built from installed packages."""
+    if args.prompts:
+        return read_prompts(Path(args.prompts))
+    saved = work / "prompts.jsonl" if work is not None else None
+    if saved is not None and saved.exists():
+        return read_prompts(saved)
+    prompts = build_prompts(args.num_prompts, args.seed, args.prompt_scan_s)
+    if saved is not None:
+        write_prompts(saved, prompts)
+    return prompts
+
+
+class Phases:
+    """Wall time and volume of each phase, for the log and eval.json."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, dict] = {}
+
+    def record(self, name: str, seconds: float, **counts) -> None:
+        rates = {f"{k}_per_s": round(v / seconds, 2) for k, v in counts.items() if seconds > 0}
+        self.rows[name] = {"seconds": round(seconds, 1), **counts, **rates}
+        log(f"{name}: {json.dumps(self.rows[name])}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -718,42 +603,88 @@ def main(argv: list[str] | None = None) -> dict:
     end = start + 60 * args.time_budget_min
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.export_prompts:
+        prompts = get_prompts(args, None)
+        write_prompts(Path(args.export_prompts), prompts)
+        log(f"{len(prompts)} prompts ({sum(p.holdout for p in prompts)} held out) in {args.export_prompts}")
+        return {"prompts": len(prompts)}
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device")
     out = Path(args.out)
-    args.work = str(Path(args.work) if args.work else out / "work")
-    work = Path(args.work)
+    work = Path(args.work) if args.work else out.with_name(out.name + "-work")
+    args.work = str(work)
     work.mkdir(parents=True, exist_ok=True)
     if not args.resume and (work / "train_state.pt").exists():
         raise SystemExit(f"{work} holds a run: pass --resume to continue it, or another --work / --out")
+    phases = Phases()
+    path = target_path(args.target)
+    name = args.target or path.name
 
-    model, tokenizer, name = load_target(args.target)
+    t = time.monotonic()
+    prompts = get_prompts(args, work)
+    digest = hashlib.sha256("\n".join(p.text for p in prompts).encode()).hexdigest()[:12]
+    log(f"{len(prompts)} prompts ({digest}), {sum(p.holdout for p in prompts)} held out")
+    phases.record("prompts", time.monotonic() - t, prompts=len(prompts))
+
+    # answers: the cache is keyed by prompt index, so it belongs to one prompts list
+    digest_file = work / "prompts.digest"
+    if digest_file.exists() and digest_file.read_text() != digest:
+        raise SystemExit(f"{work} holds answers to other prompts: give another --work")
+    digest_file.write_text(digest)
+    cache = AnswerCache(work / "answers.jsonl")
+    todo = [i for i in range(len(prompts)) if i not in cache.answers]
+    gen_deadline = start + 60 * args.time_budget_min * args.gen_share
+    t, before = time.monotonic(), len(cache.answers)
+    bar = progress(len(prompts), "target answers", initial=before)
+    tokens = [0]
+
+    def on_answer(a) -> None:
+        tokens[0] += len(a.answer_ids)
+        bar.update(1)
+
+    gen = dict(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        sampled_fraction=args.sampled_fraction,
+        seed=args.seed,
+        on_answer=on_answer,
+    )
+    dtype = target_dtype(args.dtype, args.device)
+    model = None
+    engine = args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu")
+    # past the deadline, a cache with answers in it is enough: no target loaded only to stop at once
+    if time.monotonic() > gen_deadline and cache.answers:
+        todo = []
+    if todo and engine:
+        answer_with_engine(
+            str(path),
+            prompts,
+            todo,
+            cache,
+            gen_deadline,
+            in_flight=args.in_flight,
+            dtype=args.dtype,
+            log=log,
+            **gen,
+        )
+    elif todo:
+        model, tokenizer = load_target(path, args.device, dtype)
+        answer_with_hf(model, tokenizer, prompts, todo, cache, gen_deadline, batch=args.gen_batch, **gen)
+    bar.close()
+    cache.close()
+    answers = cache.ordered()
+    phases.record("answers", time.monotonic() - t, answers=len(answers) - before, answer_tokens=tokens[0])
+    if not any(not a.holdout for a in answers):
+        raise SystemExit("no training answers yet: give a larger --time-budget-min or --gen-share")
+
+    # the draft vocabulary, from the answers alone
+    if model is None:
+        model, _ = load_target(path, args.device, dtype)
     num_layers = len(decoder_layers(model))
     layer_ids = (
         tuple(int(x) for x in args.layer_ids.split(",")) if args.layer_ids else default_layer_ids(num_layers)
     )
-    log(f"target {name}: {num_layers} layers, aux layer ids {layer_ids}")
-
-    prompts_file = work / "prompts.json"
-    if prompts_file.exists():
-        prompts = json.loads(prompts_file.read_text())
-    else:
-        prompts = build_prompts(args.num_prompts, args.seed, args.prompt_scan_s)
-        prompts_file.write_text(json.dumps(prompts, indent=0))
-    digest = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:12]
-    log(f"{len(prompts)} prompts ({digest}), every {HOLDOUT_EVERY}th held out")
-
-    gen_deadline = start + 60 * args.time_budget_min * args.gen_share
-    generate(args, model, tokenizer, layer_ids, prompts, gen_deadline)
-    samples = load_samples(work)
-    train_set = [s for s in samples if not s.holdout]
-    held = [s for s in samples if s.holdout]
-    answer_tokens = sum(len(s.tokens) - s.prompt_len for s in samples)
-    log(
-        f"{len(samples)} answers ({answer_tokens} answer tokens): "
-        f"{len(train_set)} train, {len(held)} held out"
-    )
-    if not train_set:
-        raise SystemExit("no training answers yet: give a larger --time-budget-min")
-
+    log(f"target {name} ({dtype}, {args.device}): {num_layers} layers, aux layer ids {layer_ids}")
     vocab_size = text_config(model).vocab_size
     vocab_file = work / "vocab.pt"
     if vocab_file.exists():
@@ -761,41 +692,81 @@ def main(argv: list[str] | None = None) -> dict:
         draft_ids, coverage = saved["ids"], saved["coverage"]
     else:
         draft_ids, coverage = choose_vocab(
-            train_set + held, vocab_size, args.vocab_coverage, args.min_vocab, args.max_vocab
+            answers, vocab_size, args.vocab_coverage, args.min_vocab, args.max_vocab
         )
         torch.save({"ids": draft_ids, "coverage": coverage}, vocab_file)
     log(f"draft vocabulary {len(draft_ids)} of {vocab_size}; answer-token coverage by size: {coverage}")
 
+    # features: one target forward per answer
+    t = time.monotonic()
+    feature_deadline = start + 60 * args.time_budget_min * (args.gen_share + args.feature_share)
+    fbar = progress(len(answers), "target features")
+    counted = {"answers": 0, "tokens": 0}
+
+    def on_batch(n: int, tokens: int) -> None:
+        counted["answers"] += n
+        counted["tokens"] += tokens
+        fbar.update(n)
+
+    samples = compute_features(
+        model,
+        layer_ids,
+        answers,
+        feature_deadline,
+        batch_tokens=args.feature_batch_tokens,
+        shard_dir=work / "features" if args.device == "cpu" else None,
+        on_batch=on_batch,
+    )
+    fbar.close()
+    phases.record("features", time.monotonic() - t, **counted)
+    train_set = [s for s in samples if not s.holdout]
+    held = [s for s in samples if s.holdout][: args.eval_max_answers]
+    log(f"{len(samples)} answers with features: {len(train_set)} train, {len(held)} held out")
+    if not train_set:
+        raise SystemExit("no training features yet: give a larger --time-budget-min")
+
     cfg = head_config(model, len(draft_ids), layer_ids, args.k)
-    head = init_head(model, cfg, draft_ids, args.seed)
-    lm_rows = model.get_output_embeddings().weight[draft_ids].detach().float()
+    head = init_head(model.float(), cfg, draft_ids, args.seed).to(args.device)
+    lm_rows = model.get_output_embeddings().weight[draft_ids.to(args.device)].detach().float()
     state: dict = {}
     if (work / "train_state.pt").exists():
-        state = torch.load(work / "train_state.pt", weights_only=False)
+        state = torch.load(work / "train_state.pt", weights_only=False, map_location=args.device)
         head.load_state_dict(state["head"])
         log(f"resumed at step {state['step']} ({state['trained_s'] / 60:.1f} min trained)")
-    del model  # the teacher lives on in the shards
+    del model  # the teacher lives on in the features
 
+    t = time.monotonic()
     train_deadline = end - 60 * args.eval_reserve_min
-    steps, trained_s = train(args, head, lm_rows, train_set, train_deadline, state)
-    figure = evaluate(head, held, args.k, args.max_len)
-    save_eagle3(head, out, verifier_name=args.verifier_name or name, with_embed=args.with_embed)
+    steps, trained_s, trained_tokens = train(args, head, lm_rows, train_set, train_deadline, state)
+    phases.record("training", time.monotonic() - t, steps=steps, tokens=trained_tokens)
+
+    # the figure is the written head's: its weights rounded to bf16 as save_head writes them
+    t = time.monotonic()
+    head.to(torch.bfloat16).float()
+    figures = {f"k{k}": evaluate(head, held, k, args.max_len) for k in EVAL_KS}
+    phases.record("eval", time.monotonic() - t, answers=len(held))
+    files = save_head(head, out, args.verifier_name or name, args.with_embed, int(args.max_file_mib * 2**20))
     report = {
         "target": name,
+        "device": args.device,
+        "dtype": str(dtype).removeprefix("torch."),
         "layer_ids": list(layer_ids),
         "draft_vocab_size": len(draft_ids),
         "vocab_coverage": coverage,
         "answers": len(samples),
-        "answer_tokens": answer_tokens,
+        "answer_tokens": sum(len(s.tokens) - s.prompt_len for s in samples),
         "train_steps": steps,
         "train_minutes": round(trained_s / 60, 2),
         "wall_minutes_this_run": round((time.monotonic() - start) / 60, 2),
         "ttt_steps": args.ttt_steps,
-        "heldout": figure,
+        "phases": phases.rows,
+        "heldout": figures,
+        "weights": [f.name for f in files],
     }
-    (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    log(f"held-out (k={args.k}, greedy): {json.dumps(figure)}")
-    log(f"head written to {out}")
+    (out / "eval.json").write_text(json.dumps(report, indent=2) + "\n")
+    for k, figure in figures.items():
+        log(f"held-out ({k}, greedy chain): {json.dumps(figure)}")
+    log(f"head written to {out}: {', '.join(f.name for f in files)}")
     return report
 
 
