@@ -29,6 +29,12 @@ class Context:
     log: Callable[[str], None] = print
     bandwidth_gbs: float | None = None  # measured device-to-device copy rate (read + write), once known
     workload: Path | None = None  # W1 as JSONL rows {prompt, max_tokens} (the GPU machine's stdlib differs)
+    options: dict[str, str] = field(default_factory=dict)  # --opt part.key=value: a rerun of part of a part
+
+    def option(self, key: str) -> list[str] | None:
+        """A comma-separated --opt value as a list, or None where it was not given."""
+        value = self.options.get(key)
+        return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
     def left(self) -> float:
         return self.deadline - time.monotonic()

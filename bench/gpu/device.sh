@@ -33,5 +33,13 @@ case $stage in
     timeout 300 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
       --parts env,engine,graphs,throughput,worker --budget-s 250
     ;;
+  rerun)
+    # what a first run left out of time: the rest of the engine part, W1 at 64 and 256, the worker
+    [ -f "$GGUF" ] || cat .gpu/model.part-a .gpu-b/model.part-b > "$GGUF"
+    timeout 330 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
+      --parts env,engine,throughput,worker --opt engine.families=mistral_window,llama_gqa_tied \
+      --opt throughput.levels=64,256 --opt budget.env=10 --opt budget.engine=75 \
+      --opt budget.throughput=100 --opt budget.worker=110
+    ;;
 esac
 ls -la "$OUT"

@@ -87,6 +87,7 @@ def families(ctx: Context, rows: list, data: dict) -> bool:
     names = list(FAMILIES) + ["llama_gqa_tied", "qwen2_bias", "llama_bias"]
     if ctx.smoke:
         names = ["qwen3", "gemma3", "llama_gqa_tied"]
+    names = ctx.option("engine.families") or names
     ok = True
     tmp = Path(tempfile.mkdtemp(prefix="gpu-families-"))
     for name in names:
@@ -110,7 +111,9 @@ def families(ctx: Context, rows: list, data: dict) -> bool:
                 kw = {"block_size": 16}
                 llm, outs = _ours(str(path), ids_list, new_tokens, ctx.device, "float32", method, **kw)
                 same = [o.token_ids for o in outs] == refs
-                results.append(f"{method} {'equal' if same else 'DIFFERS'}")
+                graphs = getattr(llm.engine.runner, "graphs", None)
+                served = sum(graphs.steps_run.values()) if graphs is not None else 0
+                results.append(f"{method} {'equal' if same else 'DIFFERS'} ({served} steps from graphs)")
                 ok &= same
                 data.setdefault("families", {})[f"{name}/{method}"] = same
                 del llm
@@ -157,7 +160,16 @@ def demo_model(ctx: Context, rows: list, data: dict) -> bool:
         same = [o.token_ids for o in outs] == refs
         data.setdefault("smollm2_fp32", {})[method] = same
         ok &= same
-        rows.append([f"SmolLM2-135M (GGUF) {method}", "equal" if same else "DIFFERS", "", ""])
+        graphs = getattr(llm.engine.runner, "graphs", None)
+        served = sum(graphs.steps_run.values()) if graphs is not None else 0
+        rows.append(
+            [
+                f"SmolLM2-135M (GGUF) {method}",
+                f"{'equal' if same else 'DIFFERS'} ({served} steps from graphs)",
+                "",
+                "",
+            ]
+        )
         del llm
         _free()
     # bfloat16: the log-probabilities of a prompt's tokens against HF's float32, beside HF's own bfloat16
@@ -274,7 +286,8 @@ def run(ctx: Context) -> Part:
     rows: list[list[object]] = []
     data: dict = {}
     ok = True
-    for step in (families, demo_model, kv_sizing):
+    steps = ctx.option("engine.steps") or ["families", "demo_model", "kv_sizing"]
+    for step in [{"families": families, "demo_model": demo_model, "kv_sizing": kv_sizing}[n] for n in steps]:
         if step is demo_model and ctx.model is None:
             rows.append(["SmolLM2", "skipped: the demo GGUF did not travel", "", ""])
             ok = False

@@ -102,6 +102,8 @@ def run(ctx: Context) -> Part:
     tokenizer = load_tokenizer(str(ctx.model))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     levels = SMOKE_LEVELS if ctx.smoke else LEVELS
+    if (chosen := ctx.option("throughput.levels")) is not None:
+        levels = tuple(lv for lv in levels if str(lv[0]) in chosen)
     rows, data, ok = [], {"levels": {}}, True
     hf_model = None
     bw = ctx.bandwidth_gbs

@@ -39,6 +39,7 @@ async def _scenario(ctx: Context, data: dict) -> list[list[object]]:
         "SPECSERVE_KV_CACHE_BYTES": str(1 << 30 if ctx.cuda else 64 << 20),
     }
     rows: list[list[object]] = []
+    data["logs"] = ""
     try:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
@@ -114,10 +115,9 @@ async def _scenario(ctx: Context, data: dict) -> list[list[object]]:
                 "ok" if ok else "FAILED",
             ]
         )
-        if not ok:
-            data["logs"] = cluster.logs()[-6000:]
         return rows
     finally:
+        data["logs"] = cluster.logs()[-8000:]
         cluster.close()
         valkey.stop()
 
@@ -130,10 +130,10 @@ def run(ctx: Context) -> Part:
         rows = asyncio.run(asyncio.wait_for(_scenario(ctx, data), max(10.0, ctx.left())))
         ok = all(r[-1] == "ok" for r in rows)
         md = table(["scenario", "result", "goal", "verdict"], rows)
-        if not ok and "logs" in data:
-            md += f"\n\n<details><summary>process logs</summary>\n\n```\n{data['logs']}\n```\n</details>"
     except Exception:  # noqa: BLE001 - the report says what broke
         ok = False
         data["error"] = traceback.format_exc()[-4000:]
         md = f"FAILED:\n\n```\n{data['error']}\n```"
+    if not ok and data.get("logs"):
+        md += f"\n\n<details><summary>process logs</summary>\n\n```\n{data['logs']}\n```\n</details>"
     return Part("worker", ok, md, data)

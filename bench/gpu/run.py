@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=None, help="scales every part's share (default: sum)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU: tests the script")
     p.add_argument("--model", type=Path, default=None, help="the demo GGUF (default: .gpu/ or the wheel)")
+    p.add_argument(
+        "--opt", action="append", default=[], help="part.key=value (e.g. engine.families=qwen3,gemma3)"
+    )
     p.add_argument("--workload", type=Path, default=None, help="W1 as JSONL (default: .gpu/w1_256.jsonl)")
     return p.parse_args(argv)
 
@@ -142,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
         deadline=0.0,
         log=log,
         workload=workload if workload.is_file() else None,
+        options=dict(o.split("=", 1) for o in args.opt),
     )
     results: list[Part] = []
     for name in names:
         t0 = time.monotonic()
-        ctx.deadline = t0 + PARTS[name] * scale * (3.0 if args.smoke else 1.0)
-        log(f"part {name}: {PARTS[name] * scale:.0f} s")
+        share = float(ctx.options.get(f"budget.{name}", PARTS[name] * scale))
+        ctx.deadline = t0 + share * (3.0 if args.smoke else 1.0)
+        log(f"part {name}: {share:.0f} s")
         try:
             module = __import__(f"bench.gpu.part_{name}", fromlist=["run"])
             part = module.run(ctx)
