@@ -36,10 +36,10 @@ case $stage in
   rerun)
     # what a first run left out of time: the rest of the engine part, W1 at 64 and 256, the worker
     [ -f "$GGUF" ] || cat .gpu/model.part-a .gpu-b/model.part-b > "$GGUF"
-    timeout 330 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
-      --parts env,engine,throughput,worker --opt engine.families=mistral_window,llama_gqa_tied \
-      --opt throughput.levels=64,256 --opt budget.env=10 --opt budget.engine=75 \
-      --opt budget.throughput=100 --opt budget.worker=110
+    timeout 270 python3 bench/gpu/run.py --out "$OUT" --model "$GGUF" --workload .gpu/w1_256.jsonl \
+      --parts env,engine,throughput,worker --opt engine.families=mistral_window \
+      --opt throughput.levels=64,256 --opt budget.env=10 --opt budget.engine=65 \
+      --opt budget.throughput=85 --opt budget.worker=90
     ;;
 esac
 ls -la "$OUT"
