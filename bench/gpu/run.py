@@ -27,11 +27,11 @@ sys.path.insert(0, str(ROOT))
 # part name -> share of the budget (seconds on a GPU); the order is the run's order
 PARTS = {
     "env": 20,
-    "kernels": 70,
-    "engine": 80,
-    "graphs": 60,
-    "throughput": 100,
-    "worker": 70,
+    "kernels": 100,
+    "engine": 150,
+    "graphs": 50,
+    "throughput": 150,
+    "worker": 120,
 }
 
 
