@@ -121,6 +121,32 @@ def ensure_draft_dir(path: Path, target_dir: Path) -> Path:
     return path
 
 
+# ---------------------------------------------------------------- HF transformers
+
+
+def hf_generate(model, rows: list[list[int]], new_tokens: int, pad_id: int):
+    """HF `generate` over one static batch, left-padded, exactly `new_tokens` a row (EOS cannot end a row
+    early), on the model's own device: the baseline every throughput benchmark compares with."""
+    import torch
+
+    device = next(model.parameters()).device
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    if out.shape[1] - width != new_tokens:
+        raise RuntimeError(f"HF generated {out.shape[1] - width} tokens per row, asked for {new_tokens}")
+    return out
+
+
 # ---------------------------------------------------------------- step times
 
 

@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     emulate_avx2,
     ensure_target_dir,
     format_breakdown,
+    hf_generate,
     load_workload,
     run_vllm,
     step_delta,
@@ -158,24 +159,8 @@ def load_hf(model_dir: Path, dtype: str):
 
 
 def run_hf(model, workload: Workload, batch_size: int, pad_id: int, repeats: int = 1) -> Result:
-    import torch
-
-    def generate(rows: list[list[int]], new_tokens: int) -> torch.Tensor:
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-        if out.shape[1] - width != new_tokens:
-            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens per row, asked for {new_tokens}")
-        return out
+    def generate(rows: list[list[int]], new_tokens: int):
+        return hf_generate(model, rows, new_tokens, pad_id)
 
     reqs = workload.requests
     generate([reqs[0].prompt_token_ids] * 2, 4)  # warm-up

@@ -10,7 +10,15 @@ import traceback
 
 import torch
 
-from bench.common import STEP_KEYS, Request, Workload, breakdown, load_workload, step_delta
+from bench.common import (
+    STEP_KEYS,
+    Request,
+    Workload,
+    breakdown,
+    hf_generate,
+    load_workload,
+    step_delta,
+)
 from bench.gpu.common import Context, Part, table
 
 # (in flight, requests, output cap): batch 1 takes a prefix of W1 so that it fits its share of the run
@@ -62,23 +70,8 @@ def ours(ctx: Context, w: Workload, in_flight: int) -> dict:
 
 
 def hf(ctx: Context, model, w: Workload, batch: int, pad_id: int) -> dict:
-    dev = ctx.device
-
     def generate(rows: list[list[int]], new_tokens: int) -> None:
-        width = max(len(r) for r in rows)
-        input_ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=dev)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=dev)
-        with torch.inference_mode():
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=mask,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=pad_id,
-            )
-        if out.shape[1] - width != new_tokens:
-            raise RuntimeError(f"HF generated {out.shape[1] - width} tokens per row, asked for {new_tokens}")
+        hf_generate(model, rows, new_tokens, pad_id)
 
     reqs = w.requests
     generate([reqs[0].prompt_token_ids] * 2, 4)  # warm-up
