@@ -13,7 +13,7 @@ from redis.cluster import key_slot
 from valkey_helpers import run, service_stack
 
 from specserve import SamplingParams
-from specserve.queue.client import Limits, QueueClient, QuotaExceeded, ShardMismatch, check_shard_limits
+from specserve.queue.client import Limits, QueueClient, QuotaExceeded, ShardMismatch, shard_limits
 from specserve.queue.connection import open_redis
 from specserve.queue.keys import Keys, shard_of
 from specserve.service.config import ServiceConfig
@@ -33,7 +33,7 @@ def test_one_shard_keeps_every_name_and_more_shards_tag_each_with_its_own_slot()
     assert mine.requests == f"{{specserve:s{mine.shard}}}:requests"
     assert mine.req("req-42") == f"{{specserve:s{mine.shard}}}:req:req-42"
     # every key one shard's scripts touch shares that shard's slot
-    scripted = [mine.requests, mine.req("x"), mine.out("x"), mine.quota + "queued:t", mine.ready + "age"]
+    scripted = [mine.requests, mine.req("x"), mine.out("x"), mine.ready + "age"]
     scripted += [mine.reply("p"), mine.warm("k"), mine.load, mine.passes("w"), mine.dead]
     assert len({key_slot(k.encode()) for k in scripted}) == 1
     assert len({key_slot(k.requests.encode()) for k in keys.every_shard()}) == 3
@@ -48,15 +48,19 @@ def test_one_shard_keeps_every_name_and_more_shards_tag_each_with_its_own_slot()
     assert Keys("specserve", shards=3).of_shard(2).quota == "specserve:quota:"
 
 
-def test_shard_count_is_a_setting_and_tenant_limits_on_a_sharded_cluster_are_refused() -> None:
+def test_shard_count_is_a_setting_and_tenant_counters_of_a_sharded_cluster_get_slots_of_their_own() -> None:
     assert ServiceConfig(queue_shards=4).queue_keys().shards == 4
     with pytest.raises(ValueError, match="SPECSERVE_QUEUE_SHARDS"):
         ServiceConfig(queue_shards=0)
     sharded = Keys("specserve", cluster=True, shards=2)
-    with pytest.raises(ValueError, match="SPECSERVE_TENANT_MAX_QUEUED"):
-        check_shard_limits(sharded, Limits(tenant_max_queued=3))
-    check_shard_limits(sharded, Limits(max_backlog=10))  # counted per shard, each holding its share
-    check_shard_limits(Keys("specserve", shards=2), Limits(tenant_max_queued=3))  # one instance: fleet keys
+    # the shards' scripts count no tenant limit there: each tenant's counters share a slot of their own
+    assert sharded.split_quota and sharded.of_shard(1).quota == ""
+    assert sharded.tenant_quota("acme") == "{specserve:t:acme}:quota:"
+    mine = shard_limits(Limits(max_backlog=10, tenant_max_queued=3, tenant_tokens_per_minute=99), sharded)
+    assert mine == Limits(max_backlog=5)  # the backlog counted per shard, each holding its share
+    one = Keys("specserve", shards=2)  # one instance: the fleet's keys count every shard's requests
+    assert not one.split_quota and one.tenant_quota("acme") == one.quota == "specserve:quota:"
+    assert shard_limits(Limits(tenant_max_queued=3), one) == Limits(tenant_max_queued=3)
 
 
 def test_two_shards_on_one_instance_serve_every_producer(valkey, tiny_model_dir, tiny_engines) -> None:

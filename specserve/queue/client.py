@@ -17,6 +17,7 @@ from specserve.queue.consumer import ensure_group
 from specserve.queue.keys import DEFAULT_PREFIX, DEFAULT_TTL_MS, Keys, valid_request_id
 from specserve.queue.outputs import OutputReader
 from specserve.queue.resp import RespClient
+from specserve.queue.tenants import Reservation, TenantCounters
 from specserve.queue.wire import (
     Delta,
     OutputCursor,
@@ -82,22 +83,15 @@ async def agree_on_shards(redis: Any, keys: Keys) -> None:
         )
 
 
-def check_shard_limits(keys: Keys, limits: Limits) -> None:
-    """Tenant limits are counted in keys the admission scripts touch beside the request stream; a cluster
-    runs a script on keys of one slot only, so with several shards each would count its own share."""
-    if keys.cluster and keys.shards > 1 and (limits.tenant_max_queued or limits.tenant_tokens_per_minute):
-        raise ValueError(
-            "SPECSERVE_QUEUE_SHARDS (--queue-shards) > 1 on a Redis Cluster counts tenant limits per shard: "
-            "unset SPECSERVE_TENANT_MAX_QUEUED and SPECSERVE_TENANT_TOKENS_PER_MINUTE, or use one shard"
-        )
-
-
-def shard_limits(limits: Limits, shards: int) -> Limits:
+def shard_limits(limits: Limits, keys: Keys) -> Limits:
     """The limits one shard's scripts check: the backlog cap is counted on each shard's own stream, so each
-    holds its share of it (requests spread evenly over shards by id hash)."""
-    if shards <= 1 or not limits.max_backlog:
+    holds its share of it (requests spread evenly over shards by id hash); tenant limits kept apart from the
+    shards (`Keys.split_quota`, queue/tenants.py) are none of theirs."""
+    if keys.split_quota:
+        limits = replace(limits, tenant_max_queued=0, tenant_tokens_per_minute=0)
+    if keys.shards <= 1 or not limits.max_backlog:
         return limits
-    return replace(limits, max_backlog=-(-limits.max_backlog // shards))
+    return replace(limits, max_backlog=-(-limits.max_backlog // keys.shards))
 
 
 @dataclass
@@ -141,7 +135,7 @@ class QueueClient:
         self.keys = server_keys(redis, keys or Keys())
         self.ttl_ms = ttl_ms
         self.limits = limits or Limits()
-        check_shard_limits(self.keys, self.limits)
+        self.tenants = TenantCounters(redis, self.keys, ttl_ms) if self.keys.split_quota else None
         # The fleet's own keys (models, batches, the shard count); with one shard, its stream's slot too.
         self.conns = Connections(redis, route=self.keys.config)
         self.fast = self.conns.fast
@@ -243,6 +237,41 @@ class QueueClient:
             bodies.append(parsed.to_json())
         if not self._agreed or not all(lane.group_ready for lane in self._lanes):
             await self.ensure_group()
+        reservation = await self._reserve(tenant, ids, tokens)
+        try:
+            results = await self._enqueue_shards(ids, bodies, traceparent, tracestate, tenant, tokens)
+        except QuotaExceeded:  # refused by a shard: nothing of it runs, so nothing of it counts
+            if reservation is not None and self.tenants is not None:
+                await self.tenants.release(reservation, reservation.ids, tokens * len(reservation.ids))
+            raise
+        if reservation is not None and self.tenants is not None:
+            # Ids a shard already knew: counted before, or ended; either way not queued by this call.
+            known = [r.id for r in results if not r.created and r.id in reservation.ids]
+            await self.tenants.release(reservation, known, tokens * len(known))
+        return results
+
+    async def _reserve(self, tenant: str | None, ids: list[str], tokens: int) -> Reservation | None:
+        """Where tenant counters live in a slot of their own, count the requests there first
+        (queue/tenants.py); QuotaExceeded when a limit refuses them."""
+        lim = self.limits
+        if self.tenants is None or not tenant or not (lim.tenant_max_queued or lim.tenant_tokens_per_minute):
+            return None
+        got = await self.tenants.reserve(
+            tenant, ids, tokens, lim.tenant_max_queued, lim.tenant_tokens_per_minute
+        )
+        if isinstance(got, tuple):
+            raise QuotaExceeded(*got)
+        return got
+
+    async def _enqueue_shards(
+        self,
+        ids: list[str],
+        bodies: list[str],
+        traceparent: str | None,
+        tracestate: str | None,
+        tenant: str | None,
+        tokens: int,
+    ) -> list[Enqueued]:
         by_lane: dict[int, list[int]] = {}
         for i, request_id in enumerate(ids):
             by_lane.setdefault(self.keys.of_request(request_id).shard, []).append(i)
@@ -272,7 +301,7 @@ class QueueClient:
         tenant: str | None,
         tokens: int,
     ) -> list[Enqueued]:
-        keys, limits = lane.keys, shard_limits(self.limits, self.keys.shards)
+        keys, limits = lane.keys, shard_limits(self.limits, self.keys)
         command = (
             "EVAL",
             scripts.ENQUEUE,
@@ -335,7 +364,7 @@ class QueueClient:
         """Returns (outcome, status): missing | terminal | cancelled (was queued) | cancelling (running).
         With `tenant`, another tenant's request is missing."""
         keys = self.keys_of(request_id)
-        outcome, status = await self.r.eval(
+        outcome, status, *counted = await self.r.eval(
             scripts.CANCEL,
             2,
             keys.req(request_id),
@@ -345,6 +374,8 @@ class QueueClient:
             keys.quota,
             request_id,
         )
+        if self.tenants is not None and counted and counted[0]:
+            await self.tenants.forget([(str(counted[0]), request_id)])
         return str(outcome), str(status)
 
     async def stream(self, request_id: str, tokens: int = 0, chars: int = 0) -> AsyncIterator[Delta]:

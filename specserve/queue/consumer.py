@@ -19,6 +19,7 @@ from specserve.queue import ready, scripts
 from specserve.queue.connection import BLOCK_MS, TRANSIENT_ERRORS, Connections
 from specserve.queue.keys import DEFAULT_TTL_MS, Keys
 from specserve.queue.resp import as_bytes, fields_dict
+from specserve.queue.tenants import TenantCounters
 from specserve.queue.wire import RequestEntry
 
 log = logging.getLogger(__name__)
@@ -62,17 +63,19 @@ class Claim:
     run: int = 0  # RUN: the run number (1 for a first run, more for a rerun); 0 otherwise
     deliveries: int = 0  # DEAD: how often the entry was delivered
     status: str | None = None  # DUPLICATE, DONE: the request's status (None: it has none)
+    counted: str = ""  # the tenant whose queued requests it left ('' none, or it had left them already)
 
     @classmethod
     def of_reply(cls, reply: list[str]) -> Claim:
         verdict, detail, now_ms = ClaimVerdict(reply[0]), str(reply[1]), int(reply[2])
+        counted = str(reply[3]) if len(reply) > 3 else ""
         if verdict is ClaimVerdict.RUN:
-            return cls(verdict, now_ms, run=int(detail))
+            return cls(verdict, now_ms, run=int(detail), counted=counted)
         if verdict is ClaimVerdict.DEAD:
-            return cls(verdict, now_ms, deliveries=int(detail))
+            return cls(verdict, now_ms, deliveries=int(detail), counted=counted)
         if verdict in (ClaimVerdict.DUPLICATE, ClaimVerdict.DONE):
-            return cls(verdict, now_ms, status=detail or None)
-        return cls(verdict, now_ms)
+            return cls(verdict, now_ms, status=detail or None, counted=counted)
+        return cls(verdict, now_ms, counted=counted)
 
     @property
     def detail(self) -> str:
@@ -135,6 +138,8 @@ class StreamConsumer:
         self.cfg = config or ConsumerConfig()
         self._fast = conns.fast
         self._blocking = conns.blocking(self.cfg.block_ms)
+        # Tenant counters in slots of their own (a sharded cluster): CLAIM cannot release them in-script.
+        self.tenants = TenantCounters(self.r, keys, self.cfg.ttl_ms) if keys.split_quota else None
 
     async def ensure_group(self) -> None:
         await ensure_group(self.r, self.keys)
@@ -234,7 +239,16 @@ class StreamConsumer:
         for r in replies:
             if isinstance(r, TRANSIENT_ERRORS):  # the server's state, not the entry's: retry the batch
                 raise r
-        return [r if isinstance(r, Exception) else Claim.of_reply(r) for r in replies]
+        claims = [r if isinstance(r, Exception) else Claim.of_reply(r) for r in replies]
+        if self.tenants is not None:
+            await self.tenants.forget(
+                [
+                    (c.counted, e.request_id)
+                    for c, (e, _) in zip(claims, entries)
+                    if isinstance(c, Claim) and c.counted
+                ]
+            )
+        return claims
 
     async def heartbeat(self, entry_ids: list[str]) -> list[str]:
         """Reset the idle time of our in-flight entries; returns those another worker has taken."""

@@ -12,7 +12,7 @@ output stream of every request whose id hashes to it (`shard_of`). So each scrip
 and the shards' slots spread over the cluster's masters. A request's keys follow its shard rather than a
 `{<id>}` tag because every script that touches them (CLAIM, FINISH, APPEND, HANDBACK, SORT_IN, PASS) touches
 the shard's stream too. What belongs to the fleet (served models, the API-keys mark, the shard count, the
-Batch API) keeps the shard-less names. Tenant quotas: see `quota`.
+Batch API) keeps the shard-less names. Tenant quotas: see `quota` and `tenant_quota`.
 """
 
 from __future__ import annotations
@@ -108,14 +108,29 @@ class Keys:
         return f"{self.base}:out:{request_id}"
 
     @property
+    def split_quota(self) -> bool:
+        """Tenant counters live apart from the shards (queue/tenants.py): a cluster with several shards, where
+        no one slot holds every shard's stream and a tenant's counters together."""
+        return self.cluster and self.shards > 1
+
+    @property
     def quota(self) -> str:
-        """Prefix of the admission-limit keys: quota:queued:<tenant> (a sorted set of request ids) and
-        quota:tpm:<tenant>:<minute> (tokens asked for in that minute).
+        """Prefix of the admission-limit keys the shard scripts count in: quota:queued:<tenant> (a sorted set
+        of request ids) and quota:tpm:<tenant>:<minute> (tokens asked for in that minute).
 
         Fleet-wide wherever a script may reach them: one set of keys under the fleet's base, so a tenant's
-        limits hold across every shard. A cluster runs a script only on keys of its one slot, so there each
-        shard keeps its own (the service refuses tenant limits with more than one shard on a cluster)."""
+        limits hold across every shard. Empty where the counters are split off (`split_quota`): the shard
+        scripts then count nothing, and queue/tenants.py keeps each tenant's under `tenant_quota`."""
+        if self.split_quota:
+            return ""
         return f"{self.base if self.cluster else self.fleet_base}:quota:"
+
+    def tenant_quota(self, tenant: str) -> str:
+        """The quota prefix one tenant's counters use: its own slot (`{<prefix>:t:<tenant>}`) where they are
+        split off the shards, else `quota`."""
+        if not self.split_quota:
+            return self.quota
+        return f"{{{self.prefix}:t:{tenant}}}:quota:"
 
     def reply(self, name: str) -> str:
         """A producer's reply stream: the final results (and, if asked, deltas) of the requests naming it."""

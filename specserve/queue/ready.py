@@ -131,7 +131,7 @@ if not h[1] then
   if counted == '' then counted = ARGV[15] end  -- the default tenant ('' : none) counts what names none
   local refused = admit(counted, q)
   if refused then return {'refused', refused[2]} end
-  if counted ~= '' then queued(ARGV[9], counted, ARGV[8], now_ms, ARGV[14]) end
+  if counted ~= '' and ARGV[9] ~= '' then queued(ARGV[9], counted, ARGV[8], now_ms, ARGV[14]) end
   local f = {'admitted', '1'}
   if tenant == '' and counted ~= '' then f = {'admitted', '1', 'quota', counted} end
   if not h[3] then

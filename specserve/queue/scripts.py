@@ -25,7 +25,8 @@ READY_CONSUMER = "~ready"
 # asked for per minute. A tenant's queued requests are a sorted set (id -> enqueue time), not a counter:
 # members older than the request TTL fall out by themselves, so a request whose status expired while queued
 # cannot hold its tenant's quota forever. `admit` takes a table: stream, group, prefix (the quota key
-# prefix), backlog, max_queued, tpm, asked (this request's tokens), ttl (ms), new (1: the request is not in
+# prefix; '' where the tenant counters are kept apart from the shard, queue/tenants.py), backlog, max_queued,
+# tpm, asked (this request's tokens), ttl (ms), new (1: the request is not in
 # the stream yet, so the backlog it would join is the one counted), count (requests admitted together, all or
 # none: default 1); a limit of 0 is off. A request that asks
 # for more tokens than a minute allows is refused in every minute, the first included: letting the first of
@@ -122,7 +123,7 @@ for _, i in ipairs(fresh) do
   if tenant ~= '' then h[#h + 1] = 'tenant'; h[#h + 1] = tenant end
   redis.call('HSET', KEYS[i], unpack(h))
   redis.call('PEXPIRE', KEYS[i], ARGV[1])
-  if tenant ~= '' then queued(ARGV[6], tenant, id, now_ms, ARGV[1]) end
+  if tenant ~= '' and ARGV[6] ~= '' then queued(ARGV[6], tenant, id, now_ms, ARGV[1]) end
   out[i - 1] = {1, eid}
 end
 return out
@@ -132,7 +133,9 @@ return out
 # A worker takes an entry it has read. KEYS: status hash, requests stream.
 # ARGV: entry id, group, consumer, ttl_ms, max_deliveries, deadline_ms or '', created_ms (from the entry id),
 # the quota key prefix, the request id (it leaves its tenant's queued set).
-# Returns {action, detail, now_ms}; action is run | duplicate | done | cancel | expire | dead | notmine.
+# Returns {action, detail, now_ms[, tenant counted]}; action is run | duplicate | done | cancel | expire |
+# dead | notmine; the tenant (or '') comes with every answer that took the request out of its tenant's
+# queued set.
 CLAIM = (
     _NOW
     + _TERMINAL
@@ -143,18 +146,22 @@ local deliveries = tonumber(p[1][4])
 local h = redis.call('HMGET', KEYS[1], 'entry', 'status', 'cancel', 'handoffs', 'tenant', 'quota')
 if h[1] and h[1] ~= ARGV[1] then return {'duplicate', h[2] or '', now_ms} end
 local counted = h[5] or h[6]  -- its tenant, or the default tenant a raw entry without one counts under
-if counted and ARGV[8] then redis.call('ZREM', ARGV[8] .. 'queued:' .. counted, ARGV[9]) end  -- not queued
-if h[2] and terminal(h[2]) then return {'done', h[2], now_ms} end
+if counted and (ARGV[8] or '') ~= '' then  -- not queued any more
+  redis.call('ZREM', ARGV[8] .. 'queued:' .. counted, ARGV[9])
+end
+if h[2] and terminal(h[2]) then return {'done', h[2], now_ms, counted or ''} end
 if not h[1] then redis.call('HSET', KEYS[1], 'entry', ARGV[1], 'created', ARGV[7]) end
 redis.call('PEXPIRE', KEYS[1], ARGV[4])
-if h[3] == '1' then return {'cancel', '', now_ms} end
-if ARGV[6] ~= '' and tonumber(now_ms) > tonumber(ARGV[6]) then return {'expire', '', now_ms} end
+if h[3] == '1' then return {'cancel', '', now_ms, counted or ''} end
+if ARGV[6] ~= '' and tonumber(now_ms) > tonumber(ARGV[6]) then
+  return {'expire', '', now_ms, counted or ''}
+end
 if deliveries - tonumber(h[4] or '0') > tonumber(ARGV[5]) then
-  return {'dead', tostring(deliveries), now_ms}
+  return {'dead', tostring(deliveries), now_ms, counted or ''}
 end
 local run = redis.call('HINCRBY', KEYS[1], 'run', 1)
 redis.call('HSET', KEYS[1], 'status', 'running', 'worker', ARGV[3], 'started', now_ms)
-return {'run', tostring(run), now_ms}
+return {'run', tostring(run), now_ms, counted or ''}
 """
 )
 
@@ -284,7 +291,7 @@ h[3] = h[3] or h[4]  -- the default tenant a raw entry without one counts under
 if h[1] == ARGV[3] and not terminal(h[2]) then
   redis.call('HINCRBY', KEYS[2], 'handoffs', 1)
   redis.call('HSET', KEYS[2], 'status', 'queued')
-  if h[3] and ARGV[5] then  -- queued again: it counts against its tenant again
+  if h[3] and (ARGV[5] or '') ~= '' then  -- queued again: it counts against its tenant again
     local t = redis.call('TIME')
     redis.call('ZADD', ARGV[5] .. 'queued:' .. h[3], tonumber(t[1]) * 1000, ARGV[6])
   end
@@ -295,7 +302,7 @@ return 1
 )
 
 # API / client cancellation. KEYS: status hash, output stream. ARGV: ttl_ms, tenant ('' or absent: any),
-# the quota key prefix, the request id.
+# the quota key prefix, the request id. Returns {outcome, status[, the tenant whose queued set it left]}.
 # A queued request is cancelled here and now (with its final entry); a running one is flagged for its worker.
 # Another tenant's request is 'missing': a key learns nothing about requests it does not own.
 CANCEL = (
@@ -309,12 +316,12 @@ if terminal(st) then return {'terminal', st} end
 redis.call('HSET', KEYS[1], 'cancel', '1')
 if st == 'queued' then
   counted = owner or counted
-  if counted and ARGV[3] then redis.call('ZREM', ARGV[3] .. 'queued:' .. counted, ARGV[4]) end
+  if counted and (ARGV[3] or '') ~= '' then redis.call('ZREM', ARGV[3] .. 'queued:' .. counted, ARGV[4]) end
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finish_reason', 'abort', 'finished', now_ms)
   redis.call('XADD', KEYS[2], '*', 'run', '0', 'offset', '0', 'text_offset', '0', 'ids', '[]', 'text', '',
     'finish_reason', 'abort', 'status', 'cancelled')
   redis.call('PEXPIRE', KEYS[2], ARGV[1])
-  return {'cancelled', 'cancelled'}
+  return {'cancelled', 'cancelled', counted or ''}
 end
 return {'cancelling', st}
 """

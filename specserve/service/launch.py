@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from specserve.queue.client import QueueClient, agree_on_shards, check_shard_limits
+from specserve.queue.client import QueueClient, agree_on_shards
 from specserve.queue.connection import TRANSIENT_ERRORS, connect, open_redis, server_keys
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
@@ -155,12 +155,10 @@ async def guard_tenant_data(redis: Any, keys: Keys, cfg: ServiceConfig) -> None:
 
 
 async def check_shards(redis: Any, keys: Keys, cfg: ServiceConfig) -> None:
-    """Refuse, before serving, a shard count the fleet on this Redis does not use, or tenant limits a
-    cluster cannot count across shards."""
+    """Refuse, before serving, a shard count the fleet on this Redis does not use."""
     try:
-        check_shard_limits(keys, cfg.limits())
         await agree_on_shards(redis, keys)
-    except ValueError as e:  # ShardMismatch too
+    except ValueError as e:  # ShardMismatch
         raise SystemExit(f"error: {e}") from None
     except RedisError as e:  # Redis away at start: the worker and the first enqueue check it again
         log.warning("could not check %s (%s)", keys.config, e)

@@ -26,7 +26,7 @@ from specserve.engine.async_engine import AsyncLLMEngine
 from specserve.engine.errors import InvalidParameter
 from specserve.engine.prepare import PreparePool
 from specserve.queue import outputs, wire
-from specserve.queue.client import agree_on_shards, check_shard_limits, shard_limits
+from specserve.queue.client import agree_on_shards, shard_limits
 from specserve.queue.connection import TRANSIENT_ERRORS, Connections, retry_forever, server_keys
 from specserve.queue.consumer import Claim, ClaimVerdict, QueueStats, StreamConsumer, entry_ms
 from specserve.queue.keys import Keys
@@ -95,7 +95,7 @@ class Worker:
         )
         self.publisher = Publisher(self.conns, keys, name, ttl_ms, self.cfg.reply_maxlen)
         # a raw XADD's backlog is counted on this shard's stream: it holds its share of the cap
-        limits = shard_limits(self.cfg.limits, keys.shards)
+        limits = shard_limits(self.cfg.limits, keys)
         self.ready_queue = ReadyQueue(self.conns.fast, keys, name, self.cfg.fair_share, limits, ttl_ms)
         self._ready_waiting = 0  # entries in the ready queue, as the last take saw it
         self.clock = ServerClock()
@@ -767,7 +767,6 @@ class ShardedWorker:
         self.r = redis
         self.keys = server_keys(redis, keys)
         config = config or WorkerConfig()
-        check_shard_limits(self.keys, config.limits)
         self.telemetry = telemetry = telemetry or Telemetry()
         self.shards = [Worker(engine, redis, k, name, config, telemetry) for k in self.keys.every_shard()]
         for w in self.shards:
