@@ -133,14 +133,21 @@ async def wait_for(predicate, timeout: float = 60.0, what: str = "condition", in
 
 @contextlib.asynccontextmanager
 async def api_stack(
-    url: str, model_dir: Path, api_keys: list[str] | None = None, shards: int = 1, **settings: Any
+    url: str,
+    model_dir: Path,
+    api_keys: list[str] | None = None,
+    shards: int = 1,
+    start_worker: bool = True,
+    worker_cfg: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[tuple[str, Any, QueueClient]]:
     """service_stack plus the HTTP API on a free loopback port; yields (base URL, worker, client)."""
     from aiohttp import web
 
     from specserve.service.api import Api, ApiSettings
 
-    async with service_stack(url, model_dir, shards=shards) as (worker, client):
+    stack = service_stack(url, model_dir, shards=shards, start_worker=start_worker, **(worker_cfg or {}))
+    async with stack as (worker, client):
         cfg = ApiSettings(api_keys=api_keys or [], **settings)
         api = Api(client, worker.telemetry, cfg, model_ready=lambda: worker.ready)
         runner = web.AppRunner(api.app(refresh_queue_stats=False), access_log=None)
