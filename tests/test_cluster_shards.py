@@ -168,3 +168,87 @@ def test_the_cluster_client_opens_on_the_same_url_without_a_tenant_refusal(valke
             await client.aclose()
 
     assert sorted(run(main())) == ["x1", "x2"]
+
+
+def _replica_of(cluster: ValkeyCluster, master) -> list:
+    found = []
+    for node in cluster.nodes:
+        if node is master or not node.running():
+            continue
+        with cluster.client(node) as c:
+            role = c.execute_command("ROLE")
+            if role[0] == "slave" and int(role[2]) == master.port:
+                found.append(node)
+    return found
+
+
+@pytest.mark.slow
+def test_a_shard_whose_master_is_down_leaves_the_others_serving(valkey_cluster, tiny_model_dir):
+    """The master of shard 1's slot stops (SIGSTOP; its replica told not to take over, the cluster told to
+    serve the slots it still covers) while traffic runs: requests on the shards of live masters keep
+    finishing within bounded latency, requests to the stopped shard are answered within seconds, 503 with
+    Retry-After (or accepted), and once the master is back every request finishes exactly once, those a
+    producer sent again after a 503 included."""
+    import signal
+    import time
+
+    down = valkey_cluster.master_of(KEYS.of_shard(1).requests)
+    alive = [k for k in range(SHARDS) if valkey_cluster.master_of(KEYS.of_shard(k).requests) is not down]
+    assert alive and valkey_cluster.master_of(KEYS.config) is not down
+    for node in valkey_cluster.nodes:
+        with valkey_cluster.client(node) as c:
+            c.config_set("cluster-require-full-coverage", "no")
+    for node in _replica_of(valkey_cluster, down):
+        with valkey_cluster.client(node) as c:
+            c.config_set("cluster-replica-no-failover", "yes")
+    stem_alive = [f"live{i}" for i in range(200) if shard_of(f"live{i}", SHARDS) in alive][:8]
+    stem_dead = [f"dead{i}" for i in range(200) if shard_of(f"dead{i}", SHARDS) == 1][:3]
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+
+    async def main():
+        stack = api_stack(valkey_cluster.url, tiny_model_dir, shards=SHARDS)
+        async with stack as (base, _worker, client), aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+
+            async def post(rid: str) -> tuple[int, str | None, float]:
+                t0 = time.monotonic()
+                async with http.post(f"{base}/v1/requests", json={**body, "id": rid}) as r:
+                    await r.read()
+                    return r.status, r.headers.get("Retry-After"), time.monotonic() - t0
+
+            async def served(rid: str) -> float:
+                t0 = time.monotonic()
+                status, _, _ = await post(rid)
+                assert status == 202, (rid, status)
+                result = await asyncio.wait_for(client.wait(rid), 30)
+                assert result.status == "finished", rid
+                return time.monotonic() - t0
+
+            assert await served("warm-up") < 30
+            down.proc.send_signal(signal.SIGSTOP)
+            try:
+                await asyncio.sleep(2.5)  # past the node timeout: the others mark it failed
+                dead_answers = await asyncio.gather(*(post(rid) for rid in stem_dead))
+                alive_latency = await asyncio.gather(*(served(rid) for rid in stem_alive))
+            finally:
+                down.proc.send_signal(signal.SIGCONT)
+            await asyncio.to_thread(valkey_cluster.wait_ok)
+            # A 503 got no answer from the stopped master: the request may have landed. The producer's retry
+            # with the same id adds nothing twice either way.
+            retried = [
+                (await post(rid))[0] for rid, (status, _, _) in zip(stem_dead, dead_answers) if status != 202
+            ]
+            results = [await asyncio.wait_for(client.wait(rid), 60) for rid in stem_dead]
+            infos = {rid: await client.info(rid) for rid in (*stem_alive, *stem_dead)}
+            entries = {k: len(await client.r.xrange(KEYS.of_shard(k).requests)) for k in range(SHARDS)}
+            return dead_answers, alive_latency, retried, results, infos, entries
+
+    dead_answers, alive_latency, retried, results, infos, entries = run(main(), timeout=300)
+    assert max(alive_latency) < 20, alive_latency  # the live shards never waited on the stopped one
+    for status, retry_after, took in dead_answers:
+        assert status in (202, 503), status
+        assert status == 202 or (retry_after is not None and int(retry_after) >= 1)
+        assert took < 30  # answered, not hung
+    assert all(status in (200, 202) for status in retried), retried
+    assert [r.status for r in results] == ["finished"] * len(stem_dead)
+    assert all(i["status"] == "finished" and i["run"] == "1" for i in infos.values()), infos
+    assert sum(entries.values()) == 1 + len(stem_alive) + len(stem_dead)  # none added twice

@@ -104,6 +104,11 @@ _MOVED_ON = (ReadOnlyError, MovedError, ClusterDownError)
 # Replies that say the command did not run: retried by `execute` whatever the command.
 _NOT_RUN = (AskError, ClusterDownError, TryAgainError)
 NOT_RUN_RETRIES = 40  # with the backoff below (capped at 0.25 s): about 8 s, a cluster's failover and more
+# Retries after a lost connection or a timeout start only within this long of the first try. A failover's
+# refused connections fail at once and are retried all along; a master that stopped answering (stopped, cut
+# off, its slot not failed over) costs a whole socket timeout a try, and retrying it `retries` times kept a
+# caller waiting a minute for an answer (an enqueue's 503) it could have had in seconds.
+RETRY_WINDOW_S = 8.0
 
 
 class _Protocol(asyncio.Protocol):
@@ -217,6 +222,8 @@ class RespClient:
 
     async def _execute(self, data: bytes, retries: int) -> Any:
         attempt = not_run = 0
+        loop = asyncio.get_running_loop()
+        until = loop.time() + RETRY_WINDOW_S
         while True:
             try:
                 proto = await self._ready()
@@ -225,7 +232,7 @@ class RespClient:
                 if _is_ask(reply):
                     reply = await self._asking(reply, data)
             except (RedisConnectionError, RedisTimeoutError):
-                if attempt == retries or self._closed:
+                if attempt == retries or self._closed or loop.time() > until:
                     raise
                 await asyncio.sleep(0.02 * 2**attempt)
                 attempt += 1
