@@ -252,3 +252,62 @@ def test_a_shard_whose_master_is_down_leaves_the_others_serving(valkey_cluster, 
     assert [r.status for r in results] == ["finished"] * len(stem_dead)
     assert all(i["status"] == "finished" and i["run"] == "1" for i in infos.values()), infos
     assert sum(entries.values()) == 1 + len(stem_alive) + len(stem_dead)  # none added twice
+
+
+@pytest.mark.parametrize("server", ["single", "cluster"])
+def test_a_batch_spreads_over_shards_and_every_line_runs_once(request, server, tiny_model_dir):
+    """The Batch API with three shards, on one instance and on the cluster, under a tenant cap of 4 queued
+    (lines over it wait for room): every good line runs exactly once, on the shard its id hashes to, and
+    the batch's counts and files are right."""
+    import io
+
+    import openai
+    import orjson
+
+    target = request.getfixturevalue("valkey" if server == "single" else "valkey_cluster")
+    model = str(tiny_model_dir)
+    greedy = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    rows = [
+        {"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions",
+         "body": {"model": model, "prompt": f"line {i}", **greedy}}
+        for i in range(12)
+    ]  # fmt: skip
+    rows.insert(5, {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": model, "prompt": "x", "top_p": 5}})  # fmt: skip
+    data = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+    keys = Keys("specserve", cluster=server == "cluster", shards=SHARDS)
+
+    async def main():
+        stack = api_stack(target.url, tiny_model_dir, api_keys=["a:tok-a"], shards=SHARDS)
+        async with stack as (base, _worker, client):
+            client.limits = Limits(tenant_max_queued=4)
+            oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="tok-a", max_retries=0)
+            f = await oai.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
+            batch = await oai.batches.create(
+                input_file_id=f.id, endpoint="/v1/completions", completion_window="24h"
+            )
+            for _ in range(1200):
+                batch = await oai.batches.retrieve(batch.id)
+                if batch.status not in ("validating", "in_progress", "finalizing"):
+                    break
+                await asyncio.sleep(0.1)
+            output = (await oai.files.content(batch.output_file_id)).content
+            entries = {k.shard: await client.r.xrange(k.requests) for k in keys.every_shard()}
+            infos = {f["id"]: await client.info(f["id"]) for items in entries.values() for _, f in items}
+            return batch, output, entries, infos
+
+    batch, output, entries, infos = run(main(), timeout=300)
+    assert batch.status == "completed"
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (
+        13,
+        12,
+        1,
+    )
+    lines = {row["custom_id"]: row for row in map(orjson.loads, output.splitlines())}
+    assert set(lines) == {f"l{i}" for i in range(12)}
+    assert all(row["response"]["status_code"] == 200 for row in lines.values())
+    assert sum(len(items) for items in entries.values()) == 12  # one entry a line, none twice
+    assert sum(1 for items in entries.values() if items) >= 2
+    for shard, items in entries.items():
+        assert all(keys.of_request(f["id"]).shard == shard for _, f in items)
+    assert all(i["status"] == "finished" and i["run"] == "1" for i in infos.values())
