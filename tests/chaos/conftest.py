@@ -410,11 +410,13 @@ class Outcome:
         return self.info.get("status", "")
 
 
-async def outcomes(r: aioredis.Redis, ids: list[str]) -> dict[str, Outcome]:
+async def outcomes(r: Any, ids: list[str], keys: Keys = KEYS) -> dict[str, Outcome]:
+    """`r`: a client of the server (a cluster's too, with `keys` naming its shards)."""
     pipe = r.pipeline(transaction=False)
     for rid in ids:
-        pipe.hgetall(KEYS.req(rid))
-        pipe.xrange(KEYS.out(rid))
+        mine = keys.of_request(rid)
+        pipe.hgetall(mine.req(rid))
+        pipe.xrange(mine.out(rid))
     replies = await pipe.execute()
     out = {}
     for i, rid in enumerate(ids):
