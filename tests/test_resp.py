@@ -171,3 +171,36 @@ def test_endpoint_takes_tls_socket_and_timeouts_from_the_url() -> None:
     verified = Endpoint.of(connect("rediss://cache:6380/0"))
     assert verified.ssl is not None and verified.ssl.verify_mode == ssl.CERT_REQUIRED
     assert Endpoint.of(connect("unix:///run/valkey.sock?db=1")).path == "/run/valkey.sock"
+
+
+def test_a_script_goes_whole_once_a_connection_then_by_sha_and_whole_again_after_noscript(valkey):
+    """The first EVAL of a script on a connection sends its text (and loads it), the next ones EVALSHA; a
+    server that lost its script cache (SCRIPT FLUSH, a restart) answers NOSCRIPT, and the command goes again
+    whole, in execute and in a pipeline alike, running once each time."""
+    script = "return redis.call('INCR', KEYS[1])"
+
+    def calls(stats: dict, name: str) -> int:
+        return int(stats.get(f"cmdstat_{name}", {}).get("calls", 0))
+
+    async def main():
+        r = connect(valkey.url)
+        fast = RespClient(r)
+        try:
+            await r.config_resetstat()
+            got = [await fast.execute("EVAL", script, 1, "n")]
+            got += await fast.pipeline([("EVAL", script, 1, "n"), ("EVAL", script, 1, "n")])
+            stats = await r.info("commandstats")
+            first = calls(stats, "eval"), calls(stats, "evalsha")
+            await r.script_flush()
+            got.append(await fast.execute("EVAL", script, 1, "n"))
+            await r.script_flush()
+            got += await fast.pipeline([("EVAL", script, 1, "n"), ("INCR", "other")])
+            got.append(await fast.execute("EVAL", script, 1, "n"))
+            return got, first, await r.get("n")
+        finally:
+            await fast.aclose()
+            await r.aclose()
+
+    got, first, n = run(main())
+    assert first == (1, 2)  # one EVAL, then EVALSHA
+    assert got == [1, 2, 3, 4, 5, 1, 6] and n == "6"  # each ran once, in order

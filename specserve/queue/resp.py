@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import socket
 import ssl
 from collections.abc import Sequence
@@ -41,7 +42,14 @@ import hiredis
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import SSLConnection, UnixDomainSocketConnection
-from redis.exceptions import AskError, ClusterDownError, MovedError, ReadOnlyError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    ReadOnlyError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -123,6 +131,7 @@ class _Protocol(asyncio.Protocol):
         self.timeout = timeout
         self._timer: asyncio.TimerHandle | None = None
         self._out: list[bytes] = []  # written at the end of this turn of the loop
+        self.scripts: set[str] = set()  # SHA1s of the scripts sent by EVAL on this connection: cached there
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -215,18 +224,19 @@ class RespClient:
     async def execute(self, *args: str | bytes | int | float, retries: int = 0) -> Any:
         """One command; an error reply raises. `retries`: for idempotent commands, how many more tries
         after a lost connection or a timeout (as redis-py's client retries them)."""
-        reply = await self._execute(hiredis.pack_command(args), retries)
+        reply = await self._execute(args, retries)
         if isinstance(reply, Exception):
             raise reply
         return reply
 
-    async def _execute(self, data: bytes, retries: int) -> Any:
+    async def _execute(self, command: Command, retries: int) -> Any:
         attempt = not_run = 0
         loop = asyncio.get_running_loop()
         until = loop.time() + RETRY_WINDOW_S
         while True:
             try:
                 proto = await self._ready()
+                data = _pack(proto, command)
                 (future,) = proto.send(data, 1)
                 reply = await future
                 if _is_ask(reply):
@@ -236,6 +246,10 @@ class RespClient:
                     raise
                 await asyncio.sleep(0.02 * 2**attempt)
                 attempt += 1
+                continue
+            if isinstance(reply, NoScriptError) and not_run < NOT_RUN_RETRIES and not self._closed:
+                proto.scripts.discard(str(_script_sha(command)))  # the next try sends the script itself
+                not_run += 1
                 continue
             if isinstance(reply, _NOT_RUN) and not_run < NOT_RUN_RETRIES and not self._closed:
                 await asyncio.sleep(min(0.25, 0.01 * 2**not_run))
@@ -261,14 +275,18 @@ class RespClient:
         if not commands:
             return []
         proto = await self._ready()
-        packed = [hiredis.pack_command(tuple(c)) for c in commands]
+        multi = any(str(c[0]).upper() == "MULTI" for c in commands)
+        # In MULTI every script goes whole: a NOSCRIPT there would fail one command of the transaction.
+        packed = [hiredis.pack_command(tuple(c)) if multi else _pack(proto, c) for c in commands]
         replies = list(await asyncio.gather(*proto.send(b"".join(packed), len(commands))))
-        # Commands a redirect or a failover turned away did not run: each goes again on its own, with
-        # execute's retries. Not inside MULTI, where they must run together or not at all.
-        if not any(str(c[0]).upper() == "MULTI" for c in commands):
+        # Commands a redirect, a failover or an emptied script cache turned away did not run: each goes again
+        # on its own, with execute's retries. Not inside MULTI, where they must run together or not at all.
+        if not multi:
             for i, reply in enumerate(replies):
-                if isinstance(reply, _NOT_RUN) and not self._closed:
-                    replies[i] = await self._execute(packed[i], 0)
+                if isinstance(reply, NoScriptError):
+                    proto.scripts.discard(str(_script_sha(commands[i])))
+                if isinstance(reply, (*_NOT_RUN, NoScriptError)) and not self._closed:
+                    replies[i] = await self._execute(commands[i], 0)
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -347,6 +365,32 @@ class RespClient:
 
 
 _ASKING = hiredis.pack_command(("ASKING",))
+_SHA: dict[str, str] = {}  # script text -> its SHA1 (the scripts are the modules' constants: a few)
+
+
+def _script_sha(command: Command) -> str | None:
+    """The SHA1 of an EVAL's script (None for any other command)."""
+    if len(command) < 2 or command[0] != "EVAL" or not isinstance(command[1], str):
+        return None
+    sha = _SHA.get(command[1])
+    if sha is None:
+        sha = _SHA[command[1]] = hashlib.sha1(command[1].encode()).hexdigest()
+    return sha
+
+
+def _pack(proto: _Protocol, command: Command) -> bytes:
+    """The command as it goes on `proto`'s connection: an EVAL whose script that connection already sent goes
+    as EVALSHA (its 1-3 KB of text become 40 bytes: most of what the output path sent per token). The first
+    EVAL of a script on a connection goes whole, and loads it into that server's cache before anything sent
+    after it runs; a new connection (a restart, a failover, a slot moved) starts over. A NOSCRIPT all the
+    same (SCRIPT FLUSH) means the command did not run: it goes again whole (execute, pipeline)."""
+    sha = _script_sha(command)
+    if sha is None:
+        return hiredis.pack_command(tuple(command))
+    if sha in proto.scripts:
+        return hiredis.pack_command(("EVALSHA", sha, *command[2:]))
+    proto.scripts.add(sha)
+    return hiredis.pack_command(tuple(command))
 
 
 def _is_ask(reply: Any) -> bool:

@@ -1,8 +1,8 @@
 """Lua scripts for the state changes that must be atomic.
 
-They are sent with EVAL (not EVALSHA): a restarted or failed-over server has an empty script cache, and EVAL
-needs no NOSCRIPT dance in pipelines. Timestamps come from the server clock (ms) so that every process
-agrees on them.
+The lean client (queue/resp.py) sends a script's text the first time on each connection and EVALSHA after
+that, sending it whole again on NOSCRIPT (a restarted or failed-over server has an empty script cache);
+redis-py's calls send EVAL. Timestamps come from the server clock (ms) so that every process agrees on them.
 """
 
 from __future__ import annotations
