@@ -243,11 +243,12 @@ def test_a_shard_whose_master_is_down_leaves_the_others_serving(valkey_cluster, 
             return dead_answers, alive_latency, retried, results, infos, entries
 
     dead_answers, alive_latency, retried, results, infos, entries = run(main(), timeout=300)
-    assert max(alive_latency) < 20, alive_latency  # the live shards never waited on the stopped one
+    # the live shards never waited on the stopped one (bounds with room for a loaded machine)
+    assert max(alive_latency) < 30, alive_latency
     for status, retry_after, took in dead_answers:
         assert status in (202, 503), status
         assert status == 202 or (retry_after is not None and int(retry_after) >= 1)
-        assert took < 30  # answered, not hung
+        assert took < 40, took  # answered within the retry window and a socket timeout or two, not hung
     assert all(status in (200, 202) for status in retried), retried
     assert [r.status for r in results] == ["finished"] * len(stem_dead)
     assert all(i["status"] == "finished" and i["run"] == "1" for i in infos.values()), infos
