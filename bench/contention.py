@@ -16,6 +16,7 @@ specserve/vLLM per leg; the whole result is saved as JSON under bench/out/.
     python bench/contention.py                       # 48 requests, 256 tokens each, 64 in flight, bf16
     python bench/contention.py --smoke               # 4 requests of 8 tokens: checks the plumbing only
     python bench/contention.py --legs quiet,busy --engines specserve
+    python bench/contention.py --engines specserve --adaptive-threads off   # the team fixed at the budget
 """
 
 from __future__ import annotations
@@ -168,7 +169,12 @@ def child_main(mode: str, spec_path: Path, result_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     from specserve import LLM, SamplingParams
 
-    llm = LLM(spec["model"], dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"])
+    llm = LLM(
+        spec["model"],
+        dtype=spec["dtype"],
+        max_num_seqs=spec["max_num_seqs"],
+        adaptive_threads=spec.get("adaptive_threads", True),
+    )
     if mode == "ids":
         from chat_traffic import build_traffic
 
@@ -185,8 +191,12 @@ def child_main(mode: str, spec_path: Path, result_path: Path) -> int:
     tokens = sum(len(o.token_ids) for o in outs)
     import torch
 
+    team = llm.engine._team
+    tuner = {"chosen": team.chosen, "trials": team.trials} if team is not None else None
     result_path.write_text(
-        json.dumps({"seconds": seconds, "output_tokens": tokens, "threads": torch.get_num_threads()})
+        json.dumps(
+            {"seconds": seconds, "output_tokens": tokens, "threads": torch.get_num_threads(), "tuner": tuner}
+        )
     )
     return 0
 
@@ -219,6 +229,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="default: the demo model (vLLM reads its exported HF directory)")
     p.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated, of {', '.join(LEGS)}")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
+    p.add_argument(
+        "--adaptive-threads",
+        default="on",
+        choices=("on", "off"),
+        help="specserve's team size by trial (the engine's adaptive_threads); off: the budget's team",
+    )
     p.add_argument("--quota", type=float, default=1.5, help="CPU cores the quota leg allows")
     p.add_argument("--vllm-python", help="vLLM's interpreter (default: $SPECSERVE_VLLM_PYTHON or the venv)")
     p.add_argument("--vllm-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND ('' for vLLM's default)")
@@ -287,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_num_seqs": args.max_num_seqs,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
+        "adaptive_threads": args.adaptive_threads == "on",
     }
     spec["prompt_token_ids"] = run_child("ids", spec)["prompt_token_ids"]
     print(
@@ -302,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             shown = r.get("skipped") or f"{r['tok_s']:7.1f} tok/s ({r['seconds']:.1f} s)"
             if "threads" in r:
                 shown += f", {r['threads']} threads"
+            if r.get("tuner"):
+                shown += f" (team by trial: {r['tuner']['trials']} trials)"
             print(f"  {leg:<6} {engine:<10} {shown}", flush=True)
     ratios: dict[str, float | None] = {}
     for engine, legs in results.items():

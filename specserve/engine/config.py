@@ -67,6 +67,10 @@ class EngineConfig:
     # Every step eager (vLLM's name): off, CUDA captures the uniform decode and verify steps in graphs at
     # start (engine/cuda_graphs.py); elsewhere there is nothing to turn off.
     enforce_eager: bool = False
+    # CPU: the team size chosen by trial among the budget's threads and one fewer (engine/cpu_tuning.py
+    # TeamTuner), so a busy neighbour on a core makes the engine drop to whichever size steps run faster at.
+    # Never with tensor parallelism, batch_invariant, or an OMP_NUM_THREADS the operator set.
+    adaptive_threads: bool = True
     # A Jinja chat template, or a file holding one (vLLM's --chat-template): it replaces the model's own; a
     # model with neither is refused for chat (engine.encode_chat), never given a guessed template.
     chat_template: str | None = None
@@ -94,6 +98,8 @@ class EngineConfig:
                 f"quantization {self.quantization} is not supported with tensor_parallel_size {tp}: "
                 "the ranks shard dense weights (use quantization auto or none)"
             )
+        if not isinstance(self.adaptive_threads, bool):
+            raise ValueError(f"adaptive_threads must be true or false, not {self.adaptive_threads!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}")
         p = self.prefill_tokens_beside_decode

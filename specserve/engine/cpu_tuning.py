@@ -5,6 +5,10 @@ does, so a team larger than the CPUs the process may really use waits, every reg
 descheduled. The team is sized to the CPUs of the affinity mask and to the cgroup's CPU quota (what a
 Kubernetes CPU limit sets): `CpuBudget.read()`. OMP_NUM_THREADS, where set, is left to rule.
 
+A neighbour that is not a quota (a busy process on one of the cores) leaves the mask and quota as they were
+while a team one thread smaller may run faster: `TeamTuner` tries the budget and one fewer now and then and
+keeps the size whose steps compute more tokens a second (the engine's `adaptive_threads`).
+
 Waiting. libgomp's threads spin 300,000 times at each barrier before they sleep (milliseconds on a core with a
 slow `pause`), unless the team is larger than the affinity mask. With a busy neighbour on the same cores,
 that spinning takes the time slice the thread still working needs, and every region stalls.
@@ -207,3 +211,122 @@ def default_wait_policy(environ: MutableMapping[str, str] | None = None) -> bool
         return False
     environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
     return "torch" not in sys.modules
+
+
+# ---------------------------------------------------------------- the team size, by trial
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    """How TeamTuner tries the other team size: `warmup` steps after each change are not counted (the first
+    products after a change rebuild oneDNN's primitives and the team), `measured` steps are; the other size
+    must run `margin` faster to be taken; between trials the chosen size holds for `first_hold` steps,
+    doubled (up to `max_hold`) each time a trial keeps the choice, so a quiet machine pays for ever rarer
+    trials. A trial whose two sizes ran steps of different sizes (mean tokens a step apart by more than
+    `comparable`, a prefill wave beside decode steps) decides nothing."""
+
+    warmup: int = 1
+    measured: int = 3
+    margin: float = 0.05
+    first_hold: int = 64
+    max_hold: int = 1024
+    comparable: float = 0.75
+
+
+@dataclass
+class _Tally:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+class TeamTuner:
+    """Picks the team size among {budget, budget - 1} by what steps measure: a busy neighbour on one of
+    the cores makes each parallel region of a full team wait for the descheduled thread, and a team one
+    smaller may then run faster. Each trial runs the other size, then the chosen one again, for
+    `plan.warmup + plan.measured` steps each, and compares their tokens per second.
+
+    Pure decision logic: the engine reports each step's tokens and seconds to `observe` and sets the team it
+    returns; `size` is the team the next step should run."""
+
+    def __init__(self, budget: int, plan: TrialPlan = TrialPlan()) -> None:
+        if budget < 2:
+            raise ValueError(f"a team of {budget} has no smaller size to try")
+        self.plan = plan
+        self.budget = budget
+        self.chosen = budget
+        self.size = budget
+        self.trials = 0
+        self._hold = plan.first_hold
+        self._countdown = plan.first_hold
+        self._schedule: list[tuple[int, bool]] = []  # (team size, counted) of the trial's steps to come
+        self._tallies: dict[int, _Tally] = {}
+
+    def _other(self) -> int:
+        return self.budget - 1 if self.chosen == self.budget else self.budget
+
+    def _start_trial(self) -> None:
+        self._tallies = {self._other(): _Tally(), self.chosen: _Tally()}
+        self._schedule = [
+            (size, i >= self.plan.warmup)
+            for size in (self._other(), self.chosen)
+            for i in range(self.plan.warmup + self.plan.measured)
+        ]
+
+    def _decide(self) -> None:
+        self.trials += 1
+        mine, other = self._tallies[self.chosen], self._tallies[self._other()]
+        per_step = sorted((mine.tokens_per_step, other.tokens_per_step))
+        comparable = per_step[1] > 0 and per_step[0] / per_step[1] >= self.plan.comparable
+        if comparable and other.rate > mine.rate * (1 + self.plan.margin):
+            log.info(
+                "CPU threads: %d -> %d (%.0f against %.0f tok/s a step)",
+                self.chosen,
+                self._other(),
+                other.rate,
+                mine.rate,
+            )
+            self.chosen = self._other()
+            self._hold = self.plan.first_hold
+        elif comparable:
+            self._hold = min(2 * self._hold, self.plan.max_hold)
+        self._countdown = self._hold
+        self.size = self.chosen
+
+    def observe(self, tokens: int, seconds: float) -> int:
+        """The step just run, at team `size`, computed `tokens` in `seconds`; the team for the next step."""
+        if self._schedule:
+            size, counted = self._schedule.pop(0)
+            if counted:
+                self._tallies[size].add(tokens, seconds)
+            if self._schedule:
+                self.size = self._schedule[0][0]
+            else:
+                self._decide()
+            return self.size
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._start_trial()
+            self.size = self._schedule[0][0]
+        return self.size
+
+
+def team_tuner(threads: int, wanted: bool) -> TeamTuner | None:
+    """A tuner for the team of `threads` in force, where one should run: asked for, a team of more than one
+    thread, and none fixed by an OMP_NUM_THREADS the operator set."""
+    if not wanted or threads < 2 or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    return TeamTuner(threads)

@@ -26,10 +26,12 @@ from specserve.blockmgr import BlockManager
 from specserve.engine import cuda_graphs
 from specserve.engine.config import EngineConfig
 from specserve.engine.cpu_tuning import (
+    TeamTuner,
     keep_freed_memory_in_heap,
     release_freed_memory,
     return_freed_memory_at_once,
     size_thread_team,
+    team_tuner,
 )
 from specserve.engine.detokenizer import IncrementalDetokenizer
 from specserve.engine.errors import InvalidParameter
@@ -157,9 +159,12 @@ class LLMEngine:
         if config.chat_template is not None:
             self.tokenizer.chat_template = config.chat_template
         self.ranks = RankGroup(tp_size, spec) if tp_size > 1 else None
+        # batch-invariant rows keep one arithmetic whatever the step: the team that splits them stays put
+        self._team: TeamTuner | None = None
         if self.device.type == "cpu":
             if self.ranks is None:  # the ranks size theirs as they start
-                size_thread_team()
+                threads = size_thread_team()
+                self._team = team_tuner(threads, config.adaptive_threads and not config.batch_invariant)
             return_freed_memory_at_once()
         try:
             self.model, hf_config = build_model(spec, self.ranks.tp if self.ranks else None)
@@ -507,12 +512,16 @@ class LLMEngine:
             grammar.mask(plan, drafts, logits)
         accepted = self._sample(plan, drafts, logits)
         lap("sample")
+        tokens, seconds = self._totals.times.tokens - tokens_before, time.perf_counter() - started
         if self.spec is not None:
             # The policy prices a step by its forward and its sampling: each draft adds a verify row to
             # sample (softmax, top-p's sort over the vocabulary), and priced by the forward alone n-gram +
             # auto cost 18-24 % of tok/s at 32 in flight in bench/chat_traffic.py (quiet AVX2 EPYC).
-            tokens = self._totals.times.tokens - tokens_before
-            self.spec.record_forward(tokens, time.perf_counter() - started)
+            self.spec.record_forward(tokens, seconds)
+        if self._team is not None:
+            threads = self._team.observe(tokens, seconds)
+            if threads != torch.get_num_threads():  # our kernels read the team size at each call
+                torch.set_num_threads(threads)
         self.scheduler.update(plan, accepted)
         deltas += self.outputs.process(plan, accepted)
         if grammar is not None:

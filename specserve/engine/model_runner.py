@@ -33,6 +33,12 @@ def max_position(entries: list[ForwardEntry]) -> int:
     return max((e.start_pos + len(e.token_ids) for e in entries), default=0) - 1
 
 
+def wanted_rows(hidden: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+    """The rows of `hidden` whose logits were asked for. They are increasing, so as many as there are rows
+    means all of them (a decode step's): the gather, another parallel region and a copy, is skipped."""
+    return hidden if logit_rows.shape[0] == hidden.shape[0] else hidden[logit_rows]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
         self.model = model
@@ -111,7 +117,7 @@ class ModelRunner:
             if logits is not None:
                 return logits
         hidden, logit_rows = self.forward(entries)
-        return self.model.logits(hidden[logit_rows]).cpu()
+        return self.model.logits(wanted_rows(hidden, logit_rows)).cpu()
 
     def run_capturing(
         self, entries: list[ForwardEntry], layers: tuple[int, ...]
@@ -129,7 +135,7 @@ class ModelRunner:
         hidden, aux = self.model.forward_capturing(
             input_ids, positions, self.kv_caches, attn, capture, max_position(entries)
         )
-        return self.model.logits(hidden[logit_rows]).cpu(), aux
+        return self.model.logits(wanted_rows(hidden, logit_rows)).cpu(), aux
 
     def close(self) -> None:
         """Nothing to release here; a tensor-parallel runner stops its other ranks (engine/parallel.py)."""

@@ -234,6 +234,14 @@ class ServiceConfig:
         "captured at start on CUDA only (off by default)",
         kind=bool,
     )
+    adaptive_threads: bool | None = _opt(
+        "SPECSERVE_ADAPTIVE_THREADS",
+        None,
+        "CPU: pick the thread team by trial between the CPU budget and one thread fewer, keeping the faster "
+        "(a busy neighbour on a core can make the smaller team faster); on by default, never with tensor "
+        "parallelism, batch_invariant or OMP_NUM_THREADS set",
+        kind=bool,
+    )
     tensor_parallel_size: int | None = _opt(
         "SPECSERVE_TENSOR_PARALLEL_SIZE",
         None,
@@ -606,6 +614,7 @@ _ENGINE_KNOBS = (
     "quantization",
     "batch_invariant",
     "enforce_eager",
+    "adaptive_threads",
     "tensor_parallel_size",
     "chat_template",
     "scheduling_policy",

@@ -11,6 +11,14 @@
 
 namespace {
 
+// Threads only from this many elements: a parallel region waits for its slowest thread, and on a shared
+// machine that is one the OS has descheduled. bench/profile_step.py --batch 64 (2-core AMX Xeon, bf16, the
+// machine at load ~11, indicative only): silu * up of 64 x 1536 took 7.8 ms a call threaded, the serial
+// add + norm beside it 0.6 ms; decode steps with it serial ran 0.80x the time, alternated in one process.
+// Its cost where the second core is free: ~40 us a layer (medians 86 against 47 us, same machine), ~1 % of
+// a step of that batch.
+constexpr int64_t kThreadedFrom = int64_t{1} << 18;
+
 __attribute__((always_inline)) inline float round_as(const float*, float v) { return v; }
 __attribute__((always_inline)) inline float round_as(const uint16_t*, float v) {
   uint32_t bits;
@@ -44,7 +52,7 @@ inline void normalise(const T* x, T* out, const T* w, int64_t d, float ss, float
 template <typename T>
 void add_rms_norm(T* h, const T* add, const T* w, T* out, int64_t n, int64_t d, int64_t h_stride,
                   int64_t add_stride, int64_t out_stride, float eps, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (n * d >= 65536)
+#pragma omp parallel for num_threads(num_threads) if (n * d >= kThreadedFrom)
   for (int64_t i = 0; i < n; ++i) {
     T* hr = h + i * h_stride;
     T* orow = out + i * out_stride;
@@ -69,7 +77,7 @@ void add_rms_norm(T* h, const T* add, const T* w, T* out, int64_t n, int64_t d, 
 template <typename T>
 void rms_norm_heads(T* x, const T* w, int64_t n, int64_t heads, int64_t d, int64_t stride, float eps,
                     int num_threads) {
-#pragma omp parallel for num_threads(num_threads) if (n * heads * d >= 65536)
+#pragma omp parallel for num_threads(num_threads) if (n * heads * d >= kThreadedFrom)
   for (int64_t i = 0; i < n * heads; ++i) {
     T* hr = x + (i / heads) * stride + (i % heads) * d;
     normalise(hr, hr, w, d, sum_squares(hr, d), eps);
@@ -113,7 +121,7 @@ inline float exp_sleef(float x) {
 template <typename T, typename Act>
 void act_mul(const T* gu, T* out, int64_t n, int64_t d, int64_t gu_stride, int64_t out_stride,
              int num_threads, Act act) {
-#pragma omp parallel for num_threads(num_threads) if (n * d >= 65536)
+#pragma omp parallel for num_threads(num_threads) if (n * d >= kThreadedFrom)
   for (int64_t i = 0; i < n; ++i) {
     const T* g = gu + i * gu_stride;
     const T* u = g + d;
