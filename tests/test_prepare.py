@@ -105,6 +105,33 @@ def test_worker_preparation_past_its_budget_names_the_field_it_was_on():
     asyncio.run(main())
 
 
+def test_a_refused_preparation_that_fails_later_in_its_thread_logs_nothing(caplog):
+    """The thread of a request refused for its budget may end with an error of its own (a compile's child
+    killed at the same budget raises too): nobody is left to read it, and asyncio must not log it as an
+    exception never retrieved."""
+    import gc
+
+    async def main() -> None:
+        pool = PreparePool(workers=1, budget_s=0.2)
+        try:
+
+            def work(mark):
+                mark("structured_outputs.regex")
+                time.sleep(0.5)
+                raise InvalidParameter("structured_outputs.regex", "took too long in its thread")
+
+            with pytest.raises(InvalidParameter):
+                await pool.run(work, "prompt")
+            await asyncio.sleep(0.6)  # the thread has raised by now
+        finally:
+            pool.close()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
 def test_a_constraint_over_the_size_cap_is_refused_before_anything_builds_it():
     choices = [f"option-{i:05d}" for i in range(20_000)]
     assert len(json.dumps(choices)) > MAX_CONSTRAINT_CHARS

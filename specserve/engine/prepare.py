@@ -326,6 +326,9 @@ class PreparePool:
             field, since = at[-1] if at else (None, time.monotonic())
             left = None if field is None else since + self.budget_s - time.monotonic()
             if left is not None and left <= 0:
+                # the thread ends on its own (a compile with the refusal it raised too): its outcome is
+                # taken here so that asyncio does not log it as never retrieved
+                future.add_done_callback(lambda f: f.cancelled() or f.exception())
                 raise over_budget(field, self.budget_s)
             done, _ = await asyncio.wait({future}, timeout=min(left, 0.5) if left is not None else 0.05)
             if done:
