@@ -7,6 +7,7 @@ Attacks (at --scale 1.0, the red team's sizes; a smaller scale shrinks each for 
 - tools:         1,500 tools with tool_choice "required" (chat)
 - bad_words:     256 long bad_words
 - logprobs:      n = 16, logprobs 20, prompt_logprobs 20 on a 2,000-character prompt
+- logprobs_max:  the most of that served (max_total_logprobs, 100 by default): n = 5
 Each attack may be refused (a 400 naming its field is a good outcome: it cost nobody anything) or run; what is
 measured is the short request's median latency while the attack is in flight, over --repeats requests, as a
 ratio to its median alone. Target: every ratio within 1.5x.
@@ -58,6 +59,10 @@ def attacks(scale: float, model: str) -> dict[str, tuple[str, dict[str, Any]]]:
         "logprobs": (
             "completions",
             {**base, "prompt": "x " * n(1000), "n": 16, "logprobs": 20, "prompt_logprobs": 20},
+        ),
+        "logprobs_max": (
+            "completions",
+            {**base, "prompt": "x " * n(1000), "n": 5, "logprobs": 20, "prompt_logprobs": 20},
         ),
     }
 

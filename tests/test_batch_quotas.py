@@ -123,3 +123,31 @@ def test_reading_a_batch_costs_a_bounded_number_of_redis_reads(valkey):
     assert calls.get("hget", 0) <= 2 * ADVANCE_LINES + 5, calls
     assert calls.get("rpush", 0) <= 2 and calls.get("lrange", 0) <= 3, calls
     assert size < 8192  # the batch object and its counters; the lines live apart
+
+
+def test_held_back_lines_go_in_as_capacity_frees_without_a_poll(valkey, tiny_model_dir):
+    """10 lines under a cap of 6 waiting requests, and nobody reads the batch after creating it: the 4 held
+    back still go in as the first 6 finish (the API's background fill), and every line's request finishes."""
+
+    async def main():
+        async with _limited(valkey, tiny_model_dir, Limits(tenant_max_queued=6), start_worker=False) as (
+            base,
+            worker,
+            client,
+        ):
+            oai = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="tok-a", max_retries=0)
+            batch = await _batch(oai, _jsonl(str(tiny_model_dir), 10))
+            queued_at_first = await client.r.xlen(KEYS.requests)
+            await worker.start()
+            rids = [f"team-a:{batch.id}-{n}" for n in range(1, 11)]
+            statuses: list = []
+            for _ in range(1200):
+                statuses = [await client.r.hget(KEYS.req(rid), "status") for rid in rids]
+                if all(s == "finished" for s in statuses):
+                    break
+                await asyncio.sleep(0.1)
+            return queued_at_first, statuses
+
+    queued_at_first, statuses = run(main(), timeout=600)
+    assert queued_at_first == 6
+    assert statuses == ["finished"] * 10

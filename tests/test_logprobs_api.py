@@ -175,3 +175,29 @@ def test_prompt_logprobs_in_vllms_shape_whole_and_streamed(serve, tiny_model_dir
             model=model, prompt=PROMPT, max_tokens=2, extra_body={"prompt_logprobs": 99}
         )
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize(
+    ("route", "extra"),
+    [
+        ("completions", {"n": 6, "logprobs": 20}),
+        ("completions", {"n": 11, "logprobs": 1, "prompt_logprobs": 10}),
+        ("chat", {"n": 16, "logprobs": True, "top_logprobs": 20}),
+    ],
+)
+def test_n_times_logprobs_over_the_ceiling_is_a_400_naming_n(serve, route, extra):
+    """n choices of k logprobs cost n x k a token (max_total_logprobs, 100 by default); over it nothing
+    asks and the answer names n, while the ceiling itself is served."""
+    client, model, _ = serve
+
+    with pytest.raises(openai.BadRequestError) as e:
+        if route == "chat":
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, extra_body=extra)
+        else:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=2, extra_body=extra)
+    assert e.value.body["param"] == "n" and "max_total_logprobs" in e.value.body["message"]
+    at_ceiling = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=2, n=5, logprobs=20, extra_body={"prompt_logprobs": 20}
+    )
+    assert len(at_ceiling.choices) == 5
+    assert all(len(c.logprobs.top_logprobs[0]) >= 20 for c in at_ceiling.choices)

@@ -18,6 +18,7 @@ from valkey_helpers import api_stack, run
 
 from specserve import LLM, SamplingParams
 from specserve.blockmgr import BlockManager
+from specserve.engine.scheduler import PROMPT_LOGPROBS_CHUNK
 
 pytest_plugins = ("valkey_fixtures",)
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -186,6 +187,36 @@ def test_copies_admitted_in_one_step_share_the_prompt_blocks_it_fills(reference,
         assert all(o.usage.cached_tokens > 0 for o in outs[1:])
     else:
         assert [o.usage.cached_tokens for o in outs[1:]] == [full] * 3
+    llm.engine.block_manager.check_invariants()
+
+
+def test_copies_wait_for_a_prompt_still_being_computed_and_take_it_from_the_cache(reference):
+    """n choices whose first asks for prompt logprobs: that one computes its prompt PROMPT_LOGPROBS_CHUNK
+    tokens a step, with no cache hit; the copies wait for its blocks instead of computing the prompt again
+    beside it, so the prompt is computed about once, and every output and the prompt logprobs are the same
+    as each request's alone."""
+    path, _ = reference
+    llm = LLM(str(path), dtype="float32")
+    prompt = llm.tokenizer.encode(PROMPTS[1] * 8)
+    assert len(prompt) > PROMPT_LOGPROBS_CHUNK
+    first = SamplingParams(**{**GREEDY.__dict__, "prompt_logprobs": 3, "logprobs": 2})
+    rest = SamplingParams(**{**GREEDY.__dict__, "logprobs": 2})
+    outs = llm.generate([prompt] * 4, [first, rest, rest, rest])
+    block_size = llm.engine.block_manager.block_size
+    full = (len(prompt) - 1) // block_size * block_size
+    assert outs[0].usage.cached_tokens == 0
+    assert [o.usage.cached_tokens for o in outs[1:]] == [full] * 3
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_queries - stats.prefix_cache_hits == len(prompt) + 3 * (len(prompt) - full)
+    alone = LLM(str(path), dtype="float32", enable_prefix_caching=False)
+    want = alone.generate([prompt], first)[0]
+    assert all(o.token_ids == want.token_ids for o in outs)
+    got_p, want_p = outs[0].prompt_logprobs, want.prompt_logprobs
+    assert got_p[0] is None and want_p[0] is None and len(got_p) == len(want_p) == len(prompt)
+    assert [p.rank for p in got_p[1:]] == [p.rank for p in want_p[1:]]
+    assert [p.logprob for p in got_p[1:]] == pytest.approx([p.logprob for p in want_p[1:]], abs=1e-5)
+    for o in outs:
+        assert [t.logprob for t in o.logprobs] == pytest.approx([t.logprob for t in want.logprobs], abs=1e-5)
     llm.engine.block_manager.check_invariants()
 
 

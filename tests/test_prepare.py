@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import threading
 import time
 
 import pytest
@@ -103,6 +105,33 @@ def test_worker_preparation_past_its_budget_names_the_field_it_was_on():
     asyncio.run(main())
 
 
+def test_a_refused_preparation_that_fails_later_in_its_thread_logs_nothing(caplog):
+    """The thread of a request refused for its budget may end with an error of its own (a compile's child
+    killed at the same budget raises too): nobody is left to read it, and asyncio must not log it as an
+    exception never retrieved."""
+    import gc
+
+    async def main() -> None:
+        pool = PreparePool(workers=1, budget_s=0.2)
+        try:
+
+            def work(mark):
+                mark("structured_outputs.regex")
+                time.sleep(0.5)
+                raise InvalidParameter("structured_outputs.regex", "took too long in its thread")
+
+            with pytest.raises(InvalidParameter):
+                await pool.run(work, "prompt")
+            await asyncio.sleep(0.6)  # the thread has raised by now
+        finally:
+            pool.close()
+
+    with caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
 def test_a_constraint_over_the_size_cap_is_refused_before_anything_builds_it():
     choices = [f"option-{i:05d}" for i in range(20_000)]
     assert len(json.dumps(choices)) > MAX_CONSTRAINT_CHARS
@@ -122,43 +151,100 @@ def test_logprobs_are_bounded_by_max_logprobs():
         assert "max_logprobs" in e.value.message
 
 
+def _lowest_priority(pid: int, tid: int | None = None) -> bool:
+    """Whether the kernel runs this process (or one of its threads) at the lowest priority: SCHED_IDLE, or
+    nice 19 where that was refused."""
+    task = f"/proc/{pid}" if tid is None else f"/proc/{pid}/task/{tid}"
+    with open(f"{task}/sched") as f:
+        policy = next(int(line.split(":")[1]) for line in f if line.startswith("policy"))
+    with open(f"{task}/stat") as f:
+        nice = int(f.read().rsplit(")", 1)[1].split()[16])
+    return policy == os.SCHED_IDLE or nice == 19
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_every_preparation_child_and_thread_runs_at_the_lowest_priority(tiny_model_dir):
+    """Grammar checks (API), grammar compiles and the preparation threads (worker) yield the cores to the
+    engine: the kernel holds each at SCHED_IDLE (or nice 19)."""
+
+    async def main() -> None:
+        checks = GrammarPool(workers=1, budget_s=60.0)
+        engine = AsyncLLMEngine.from_args(model=str(tiny_model_dir), dtype="float32")
+        pool = PreparePool(workers=1, budget_s=60.0)
+        try:
+            await checks.check([("structured_outputs.regex", "regex", "[a-z]+")])
+            assert checks.pids() and all(_lowest_priority(pid) for pid in checks.pids())
+
+            params = SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"})
+
+            def work(mark):
+                prepared = engine.engine.prepare("hello", params, mark, pool.compilers)
+                return prepared, threading.get_native_id()
+
+            prepared, tid = await pool.run(work, "prompt")
+            assert prepared.grammar is not None
+            assert _lowest_priority(os.getpid(), tid), "the preparation thread runs at the engine's priority"
+            assert pool.compilers.pids() and all(_lowest_priority(pid) for pid in pool.compilers.pids())
+            assert not _lowest_priority(os.getpid(), threading.get_native_id()), "only preparation is lowered"
+        finally:
+            checks.close()
+            pool.close()
+
+    asyncio.run(main())
+
+
 def test_a_slow_compile_runs_beside_the_engine_and_is_refused_past_its_budget(tiny_model_dir):
-    """The worker's side: a grammar whose compile for the tokenizer takes seconds is prepared in the pool,
-    refused naming its field once the budget is spent, while a short request beside it runs to its end
-    before the compile does (the step thread and the loop never wait for it)."""
+    """The worker's side: a grammar whose compile for the tokenizer takes seconds is compiled in a child
+    process, refused naming its field once the budget is spent, while a short request beside it runs to its
+    end (the step thread and the loop never wait for it); the refused compile's process is killed, so
+    nothing keeps compiling it, and the pool's thread is free at once."""
 
     async def main() -> None:
         engine = AsyncLLMEngine.from_args(model=str(tiny_model_dir), dtype="float32")
         await engine.start()
         pool = PreparePool(workers=1, budget_s=60.0)
-        compiled_at: list[float] = []
-        try:  # the tokenizer's grammar tables are made once, by the first constrained request
+        try:  # the tokenizer's grammar tables and the compiling child are made by the first constrained one
             warm = SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"})
-            await pool.run(lambda mark: engine.engine.prepare("hello", warm, mark), "prompt")
+            await pool.run(lambda mark: engine.engine.prepare("hello", warm, mark, pool.compilers), "prompt")
+            (compiler,) = pool.compilers.pids()
             pool.budget_s = 0.5
 
             slow = SamplingParams(max_tokens=4, structured_outputs={"regex": SLOW_COMPILE_REGEX})
-
-            def work(mark):
-                try:
-                    return engine.engine.prepare("hello", slow, mark)
-                finally:
-                    compiled_at.append(time.monotonic())
-
-            refused = asyncio.ensure_future(pool.run(work, "prompt"))
+            refused = asyncio.ensure_future(
+                pool.run(lambda mark: engine.engine.prepare("hello", slow, mark, pool.compilers), "prompt")
+            )
             await asyncio.sleep(0.05)  # the compile is under way
             greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
             tokens = [
                 t async for d in engine.add_request("short", "The capital of", greedy) for t in d.token_ids
             ]
-            short_done = time.monotonic()
             assert len(tokens) == 8
             with pytest.raises(InvalidParameter) as e:
                 await refused
             assert e.value.field == "structured_outputs.regex"
-            while not compiled_at:  # the thread finishes its call in the background
+            # the child compiling it is gone (not left compiling in the background), and the pool's only
+            # thread takes the next request at once
+            deadline = time.monotonic() + 5.0
+            while _alive(compiler) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            assert short_done < compiled_at[0], "the short request waited for the compile"
+            assert not _alive(compiler), "the refused compile's process is still running"
+            assert compiler not in pool.compilers.pids()
+            started = time.monotonic()
+            assert await pool.run(lambda mark: "next", "prompt") == "next"
+            assert time.monotonic() - started < 2.0, "the pool's thread was still busy with the compile"
+            # a fresh child compiles the next grammar
+            digits = SamplingParams(max_tokens=4, structured_outputs={"regex": "[0-9]+"})
+            got = await pool.run(
+                lambda mark: engine.engine.prepare("hi", digits, mark, pool.compilers), "prompt"
+            )
+            assert got.grammar is not None and pool.compilers.pids() not in ([], [compiler])
         finally:
             pool.close()
             await engine.shutdown()

@@ -11,6 +11,7 @@ spec.update(plan, accepted)                     acceptance estimates, draft cach
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -48,6 +49,7 @@ from specserve.engine.outputs import StepDelta
 from specserve.engine.parallel import ModelSpec, ParallelRunner, RankGroup, build_model
 from specserve.engine.penalties import adjust_logits
 from specserve.engine.preflight import preflight
+from specserve.engine.prepare import GrammarCompilers
 from specserve.engine.sampler import RowParams, sample
 from specserve.engine.sampling_params import SamplingParams
 from specserve.engine.scheduler import Scheduler
@@ -382,12 +384,13 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         mark: Callable[[str | None], None] = lambda _: None,
+        compilers: GrammarCompilers | None = None,
     ) -> Prepared:
         """Everything a request needs before a step may take it: its prompt's ids, its bad words' ids, its
         grammar compiled for this tokenizer. The service runs this in a thread of its own under a time budget
         (engine/prepare.py PreparePool), calling mark(field) as each part starts (None: the process's one-time
-        setup, not the request's); add_request given the result
-        does none of it on the step thread."""
+        setup, not the request's), with the grammar compiled in `compilers`' child processes (else here);
+        add_request given the result does none of it on the step thread."""
         self.check_speculation(params)
         mark("prompt")
         ids = self.encode_prompt(prompt)
@@ -400,8 +403,12 @@ class LLMEngine:
             # the first constrained request loads xgrammar and the tokenizer's tables: not its own cost
             mark(None)
             structured = self._structured_outputs()
-            mark(f"structured_outputs.{params.structured_outputs.kind}")
-            grammar = structured.compile(params.structured_outputs)
+            field = f"structured_outputs.{params.structured_outputs.kind}"
+            mark(field)
+            build = None
+            if compilers is not None:
+                build = functools.partial(compilers.compile, mark=mark, field=field)
+            grammar = structured.compile(params.structured_outputs, build)
         return Prepared(ids, bad, grammar)
 
     def add_request(

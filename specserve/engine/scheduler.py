@@ -172,7 +172,7 @@ class Scheduler:
         scheduled, preempted = self._schedule_running(budget)
         if not preempted:  # memory is short: admitting now would only preempt again next step
             # nor is one displaced this step taken back in it (the room was made for the better one)
-            scheduled += self._schedule_waiting(budget, stop_at={s.seq_id for s in displaced})
+            scheduled += self._schedule_waiting(budget, {s.seq_id for s in displaced}, scheduled)
         return SchedulerOutput(tuple(scheduled), tuple(displaced + preempted))
 
     def _step_budget(self) -> StepBudget:
@@ -276,12 +276,22 @@ class Scheduler:
             i += 1
         return scheduled, preempted
 
-    def _schedule_waiting(self, budget: StepBudget, stop_at: set[int] = frozenset()) -> list[ScheduledSeq]:
-        scheduled = []
+    def _schedule_waiting(
+        self, budget: StepBudget, stop_at: set[int] = frozenset(), running: Seq[ScheduledSeq] = ()
+    ) -> list[ScheduledSeq]:
+        """Admit waiting sequences in order while the step has room; `running`: what this step already
+        computes of the running ones. A sequence whose prompt another is still computing waits for it (see
+        _computing_its_prompt) and keeps its place; those behind it are not held up by it."""
+        scheduled: list[ScheduledSeq] = []
+        named = {s.seq.seq_id: s.seq.num_computed_tokens + s.num_tokens for s in running}
+        deferred: list[Sequence] = []
         while self.waiting and budget.tokens > 0 and budget.slots > 0:
             seq = self.waiting[0]
             if seq.seq_id in stop_at:
                 break
+            if self._computing_its_prompt(seq, named):
+                deferred.append(self.waiting.popleft())
+                continue
             # before the prefix lookup, which touches the cache: admissions wait for a step with room
             room = budget.grant(seq, budget.tokens, prefill=True)
             if not room:
@@ -303,9 +313,30 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, n, 0, n == remaining))
+            named[seq.seq_id] = seq.num_computed_tokens + n
             self._name_scheduled(seq, n)
             budget.admit(seq, n)
+        self.waiting.extendleft(reversed(deferred))
         return scheduled
+
+    def _computing_its_prompt(self, seq: Sequence, named: dict[int, int]) -> bool:
+        """Whether a running sequence, after this step (`named`: where this step leaves those it computes),
+        still has to compute a prompt that starts with seq's first block. seq then waits and takes those
+        blocks from the prefix cache once they are named, instead of computing them again beside it: n
+        choices of one prompt whose first asks for prompt logprobs, which computes its prompt
+        PROMPT_LOGPROBS_CHUNK tokens a step while the others would each compute the rest of it, or a long
+        prompt chunked over steps with copies arriving meanwhile."""
+        if not self.bm.enable_prefix_caching or seq.wants_prompt_rows or seq.num_output_tokens:
+            return False
+        size = self.bm.block_size
+        head = seq.prompt_token_ids[:size]
+        if len(head) < size:
+            return False
+        for r in self.running:
+            done = named.get(r.seq_id, r.num_computed_tokens)
+            if not r.num_output_tokens and done < r.num_prompt_tokens and r.prompt_token_ids[:size] == head:
+                return True
+        return False
 
     def _name_scheduled(self, seq: Sequence, n: int) -> None:
         """Name the prompt blocks this step's forward fills, before it runs, as vLLM v1 does: a sequence

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -91,15 +92,23 @@ class StructuredOutputs:
     def __len__(self) -> int:
         return len(self._states)
 
-    def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def compile(
+        self, params: StructuredOutputsParams, build: Callable[[Any, str, str], str] | None = None
+    ) -> xgr.CompiledGrammar:
+        """`build`: where a cache miss compiles, build(tokenizer info, kind, text) -> xgrammar's JSON of the
+        compiled grammar, checking it first (engine/prepare.py GrammarCompilers, a child process that can be
+        stopped); without it, here."""
         key = constraint_key(params)
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled
-        check_grammar(params)  # a bad one is the request's InvalidParameter, not xgrammar's RuntimeError
-        compiled = self.compiler.compile_grammar(build_grammar(*key))
+        if build is not None:
+            compiled = self._xgr.CompiledGrammar.deserialize_json(build(self.info, *key), self.info)
+        else:
+            check_grammar(params)  # a bad one is the request's InvalidParameter, not xgrammar's RuntimeError
+            compiled = self.compiler.compile_grammar(build_grammar(*key))
         with self._lock:
             self._compiled[key] = compiled
             while len(self._compiled) > MAX_CACHED_GRAMMARS:

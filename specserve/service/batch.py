@@ -3,7 +3,8 @@
 A batch's lines become ordinary queued requests (ids `<batch id>-<line>`), so a worker crash mid-batch loses
 nothing: its lines are reclaimed like any other request. Lines go in through the same limits as any request
 (the tenant's waiting cap, tokens per minute, the backlog): a line a limit holds back waits in the batch and
-goes in as capacity frees, when a later read of the batch finds room. The batch keeps no process state: its
+goes in as capacity frees, found by every API's background fill (BatchRoutes.fill_held, every FILL_EVERY_S)
+or by a read of the batch, whichever comes first. The batch keeps no process state: its
 counts are advanced from its lines' status hashes a bounded step per read (see BatchRoutes' batches
 section), and the reader that finds every line ended writes the output and error files (under a lock, so two
 API pods cannot both do it).
@@ -16,6 +17,9 @@ plus whatever priority a line gives, so interactive requests (priority 0 by defa
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 import uuid
 
@@ -24,6 +28,7 @@ from aiohttp import web
 
 from specserve.queue import wire
 from specserve.queue.client import QuotaExceeded
+from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.service.gateway import Gateway
 from specserve.service.http import TENANT_KEY, ApiError, json_response, read_json, reject_deep
 from specserve.service.openai.protocol import translate
@@ -37,6 +42,11 @@ MAX_FILES_LISTED = 10_000  # OpenAI's largest `limit` for GET /v1/files, and its
 BATCH_PRIORITY = 10
 # Lines one poll queues or counts, at most: a poll's cost is bounded whatever the batch's size.
 ADVANCE_LINES = 1000
+# How often an API looks for room for batches' held-back lines when nobody reads them: a line waits about
+# this long after a request ends before it takes the freed place.
+FILL_EVERY_S = 0.5
+
+log = logging.getLogger(__name__)
 
 
 class BatchRoutes:
@@ -167,6 +177,10 @@ class BatchRoutes:
     def _index_key(self, request: web.Request) -> str:
         return self.keys.batch("batches", request.get(TENANT_KEY) or "-")
 
+    def _holding_key(self) -> str:
+        """The set of batches with lines held back, every tenant's: what the background fill walks."""
+        return self.keys.batch("holding", "batches")
+
     async def create_batch(self, request: web.Request) -> web.Response:
         data = await read_json(request)
         endpoint, window = data.get("endpoint"), data.get("completion_window", "24h")
@@ -224,6 +238,8 @@ class BatchRoutes:
             pipe.pexpire(self._batch_key(batch_id, part), ttl)
         pipe.zadd(self._index_key(request), {batch_id: now})
         pipe.pexpire(self._index_key(request), ttl)
+        if lines:
+            pipe.sadd(self._holding_key(), batch_id)
         await pipe.execute()
         if lines:
             batch = await self._refresh(request, batch_id, batch)  # its first lines go in now
@@ -358,6 +374,37 @@ class BatchRoutes:
         held, running = await pipe.execute()
         return held + running
 
+    async def fill_held(self) -> None:
+        """Queue the held-back lines of every holding batch while the limits take them (a bounded step each,
+        as a read does), so they go in as capacity frees whether or not their client polls. A batch leaves
+        the set once nothing of it is held back, or once it is no longer in progress (a cancel ends its held
+        lines). Under each batch's `advancing` lock, as a read: one API at a time advances a batch."""
+        holding = self._holding_key()
+        for batch_id in await self.r.smembers(holding):
+            raw = await self.r.hget(self._batch_key(batch_id), "batch")
+            if raw is None or orjson.loads(raw)["status"] != "in_progress":
+                await self.r.srem(holding, batch_id)
+                continue
+            lock = self._batch_key(batch_id, "advancing")
+            if not await self.r.set(lock, "1", nx=True, ex=60):
+                continue  # another API (or a read) is advancing it now
+            try:
+                await self._advance(batch_id, fill=True)
+                if not await self.r.llen(self._batch_key(batch_id, "pending")):
+                    await self.r.srem(holding, batch_id)
+            finally:
+                await self.r.delete(lock)
+
+    async def fill_forever(self) -> None:
+        while True:
+            try:
+                await self.fill_held()
+            except TRANSIENT_ERRORS as e:  # Redis away for now: the next round tries again
+                log.debug("batch fill skipped: %r", e)
+            except Exception:  # one bad round must not end the fill for every later batch
+                log.exception("batch fill failed; trying again")
+            await asyncio.sleep(FILL_EVERY_S)
+
     async def _finalize(self, request: web.Request, batch: dict) -> None:
         chat = ENDPOINTS[batch["endpoint"]]
         output, errors = [], []
@@ -453,3 +500,16 @@ def add_routes(app: web.Application, gateway: Gateway, max_file_bytes: int) -> N
     app.router.add_get("/v1/batches", routes.list_batches)
     app.router.add_get("/v1/batches/{id}", routes.get_batch)
     app.router.add_post("/v1/batches/{id}/cancel", routes.cancel_batch)
+    filling: list[asyncio.Task] = []
+
+    async def start_filling(_app: web.Application) -> None:
+        filling.append(asyncio.create_task(routes.fill_forever(), name="batch-fill"))
+
+    async def stop_filling(_app: web.Application) -> None:
+        for task in filling:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    app.on_startup.append(start_filling)
+    app.on_cleanup.append(stop_filling)

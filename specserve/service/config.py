@@ -43,6 +43,9 @@ class ApiSettings:
     prepare_workers: int = 2
     prepare_timeout_s: float = 2.0
     max_logprobs: int = 20
+    # n choices each with `logprobs` alternatives a token (and the prompt's, for the first): every row of a
+    # step sorts the vocabulary for them and the answer carries n x k of them a token
+    max_total_logprobs: int = 100
 
 
 _LIMITS, _API, _QUEUE = HttpLimits(), ApiSettings(), ConsumerConfig()
@@ -393,6 +396,11 @@ class ServiceConfig:
         _API.max_logprobs,
         "most alternatives logprobs and prompt_logprobs may ask for (vLLM's --max-logprobs)",
     )
+    max_total_logprobs: int = _opt(
+        "SPECSERVE_MAX_TOTAL_LOGPROBS",
+        _API.max_total_logprobs,
+        "most n x max(logprobs, prompt_logprobs) one request may ask for; more is a 400 naming n",
+    )
     max_backlog: int = _opt(
         "SPECSERVE_MAX_BACKLOG", 0, "requests waiting for a worker, all tenants; more get 429 (0: no cap)"
     )
@@ -469,6 +477,8 @@ class ServiceConfig:
                 raise ValueError(f"{_env_of(name)}: must be positive")
         if self.max_logprobs < 0:
             raise ValueError(f"{_env_of('max_logprobs')}: must be 0 or positive")
+        if self.max_total_logprobs < 0:
+            raise ValueError(f"{_env_of('max_total_logprobs')}: must be 0 or positive")
         if not self.fair_share_quantum > 0:
             raise ValueError(f"{_env_of('fair_share_quantum')}: must be positive")
         limits = ("max_backlog", "tenant_max_queued", "tenant_tokens_per_minute", "oldest_every")
@@ -528,6 +538,7 @@ class ServiceConfig:
             prepare_workers=self.prepare_workers,
             prepare_timeout_s=self.prepare_timeout,
             max_logprobs=self.max_logprobs,
+            max_total_logprobs=self.max_total_logprobs,
         )
 
     def worker_config(self) -> WorkerConfig:

@@ -220,7 +220,9 @@ class Runner:
 
         def work(mark: Callable[[str | None], None]) -> Prepared:
             with _as_sent(body):
-                return self.engine.engine.prepare(self._prompt(body, mark), params, mark)
+                return self.engine.engine.prepare(
+                    self._prompt(body, mark), params, mark, self.preparer.compilers
+                )
 
         with self._preparing(), _as_sent(body):
             prepared = await self.preparer.run(work, self._prompt_field(body))
@@ -275,7 +277,9 @@ class Runner:
                 if isinstance(prompt, str):
                     prompt = self.engine.tokenizer.encode(prompt)
                 n, chars = resume_point(self.engine.tokenizer, prompt, shown.token_ids, shown.text)
-                whole = self.engine.engine.prepare(prompt + shown.token_ids[:n], params, mark)
+                whole = self.engine.engine.prepare(
+                    prompt + shown.token_ids[:n], params, mark, self.preparer.compilers
+                )
                 return dataclasses.replace(whole, grammar_prefix=tuple(shown.token_ids[:n])), n, chars
 
         with self._preparing(), _as_sent(body):

@@ -39,6 +39,11 @@ def _attacks(model: str) -> dict[str, tuple[str, dict]]:
             "completions",
             {**base, "prompt": "x " * 1000, "n": 16, "logprobs": 20, "prompt_logprobs": 20},
         ),
+        # the most n x logprobs served (max_total_logprobs): runs beside the short request
+        "logprobs_at_ceiling": (
+            "completions",
+            {**base, "prompt": "x " * 1000, "n": 5, "logprobs": 20, "prompt_logprobs": 20},
+        ),
     }
 
 
@@ -90,4 +95,6 @@ def test_a_costly_request_does_not_stall_its_neighbours(cluster, tiny_model_dir)
     assert got["choice"][1:] == (400, "structured_outputs.choice")  # over the size cap, at the API
     # compiled within its budget (xgrammar bounds the repetition) or refused in the worker, naming it
     assert got["regex"][1:] in ((200, None), (400, "structured_outputs.regex"))
+    assert got["logprobs"][1:] == (400, "n")  # over max_total_logprobs, at the API
+    assert got["logprobs_at_ceiling"][1:] == (200, None)
     assert worker.alive() and api.alive()

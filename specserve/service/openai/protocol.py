@@ -172,6 +172,19 @@ def _logprobs(data: dict[str, Any], chat: bool, most: int) -> int | None:
     return (top or 0) if wanted else None
 
 
+def _check_total_logprobs(n: int, sampling: dict[str, Any], most: int) -> None:
+    """n choices of k alternatives a token ask n x k of the step's rows and the answer (the prompt's k
+    counted for the group, as the first choice computes them): over `most` is a 400 naming n."""
+    k = max(sampling.get("logprobs") or 0, sampling.get("prompt_logprobs") or 0)
+    if n * k > most:
+        raise ApiError(
+            400,
+            f"n: {n} choices of {k} logprobs each ask for {n * k}; at most {most} (max_total_logprobs) are "
+            "served: ask for fewer choices or fewer logprobs",
+            "n",
+        )
+
+
 def _single_prompt(prompt: Any) -> Any:
     """OpenAI allows a batch of prompts; we take exactly one (string or token ids)."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -253,6 +266,7 @@ def _translate(gateway: Gateway, data: dict[str, Any], chat: bool) -> tuple[Requ
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_CHOICES:
         raise ApiError(400, f"n: must be an integer in [1, {MAX_CHOICES}]", "n")
     wire_body = gateway.validate(body)
+    _check_total_logprobs(n, wire_body.sampling, gateway.settings.max_total_logprobs)
     request = OpenAIRequest(
         id=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
         created=int(time.time()),
