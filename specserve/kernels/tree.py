@@ -129,3 +129,38 @@ def visible(
     if window is not None:
         vis &= key_at > q_at - window
     return vis
+
+
+def path_slots(
+    parents: Sequence[int], path: Sequence[int], block_table: Sequence[int], context_len: int, block_size: int
+) -> tuple[list[int], list[int]]:
+    """Where the accepted path's K/V is (slot context_len + node) and where it goes (context_len + depth),
+    for the nodes that move: `path` is root first, path[d] at depth d. A node's index is never below its
+    depth, so moving them in increasing depth never overwrites a node still to move."""
+    if not path or path[0] != 0:
+        raise ValueError("an accepted path starts at the tree's root")
+    for d in range(1, len(path)):
+        if parents[path[d]] != path[d - 1]:
+            raise ValueError(f"accepted path {list(path)} leaves the tree at depth {d}")
+
+    def slot(pos: int) -> int:
+        return block_table[pos // block_size] * block_size + pos % block_size
+
+    moves = [(slot(context_len + node), slot(context_len + d)) for d, node in enumerate(path) if node != d]
+    return [src for src, _ in moves], [dst for _, dst in moves]
+
+
+def move_kv(
+    caches: Sequence[tuple[torch.Tensor, torch.Tensor]], src: Sequence[int], dst: Sequence[int]
+) -> None:
+    """Copies each layer's K/V rows at slots src to slots dst (every layer of a pool: the target's, or the
+    EAGLE-3 head's one). The rows are gathered before any is written, so overlapping moves are safe."""
+    if not src:
+        return
+    device = caches[0][0].device
+    src_t = torch.tensor(src, dtype=torch.long, device=device)
+    dst_t = torch.tensor(dst, dtype=torch.long, device=device)
+    for k_cache, v_cache in caches:
+        for cache in (k_cache, v_cache):
+            rows = cache.view(-1, *cache.shape[2:])
+            rows.index_copy_(0, dst_t, rows.index_select(0, src_t))
