@@ -155,3 +155,17 @@ def test_vllm_paths_give_branching_and_depth(head_dir):
     assert cfg.tree_shape() == (3, 2)
     with pytest.raises(InvalidParameter, match="eagle3 only"):
         SpeculativeConfig.from_dict({"method": "ngram", "speculative_token_tree": TREE})
+
+
+def test_the_service_setting_reaches_the_speculative_config(head_dir):
+    from specserve.service.config import ServiceConfig
+    from specserve.spec.config import SpeculativeConfig
+
+    cfg = ServiceConfig(
+        speculative_method="eagle3",
+        speculative_model=str(head_dir),
+        speculative_token_tree="{'depth': 3, 'branching': 2}",
+    )
+    spec = cfg.speculative_config()
+    assert SpeculativeConfig.from_dict(spec).tree_shape() == (2, 3)
+    assert "speculative_token_tree" not in ServiceConfig().speculative_config()

@@ -73,15 +73,15 @@ class SpeculativeConfig:
         if tree is None:
             return None
         name = "speculative_token_tree"
-        if isinstance(tree, dict):
-            if set(tree) != {"depth", "branching"} or not all(_is_int(v) and v >= 1 for v in tree.values()):
-                _fail(name, f"as a dict is {{'depth': d, 'branching': b}} with d, b >= 1, not {tree!r}")
-            return tree["branching"], tree["depth"]
         if isinstance(tree, str):
             try:
                 tree = ast.literal_eval(tree)
             except (ValueError, SyntaxError):
                 _fail(name, f"is not a list of paths: {self.speculative_token_tree!r}")
+        if isinstance(tree, dict):
+            if set(tree) != {"depth", "branching"} or not all(_is_int(v) and v >= 1 for v in tree.values()):
+                _fail(name, f"as a dict is {{'depth': d, 'branching': b}} with d, b >= 1, not {tree!r}")
+            return tree["branching"], tree["depth"]
         if not isinstance(tree, (list, tuple)) or not tree:
             _fail(name, f"must be a list of paths or {{'depth': d, 'branching': b}}, not {tree!r}")
         paths = set()
