@@ -5,13 +5,15 @@ Tiny random targets and heads in speculators' layout, as tests/test_eagle3_engin
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import MAX_TOKENS, PROMPTS, build_tiny_model
 from test_eagle3_engine import GREEDY, SHAPE, eagle3, hf_greedy, make_head
-from test_speculative import N_SAMPLES, VOCAB, chi_square_exceeds, exact_joint, sample_triples
+from test_speculative import N_SAMPLES, PROMPT, VOCAB, chi_square_exceeds
 
 from specserve import LLM, SamplingParams
 from specserve.engine.errors import InvalidParameter
@@ -104,20 +106,45 @@ def test_logprobs_of_a_tree_step_are_the_chain_runs(small_vocab):
         runs.append(llm.generate(prompts, [params] * 2))
     for chain, tree in zip(*runs):
         assert chain.token_ids == tree.token_ids
+        assert len(chain.logprobs) == len(tree.logprobs) == len(tree.token_ids)
         for a, b in zip(chain.logprobs, tree.logprobs):
-            assert a.keys() == b.keys()
-            for t in a:
-                assert abs(a[t].logprob - b[t].logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top))
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 3, 0.9)])
+def exact_joint4(model_dir, temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
+    """P(x1..x4) of the target from HF logits (as test_speculative.exact_joint, one token further: the
+    first decode step then has room for a tree of two nodes)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    cache: dict[tuple[int, ...], list[float]] = {}
+
+    def dist(prefix: tuple[int, ...]) -> list[float]:
+        if prefix not in cache:
+            with torch.no_grad():
+                logits = hf(torch.tensor([PROMPT + list(prefix)])).logits[0, -1] / temperature
+            probs = logits.softmax(-1)
+            if top_k:
+                probs[probs.argsort(descending=True)[top_k:]] = 0
+            cache[prefix] = (probs / probs.sum()).tolist()
+        return cache[prefix]
+
+    return {
+        cell: dist(())[cell[0]] * dist(cell[:1])[cell[1]] * dist(cell[:2])[cell[2]] * dist(cell[:3])[cell[3]]
+        for cell in itertools.product(range(VOCAB), repeat=4)
+    }
+
+
+@pytest.mark.parametrize(("temperature", "top_k"), [(1.0, 0), (0.7, 3)])
 def test_sampled_eagle3_tree_keeps_the_target_distribution(
-    tmp_path_factory, demo_tokenizer, temperature, top_k, top_p, monkeypatch
+    tmp_path_factory, demo_tokenizer, temperature, top_k, monkeypatch
 ):
     monkeypatch.setattr(eagle3_proposer, "TREE_STEP_NODES", 10**6)  # trees at any batch
     target = build_tiny_model(SHAPE, demo_tokenizer, tmp_path_factory.mktemp("t4"), 1, VOCAB)
     head = make_head(tmp_path_factory.mktemp("h4"), VOCAB, VOCAB - 1, seed=2)
-    joint = exact_joint(target, temperature, top_k, top_p)
+    joint = exact_joint4(target, temperature, top_k)
     llm = LLM(
         str(target),
         dtype="float32",
@@ -126,7 +153,14 @@ def test_sampled_eagle3_tree_keeps_the_target_distribution(
         speculative_config=tree_config(head, 2, {"depth": 1, "branching": 2}),
     )
     paths = _record_paths(llm)
-    stat, limit = chi_square_exceeds(sample_triples(llm, temperature, top_k, top_p), joint, N_SAMPLES)
+    params = [
+        SamplingParams(
+            max_tokens=4, temperature=temperature, top_k=top_k, seed=s, ignore_eos=True, speculation=2
+        )
+        for s in range(N_SAMPLES)
+    ]
+    outs = llm.generate([PROMPT] * N_SAMPLES, params)
+    stat, limit = chi_square_exceeds(Counter(tuple(o.token_ids) for o in outs), joint, N_SAMPLES)
     assert stat < limit, f"chi-square {stat:.1f} >= {limit:.1f}: tree speculation changed the distribution"
     assert any(path[-1] == 2 for path in paths), "no second child was ever accepted"
 
