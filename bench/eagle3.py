@@ -10,6 +10,9 @@ EOS respected; half greedy, half sampled (temperature 0.7, top_p 0.95, a seed ea
    position (how often draft j was accepted given it was proposed) and mean acceptance length (tokens per
    verify step, the bonus token included).
 2. 8 and 32 requests in flight, closed loop, `auto` with eagle3 against off.
+   With `--tree SPEC` (speculative_token_tree: "{'depth': 3, 'branching': 2}" or vLLM's paths) a fourth
+   engine drafts trees with the same head and k node budget, run between the chain runs: tree / chain and
+   tree / off ratios.
 3. `--capture-overhead`: what capturing the head's three layers costs a target step that drafts nothing
    (ModelRunner.run against run_capturing on the same decode steps of 1 and 8 sequences, ABBA).
 
@@ -19,6 +22,7 @@ is trained first with tools/train_eagle.py.
 
     python bench/eagle3.py [--head DIR] [--requests 16] [--concurrency 8,32] [--loaded-requests 16,48]
                            [--k 4] [--max-tokens 128] [--dtype bfloat16] [--capture-overhead]
+                           [--tree "{'depth': 3, 'branching': 2}"]
 """
 
 from __future__ import annotations
@@ -172,6 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="each engine's KV pool")
     p.add_argument("--capture-overhead", action="store_true", help="only part 3 (no head needed)")
+    p.add_argument("--tree", help="also eagle3 drafting trees of this speculative_token_tree")
     p.add_argument("--steps", type=int, default=50, help="steps per timed block of --capture-overhead")
     args = p.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
@@ -207,6 +212,17 @@ def main(argv: list[str] | None = None) -> int:
             **common,
         ),
     }
+    if args.tree:
+        engines["tree"] = LLM(
+            args.model,
+            speculative_config={
+                "method": "eagle3",
+                "model": str(head),
+                "num_speculative_tokens": args.k,
+                "speculative_token_tree": args.tree,
+            },
+            **common,
+        )
     positions = PositionCounts()
     positions.hook(engines["eagle3"].engine.spec)
     traffic = build_traffic(max([args.requests, *args.loaded_requests]), args.max_tokens)
@@ -218,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu_line()} | {args.dtype} | k={args.k} auto | head {head} | load {load0:.1f}", flush=True)
     n = args.requests
     runs: dict[str, list[Run]] = {name: [] for name in engines}
-    for name in ("off", "ngram", "eagle3", "eagle3", "ngram", "off"):
+    order = ("off", "ngram", "eagle3", "tree", "tree", "eagle3", "ngram", "off")
+    for name in (o for o in order if o in engines):
         r = run_closed_loop(engines[name], prompts[:n], traffic[:n], 1, name)
         runs[name].append(r)
         print(f"  C=1 {name}: {r.tok_s:.1f} tok/s ({r.seconds:.1f} s)", flush=True)
@@ -228,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "k": args.k,
         "head": str(head),
+        "tree": args.tree,
         "one_at_a_time": {},
     }
     for kind, greedy in (("greedy", True), ("sampled", False)):
@@ -237,8 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             "eagle3_over_ngram": [round(tok["eagle3"][j] / tok["ngram"][j], 3) for j in (0, 1)],
             "tok_s": {name: [round(x, 2) for x in v] for name, v in tok.items()},
         }
+        if "tree" in tok:
+            row["tree_over_eagle3"] = [round(tok["tree"][j] / tok["eagle3"][1 - j], 3) for j in (0, 1)]
+            row["tree_over_off"] = [round(tok["tree"][j] / tok["off"][1 - j], 3) for j in (0, 1)]
         result["one_at_a_time"][kind] = row
         print(f"C=1 {kind}: eagle3/off {row['eagle3_over_off']}, eagle3/ngram {row['eagle3_over_ngram']}")
+        if "tree" in tok:
+            print(f"C=1 {kind}: tree/eagle3 {row['tree_over_eagle3']}, tree/off {row['tree_over_off']}")
     result["one_at_a_time"]["eagle3_positions"] = positions.summary()
     result["greedy_outputs_identical"] = same
     print(f"eagle3 per position: {positions.summary()} | greedy identical: {same}", flush=True)

@@ -126,6 +126,7 @@ UNIFORM = StepShape(
         ({"all_logits": False}, "logits not wanted for every token"),
         ({"num_seqs": 9}, "batch above the largest captured size"),
         ({"widest_table": 9}, "block table wider than max_model_len's"),
+        ({"tree": True}, "draft tree"),
         ({"capture": True, "query_lens": frozenset({1, 3})}, "hidden states captured"),
     ],
 )

@@ -27,6 +27,9 @@ import pytest
 import torch
 from kernel_cases import PagedBatch, assert_close, dense_attention, make_batch, tolerance
 from test_kernels_window import dense_window_attention, poison_outside_window
+from tree_cases import LAYOUTS as TREE_LAYOUTS
+from tree_cases import dense_tree_attention, parents_of
+from tree_cases import query_lens as tree_query_lens
 
 from specserve.kernels import reference
 
@@ -48,6 +51,7 @@ class Case:
     seed: int = 0
     window: int | None = None  # sliding window; blocks wholly before it are NaN-poisoned
     softcap: float | None = None
+    trees: tuple[str | None, ...] | None = None  # tree_cases.TREES names per sequence (None: no tree)
 
 
 CASES = {
@@ -107,6 +111,26 @@ WINDOW_CASES = {
     ),
 }
 CASES.update(WINDOW_CASES)
+
+
+def _tree_case(layout: int, *shape, **extra) -> Case:
+    names, context_lens = TREE_LAYOUTS[layout]
+    return Case(tree_query_lens(names), context_lens, *shape, trees=tuple(names), seed=20 + layout, **extra)
+
+
+# Draft trees (tests/tree_cases.py) beside decodes, prefill chunks and a chain: both tile heights, split-K,
+# a window inside the trees' depth, soft-capping.
+TREE_CASES = {
+    "tree-binary3-star-uneven-gqa4-d64-b16-f32": _tree_case(0, 2, 4, 64, 16, torch.float32),
+    "tree-chain-uneven-window-cap-gqa3-d128-b32-bf16": _tree_case(
+        1, 2, 3, 128, 32, torch.bfloat16, window=6, softcap=20.0
+    ),
+    "tree-wide40-gqa1-d64-b16-f16": _tree_case(2, 2, 1, 64, 16, torch.float16),
+    "tree-full64-splitk-window-gqa8-d64-b16-f32": _tree_case(
+        3, 1, 8, 64, 16, torch.float32, num_splits=3, window=9
+    ),
+}
+CASES.update(TREE_CASES)
 
 # (key/value dtype, cache dtype, block size, slot_mapping dtype)
 WRITE_KV_CASES = {
@@ -177,8 +201,16 @@ def _run_attention(kernels: ModuleType, case: Case) -> torch.Tensor:
     q = _query(batch, case)
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # poisoned: unwritten elements stay NaN
     args = (batch.k_cache, batch.v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc)
+    trees = parents_of(list(case.trees)) if case.trees else None
     result = kernels.paged_attention(
-        q, *args, batch.scale, out=out, num_splits=case.num_splits, window=case.window, softcap=case.softcap
+        q,
+        *args,
+        batch.scale,
+        out=out,
+        num_splits=case.num_splits,
+        window=case.window,
+        softcap=case.softcap,
+        trees=trees,
     )
     assert result is out
     return out
@@ -260,6 +292,11 @@ def test_paged_attention_matches_reference_and_dense(interpreted: dict[str, obje
     assert torch.isnan(out[num_tokens:]).all(), "padding rows past the last sequence were written"
     out = out[:num_tokens]
     tol = tolerance(case.dtype)
+    if case.trees:
+        assert_close(
+            out, dense_tree_attention(batch, parents_of(list(case.trees)), case.window, case.softcap), tol
+        )
+        return
     if case.window or case.softcap:
         assert_close(out, dense_window_attention(batch, case.window, case.softcap), tol)
         return

@@ -119,11 +119,13 @@ class StepShape:
     captured_query_lens: tuple[int, ...]
     largest_size: int
     table_width: int
+    tree: bool = False  # some entry verifies a draft tree (graphs hold causal attention and positions)
 
 
 STEP_RULES: tuple[tuple[str, Callable[[StepShape], bool]], ...] = (
     ("empty step", lambda s: s.num_seqs == 0),
     ("hidden states captured", lambda s: s.capture),
+    ("draft tree", lambda s: s.tree),
     ("query lengths differ", lambda s: len(s.query_lens) > 1),
     ("query length not captured", lambda s: not s.query_lens <= set(s.captured_query_lens)),
     ("logits not wanted for every token", lambda s: not s.all_logits),
@@ -238,6 +240,7 @@ class CudaGraphs:
             self.query_lens,
             max(self.sizes, default=0),
             self.table_width,
+            any(e.tree is not None for e in entries),
         )
         why = step_refusal(shape)
         if why is None:  # the batch fits a size, but not every size was captured for every length

@@ -57,6 +57,7 @@ from specserve.engine.sequence import Sequence
 from specserve.engine.static_scheduler import StaticScheduler
 from specserve.engine.step import NOTHING, Accepted, DraftBatch, SchedulerOutput
 from specserve.engine.structured import StructuredOutputs
+from specserve.kernels import tree as tree_mask
 from specserve.models import quant
 from specserve.models.loader import load_tokenizer
 from specserve.spec.decoder import SpeculativeDecoder, check_speculation
@@ -518,6 +519,8 @@ class LLMEngine:
         if grammar is not None:  # every sampled position, verify positions included, before any sampling
             grammar.mask(plan, drafts, logits)
         accepted = self._sample(plan, drafts, logits)
+        if drafts is not None and drafts.parents is not None:
+            self._settle_trees(plan, drafts, accepted)
         lap("sample")
         tokens, seconds = self._totals.times.tokens - tokens_before, time.perf_counter() - started
         if self.spec is not None:
@@ -558,7 +561,9 @@ class LLMEngine:
                 num_logits = len(tokens)
                 prompt_rows.append((seq, start, len(tokens) - (1 if s.samples else 0)))
             capture = self.spec is not None and self.spec.wants_capture(seq)
-            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), num_logits, capture))
+            tree = drafts.tree(i) if num_drafts else None
+            tree_list = None if tree is None else list(tree)
+            entries.append(ForwardEntry(tokens, start, table(seq.seq_id), num_logits, capture, tree_list))
         num_real = len(entries)
         for row in plan.padding:  # padded static batching: computed like HF's padding, then dropped
             entries.append(ForwardEntry([row.token_id], row.position, table(row.seq_id), 1))
@@ -617,5 +622,46 @@ class LLMEngine:
             verified = iter(Accepted((t,)) for t in tokens)
         accepted = [next(verified) if s.samples else NOTHING for s in plan.scheduled]
         if any(s.samples and s.seq.params.logprobs is not None for s in plan.scheduled):
+            if drafts is not None and drafts.parents is not None:
+                logits = self._path_rows_first(plan, drafts, logits, accepted)
             accepted = with_logprobs(plan, drafts, logits, accepted)
         return accepted
+
+    @staticmethod
+    def _path_rows_first(
+        plan: SchedulerOutput, drafts: DraftBatch, logits: torch.Tensor, accepted: list[Accepted]
+    ) -> torch.Tensor:
+        """The logits with each tree's accepted path rows first among its rows: the rows its emitted tokens
+        came from stand where a chain's would (engine/logprobs.py reads them so)."""
+        order: list[int] = []
+        start = 0
+        for i, (s, acc) in enumerate(zip(plan.scheduled, accepted)):
+            if not s.samples:
+                continue
+            n = 1 + drafts.num_drafts(i)
+            rows = list(range(n))
+            if acc.path is not None:
+                rows = [*acc.path, *(r for r in rows if r not in acc.path)]
+            order.extend(start + r for r in rows)
+            start += n
+        return logits[torch.tensor(order, dtype=torch.long)]
+
+    def _settle_trees(self, plan: SchedulerOutput, drafts: DraftBatch, accepted: list[Accepted]) -> None:
+        """Each verified tree's accepted path: its K/V moves from slot root + row to root + depth in every
+        target layer (tree.path_slots; the head's rows past the verified tokens are rewritten by its next
+        catch-up), and its captured states follow; the scheduler then rolls back the rest as for a chain."""
+        src: list[int] = []
+        dst: list[int] = []
+        for i, (s, acc) in enumerate(zip(plan.scheduled, accepted)):
+            tree = drafts.tree(i)
+            if acc.path is None or tree is None:
+                continue
+            seq = s.seq
+            table = self.block_manager.block_table(seq.seq_id)
+            moves = tree_mask.path_slots(
+                tree, acc.path, table, seq.num_computed_tokens, self.runner.block_size
+            )
+            src.extend(moves[0])
+            dst.extend(moves[1])
+            self.spec.tree_accepted(seq, acc.path)
+        tree_mask.move_kv(self.runner.kv_caches, src, dst)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specserve.kernels import tree as tree_mask
 from specserve.models.llama import AttentionInputs, Capture, LlamaModel
 
 if TYPE_CHECKING:
@@ -26,10 +27,14 @@ class ForwardEntry:
     block_table: list[int]
     num_logits: int  # logits wanted for the last num_logits tokens (0 for a prefill chunk mid-prompt)
     capture: bool = False  # run_capturing hands back every token's hidden states at the layers it names
+    # A draft tree over token_ids (kernels/tree.py: parents, node 0 the last accepted token): token i's K/V
+    # goes to slot start_pos + i, its rope position is start_pos + depth(i), and it attends to its ancestors.
+    tree: list[int] | None = None
 
 
 def max_position(entries: list[ForwardEntry]) -> int:
-    """The step's largest position, known on the host (the model would otherwise read it off the device)."""
+    """The step's largest position, known on the host (the model would otherwise read it off the device).
+    A tree's rows sit at or before its last slot, so the slots bound the positions."""
     return max((e.start_pos + len(e.token_ids) for e in entries), default=0) - 1
 
 
@@ -66,7 +71,10 @@ class ModelRunner:
             end = e.start_pos + n
             base = len(input_ids)
             input_ids.extend(e.token_ids)
-            positions.extend(range(e.start_pos, end))
+            if e.tree is None:
+                positions.extend(range(e.start_pos, end))
+            else:
+                positions.extend(e.start_pos + d for d in tree_mask.depths(e.tree))
             slots.extend(self._slots(e.block_table, e.start_pos, end))
             seq_lens.append(end)
             query_lens.append(n)
@@ -77,17 +85,22 @@ class ModelRunner:
             qsl.append(qsl[-1] + n)
         plan = None
         window_plans: dict[int, object] = {}
+        trees = tree_mask.normalize([e.tree for e in entries])
+        tree_kw = {} if trees is None else {"trees": trees}
+        tree_rows = None
         if self.backend.build_plan is not None:
-            plan = self.backend.build_plan(tables, seq_lens, query_lens, self.block_size)
+            plan = self.backend.build_plan(tables, seq_lens, query_lens, self.block_size, **tree_kw)
             # sliding-window layers (Gemma 3, Mistral) read plans of their own; none for most models
             for w in self.model.windows:
                 window_plans[w] = self.backend.build_plan(
-                    tables, seq_lens, query_lens, self.block_size, window=w
+                    tables, seq_lens, query_lens, self.block_size, window=w, **tree_kw
                 )
             block_tables = torch.empty(0, dtype=torch.int32)  # the plan carries what the kernel reads
         else:
             width = max(len(t) for t in tables)
             block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+            if trees is not None:  # a kernel without plans (Triton) reads the rows from AttentionInputs
+                tree_rows = tree_mask.tree_rows(trees, query_lens)
         device = self.model.device
         attn = AttentionInputs(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -96,6 +109,7 @@ class ModelRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             plan=plan,
             window_plans=window_plans,
+            trees=None if tree_rows is None else tree_rows.to(device),
         )
         return (
             torch.tensor(input_ids, dtype=torch.long, device=device),

@@ -45,6 +45,12 @@ class DraftBatch:
 
     token_ids: tuple[int, ...]
     cu_num_draft_tokens: tuple[int, ...]  # len(plan.scheduled) + 1 offsets, starting at 0
+    # Per scheduled sequence, the parents of its verify rows where its drafts form a tree (kernels/tree.py:
+    # row 0 the last token, draft j is row j + 1); None where every sequence drafted a chain
+    parents: tuple[tuple[int, ...] | None, ...] | None = None
+
+    def tree(self, i: int) -> tuple[int, ...] | None:
+        return None if self.parents is None else self.parents[i]
 
     def num_drafts(self, i: int) -> int:
         return self.cu_num_draft_tokens[i + 1] - self.cu_num_draft_tokens[i]
@@ -61,6 +67,8 @@ class Accepted:
     num_accepted_drafts: int = 0
     num_draft_tokens: int = 0  # drafts verified this step
     logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token, when the request asked
+    # A draft tree's accepted path: its verify rows, root first (the emitted tokens' rows); None for chains
+    path: tuple[int, ...] | None = None
 
 
 NOTHING = Accepted()

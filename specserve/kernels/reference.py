@@ -11,7 +11,8 @@ Query token i of sequence s sits at position seq_len - q_len + i and attends to 
 (causal within the new tokens, full attention to the earlier context); with a sliding `window` W only to the
 W positions ending at its own (HF's kv > q - W), and blocks wholly before every query's window are not read.
 `softcap` caps scores as cap * tanh(score / cap) before the softmax (Gemma 2 style). The new tokens' K/V
-must already be written into the cache (write_kv) before the call.
+must already be written into the cache (write_kv) before the call. A sequence whose new tokens form a draft
+tree (kernels/tree.py) attends by its tree's ancestor masks instead of causally.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from specserve.kernels import tree as tree_mask
 
 # Sequences with at most this many new tokens (decode, speculative verify) are batched together, padded;
 # longer ones (prefill chunks) run one at a time so a long chunk does not pad every decode to its length.
@@ -138,7 +141,14 @@ def _first_block(seq_len: int, q_len: int, block_size: int, window: int | None) 
 
 
 def _short_group(
-    ids: list[int], block_tables, seq_lens, query_lens, starts, block_size: int, window: int | None = None
+    ids: list[int],
+    block_tables,
+    seq_lens,
+    query_lens,
+    starts,
+    block_size: int,
+    window: int | None = None,
+    trees: tree_mask.TreeRows | None = None,
 ) -> ShortGroup:
     n = len(ids)
     max_q = max(query_lens[s] for s in ids)
@@ -167,6 +177,12 @@ def _short_group(
     mask = (kv_pos <= q_pos[:, :, None]) & (kv_pos < kv_len)
     if window is not None:
         mask &= kv_pos > q_pos[:, :, None] - window
+    if trees is not None:
+        for row, s in enumerate(ids):
+            if s in trees.seq_ids:
+                ql, sl, rows = query_lens[s], seq_lens[s], slice(starts[s], starts[s] + query_lens[s])
+                vis = tree_mask.visible(trees.mask[rows], trees.depth[rows], sl - ql, kv_pos[row, 0], window)
+                mask[row, :ql] = vis & (kv_pos[row, 0] < sl)
     pad_index = torch.nonzero((kv_pos >= kv_len).flatten()).flatten()
     blocks_t = torch.tensor(blocks, dtype=torch.long)
     return ShortGroup(q_index, q_valid, blocks_t, max_blocks, mask[:, None], pad_index, q_index[q_valid])
@@ -186,13 +202,16 @@ def build_plan(
     query_lens: list[int],
     block_size: int,
     window: int | None = None,
+    trees: list[list[int] | None] | None = None,
 ) -> AttentionPlan:
-    """window: a sliding window's plan (each layer type with its own window reads its own plan)."""
+    """window: a sliding window's plan (each layer type with its own window reads its own plan).
+    trees: per sequence, its draft tree's parent array or None (kernels/tree.py)."""
     starts = query_starts(query_lens)
+    rows = None if trees is None else tree_mask.tree_rows(trees, query_lens)
     short_ids = [s for s, ql in enumerate(query_lens) if ql <= SHORT_QUERY_MAX]
-    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window)
+    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window, rows)
     groups = [
-        _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size, window)
+        _short_group(ids, block_tables, seq_lens, query_lens, starts, block_size, window, rows)
         for ids in _split_by_length(short_ids, seq_lens)
     ]
     return AttentionPlan(groups, _long_seqs(*long_inputs), window=window)
@@ -205,10 +224,13 @@ def _long_seqs(
     starts: list[int],
     block_size: int,
     window: int | None = None,
+    trees: tree_mask.TreeRows | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> list[LongSeq]:
+    """skip: sequences a backend's kernel runs itself."""
     long = []
     for s, ql in enumerate(query_lens):
-        if ql <= SHORT_QUERY_MAX:
+        if ql <= SHORT_QUERY_MAX or s in skip:
             continue
         sl = seq_lens[s]
         first = _first_block(sl, ql, block_size, window)
@@ -220,6 +242,10 @@ def _long_seqs(
             mask = kv_pos <= q_pos
             if window is not None:
                 mask &= kv_pos > q_pos - window
+        if trees is not None and s in trees.seq_ids:
+            rows = slice(starts[s], starts[s] + ql)
+            kv_pos = torch.arange(first * block_size, sl)
+            mask = tree_mask.visible(trees.mask[rows], trees.depth[rows], sl - ql, kv_pos, window)
         long.append(LongSeq(starts[s], ql, sl, blocks, mask, first * block_size))
     return long
 
@@ -264,9 +290,11 @@ def paged_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    trees: list[list[int] | None] | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries against the paged cache. Returns [num_tokens, num_q_heads, head_dim].
-    A plan must have been built for the same window (build_plan(..., window=window))."""
+    A plan must have been built for the same window (build_plan(..., window=window)) and trees; trees is
+    read only where no plan is given."""
     if plan is None:
         qsl = query_start_loc.tolist()
         plan = build_plan(
@@ -275,6 +303,7 @@ def paged_attention(
             [b - a for a, b in zip(qsl[:-1], qsl[1:])],
             k_cache.shape[1],
             window=window,
+            trees=trees,
         )
     if plan.window != window:
         raise ValueError(f"attention plan built for window {plan.window}, called with {window}")

@@ -11,6 +11,9 @@ Softmax runs in base 2 with the scale folded into log2(e), as flash attention do
 A sliding window (Gemma 3's local layers, Mistral) starts each program's KV loop at the first tile its
 earliest query can see, so tiles wholly before the window are never read; soft-capping (Gemma 2) caps scores
 as cap * tanh(score / cap) before the softmax. Both are compile-time switches: off, they cost nothing.
+A draft tree (kernels/tree.py) is a third: each row's ancestor mask over its sequence's new rows and its
+depth, the rope position a window is measured from; a sequence without a tree has all bits and depth = its
+row, so the same arithmetic is causal for it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from specserve.kernels import tree as tree_mask
 
 LOG2E = math.log2(math.e)
 # Each split should stream at least this many KV positions, or the merge costs more than it wins.
@@ -58,6 +63,8 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    tree_mask_ptr,  # [num_tokens] int64 ancestor bits, tree steps only
+    tree_depth_ptr,  # [num_tokens] int32
     scale,
     window,
     softcap,
@@ -90,6 +97,7 @@ def _paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_TREE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -119,13 +127,21 @@ def _paged_attention_kernel(
         other=0.0,
     ).to(DOT_DTYPE)
     q_pos = context_len + tok
+    q_at = q_pos  # the position a window is measured from: a tree row's is context + its depth
+    if HAS_TREE:
+        row_bits = tl.load(tree_mask_ptr + q_row, mask=row_ok, other=-1)
+        q_at = context_len + tl.load(tree_depth_ptr + q_row, mask=row_ok, other=0)
 
     # The last query row of this block sees positions < kv_end; nothing past it is read.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
-    # ... and with a window, the first query row sees nothing before kv_start.
+    # ... and with a window, the first query row sees nothing before kv_start (a tree row's depth may be
+    # as low as 0).
     kv_start = 0
     if HAS_WINDOW:
-        kv_start = tl.maximum(context_len + q_block * BLOCK_Q + 1 - window, 0)
+        if HAS_TREE:
+            kv_start = tl.maximum(context_len + 1 - window, 0)
+        else:
+            kv_start = tl.maximum(context_len + q_block * BLOCK_Q + 1 - window, 0)
     first_tile = kv_start // TILE_N
     num_tiles = tl.cdiv(kv_end, TILE_N) - first_tile
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
@@ -166,7 +182,18 @@ def _paged_attention_kernel(
         s = s * 1.4426950408889634  # log2(e): the softmax runs in base 2
         # Causal mask; it also hides positions >= kv_end since every valid q_pos < kv_end.
         visible = kv_pos[None, :] <= q_pos[:, None]
-        if HAS_WINDOW:
+        if HAS_TREE:
+            # new row j is seen where the row's ancestor bit j is set (rows past 64 belong to no tree)
+            j = kv_pos - context_len
+            in_new = j >= 0
+            jc = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)
+            bit = ((row_bits[:, None] >> jc[None, :]) & 1) != 0
+            visible = visible & ((~in_new | (j >= 64))[None, :] | bit)
+            if HAS_WINDOW:
+                key_depth = tl.load(tree_depth_ptr + q_start + jc, mask=in_new & kv_ok, other=0)
+                key_at = tl.where(in_new, context_len + key_depth, kv_pos)
+                visible = visible & (key_at[None, :] > q_at[:, None] - window)
+        elif HAS_WINDOW:
             visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -358,6 +385,7 @@ def paged_attention(
     num_splits: int | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    trees: list[list[int] | None] | tree_mask.TreeRows | None = None,
 ) -> torch.Tensor:
     """Attention of packed queries against the paged cache. Returns [num_tokens, num_q_heads, head_dim].
 
@@ -365,8 +393,14 @@ def paged_attention(
     hints for the launch shape only (results do not depend on them; without them, bounds come from tensor
     shapes, never from a host sync); num_splits forces the split-K factor (1 disables it). window: each
     query sees the `window` positions ending at its own; softcap: scores capped as cap * tanh(s / cap).
+    trees: per sequence its draft tree's parents or None, or their rows already laid out
+    (tree.tree_rows, on q's device: no host sync); chains run the causal kernel.
     """
     del plan
+    if trees is not None and not isinstance(trees, tree_mask.TreeRows):
+        qsl = query_start_loc.tolist()
+        trees = tree_mask.tree_rows(trees, [b - a for a, b in zip(qsl[:-1], qsl[1:])])
+        trees = None if trees is None else trees.to(q.device)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -416,6 +450,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        seq_lens if trees is None else trees.mask,  # never read without a tree
+        seq_lens if trees is None else trees.depth,
         scale,
         window or 0,
         softcap or 0.0,
@@ -439,6 +475,7 @@ def paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         HAS_WINDOW=bool(window),
         HAS_SOFTCAP=bool(softcap),
+        HAS_TREE=trees is not None,
         enable_fp_fusion=FP_FUSION,
     )
     if num_splits > 1:

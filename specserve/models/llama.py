@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from specserve.kernels import AttentionBackend, cpu, select_backend
 from specserve.kernels.huge_pages import advise_huge_pages
+from specserve.kernels.tree import TreeRows
 from specserve.models import chain_plan, linear, quant
 from specserve.models.config import ModelConfig
 from specserve.models.parallel import TensorParallel, check_shardable, local_heads
@@ -36,6 +37,8 @@ class AttentionInputs:
     plan: object | None = None  # the backend's precomputed index tensors, if it uses any
     # The plan per sliding window, for backends whose plans depend on what a query sees (the torch reference)
     window_plans: dict[int, object] = field(default_factory=dict)
+    # Draft trees' rows (kernels/tree.py) for a backend without plans (Triton); plans carry their own
+    trees: TreeRows | None = None
 
 
 def prepacked_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -333,8 +336,8 @@ class LlamaModel:
         plan = attn.plan
         native = getattr(plan, "native", None)
         chain = next((c for most, c in self.chain_runs if rows <= most), None)
-        if chain is None or native is None:
-            return None
+        if chain is None or native is None or native.tree_rows is not None:
+            return None  # a draft tree's rows run the tree kernel, which the chain does not call
         block_size = kv_caches[0][0].shape[1]
         if not cpu.attention.supports(self.dtype, block_size):
             return None
@@ -556,6 +559,7 @@ class LlamaModel:
                 plan=attn.plan if layer.window is None else attn.window_plans.get(layer.window),
                 **window,
                 **softcap,
+                **({} if attn.trees is None else {"trees": attn.trees}),
             )
             o = self.linear(o.view(n, self.q_size), layer.o, layer.o_bias)
             if self.tp is not None:

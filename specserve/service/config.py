@@ -169,6 +169,12 @@ class ServiceConfig:
         "draft model (method draft_model), or an EAGLE-3 head's directory in speculators' format (eagle3)",
     )
     num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")
+    speculative_token_tree: str | None = _opt(
+        "SPECSERVE_SPEC_TOKEN_TREE",
+        None,
+        "eagle3 drafts trees: vLLM's list of paths ('[(0,), (1,), (0, 0)]') or "
+        "\"{'depth': 3, 'branching': 2}\"; unset: chains",
+    )
     # The engine's knobs (vLLM's names); unset, the engine's own default (engine/config.py) applies.
     max_num_seqs: int | None = _opt("SPECSERVE_MAX_NUM_SEQS", None, "most sequences in a batch", kind=int)
     kv_cache_bytes: int | None = _opt(
@@ -590,6 +596,8 @@ class ServiceConfig:
             spec["model"] = self.speculative_model
         if self.prompt_lookup_max is not None:
             spec["prompt_lookup_max"] = self.prompt_lookup_max
+        if self.speculative_token_tree:
+            spec["speculative_token_tree"] = self.speculative_token_tree
         return spec
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -25,6 +26,11 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # method "eagle3": draft trees instead of chains (spec/eagle3/proposer.py: propose_tree). vLLM's form, a
+    # list of paths (each node by its children's ranks, root excluded: [(0,), (1,), (0, 0)], or that list
+    # as a string), or {"depth": d, "branching": b}; None: chains. The tree is dynamic: its branching
+    # (the most children a node has) and depth bound it, num_speculative_tokens its nodes.
+    speculative_token_tree: Any = None
 
     def __post_init__(self) -> None:
         methods = self.methods
@@ -56,6 +62,45 @@ class SpeculativeConfig:
         prob = self.suffix_decoding_min_token_prob
         if not _is_number(prob) or not 0 <= prob <= 1:
             _fail("suffix_decoding_min_token_prob", f"must be a number in [0, 1], not {prob!r}")
+        if self.speculative_token_tree is not None:
+            if "eagle3" not in methods:
+                _fail("speculative_token_tree", "drafts trees with method eagle3 only")
+            self.tree_shape()
+
+    def tree_shape(self) -> tuple[int, int] | None:
+        """(branching, depth) of speculative_token_tree; None for chains."""
+        tree = self.speculative_token_tree
+        if tree is None:
+            return None
+        name = "speculative_token_tree"
+        if isinstance(tree, str):
+            try:
+                tree = ast.literal_eval(tree)
+            except (ValueError, SyntaxError):
+                _fail(name, f"is not a list of paths: {self.speculative_token_tree!r}")
+        if isinstance(tree, dict):
+            if set(tree) != {"depth", "branching"} or not all(_is_int(v) and v >= 1 for v in tree.values()):
+                _fail(name, f"as a dict is {{'depth': d, 'branching': b}} with d, b >= 1, not {tree!r}")
+            return tree["branching"], tree["depth"]
+        if not isinstance(tree, (list, tuple)) or not tree:
+            _fail(name, f"must be a list of paths or {{'depth': d, 'branching': b}}, not {tree!r}")
+        paths = set()
+        for path in tree:
+            if (
+                not isinstance(path, (list, tuple))
+                or not path
+                or not all(_is_int(c) and c >= 0 for c in path)
+            ):
+                _fail(name, f"paths are non-empty tuples of child ranks, not {path!r}")
+            if len(path) > 1 and tuple(path[:-1]) not in paths:
+                _fail(name, f"path {tuple(path)!r} comes before its parent {tuple(path[:-1])!r}")
+            paths.add(tuple(path))
+        if len(paths) > self.num_speculative_tokens:
+            _fail(
+                name,
+                f"holds {len(paths)} nodes, more than num_speculative_tokens ({self.num_speculative_tokens})",
+            )
+        return max(max(p) for p in paths) + 1, max(len(p) for p in paths)
 
     @property
     def methods(self) -> tuple[str, ...]:

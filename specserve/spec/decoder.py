@@ -23,7 +23,7 @@ from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
 from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.suffix import FleetTree, SuffixProposer
-from specserve.spec.verifier import VerifyBatch, verify
+from specserve.spec.verifier import VerifyBatch, VerifyResult, verify
 
 if TYPE_CHECKING:
     from specserve.engine.structured import StructuredOutputs
@@ -207,20 +207,33 @@ class SpeculativeDecoder:
                 drafts.update(self.proposers[method].propose(group))
                 depth = max(k for _, k in group)
                 self.policy.observe_draft(method, len(group), (time.perf_counter() - started) / depth)
+        for seq, _ in requests:
+            # rows whose logits depend on the tokens before them (penalties) or whose grammar cuts drafts
+            # verify the tree's best chain: a chain's context is its preceding drafts, a node's its ancestors
+            draft = drafts.get(seq.seq_id)
+            if draft is not None and draft.parents is not None:
+                if adjusts(seq.params) or (grammar is not None and grammar.constrained(seq)):
+                    drafts[seq.seq_id] = draft.best_chain()
         if grammar is not None:
             drafts = self._grammar_drafts(grammar, requests, drafts)
         k = max(k for _, k in requests)
         self.policy.draft_step_seconds.observe(len(requests), (time.perf_counter() - t0) / k)
         token_ids: list[int] = []
         cu = [0]
+        parents: list[tuple[int, ...] | None] = []
         for s in plan.scheduled:
             draft = drafts.get(s.seq.seq_id) if s.num_lookahead and s.samples else None
+            tree = None
             if draft is not None:
                 token_ids.extend(draft.token_ids)
+                if draft.parents is not None and draft.token_ids:
+                    tree = tuple(draft.parents)
+            parents.append(tree)
             cu.append(len(token_ids))
         if not token_ids:  # nothing found to propose: the step samples as a plain one (no verify rows)
             return None
-        return DraftBatch(tuple(token_ids), tuple(cu))
+        has_tree = any(p is not None for p in parents)
+        return DraftBatch(tuple(token_ids), tuple(cu), tuple(parents) if has_tree else None)
 
     def _grammar_drafts(
         self, grammar: StructuredOutputs, requests: list[tuple[Sequence, int]], drafts: dict[int, Draft]
@@ -263,13 +276,21 @@ class SpeculativeDecoder:
         draft_tokens[is_draft] = torch.tensor(drafts.token_ids, dtype=torch.long)  # flat, row-major
         rows = RowParams.build([s.params for s in seqs], [s.seed for s in seqs], vocab)
         first = [s.num_tokens for s in seqs]
+        trees = None if drafts.parents is None else [drafts.tree(i) for i in rows_of]
+        parents = None
+        if trees is not None:  # chains beside trees verify as trees of one branch; padding rows -1
+            parents = torch.full((len(seqs), k + 1), -1, dtype=torch.long)
+            for row, (tree, n) in enumerate(zip(trees, counts)):
+                parents[row, : n + 1] = torch.tensor(tree if tree is not None else range(-1, n))
         if any(adjusts(s.params) for s in seqs):
             # penalties and biases at each position count the drafts before it (engine/penalties.py)
             target_logits = adjust_logits(logits[index], seqs, draft_tokens, eos_token_ids)
-            batch = VerifyBatch(target_logits, draft_tokens, count_t, rows, first)
+            batch = VerifyBatch(target_logits, draft_tokens, count_t, rows, first, parents=parents)
         else:
-            batch = VerifyBatch(logits, draft_tokens, count_t, rows, first, index)
+            batch = VerifyBatch(logits, draft_tokens, count_t, rows, first, index, parents)
         result = verify(batch)
+        if trees is not None:
+            return self._tree_accepted(result, trees, draft_tokens.tolist(), counts)
         num_accepted = result.num_accepted.tolist()
         next_token = result.next_token.tolist()
         draft_rows = draft_tokens.tolist()
@@ -277,6 +298,29 @@ class SpeculativeDecoder:
             Accepted((*draft_rows[row][:a], t), a, n)
             for row, (a, t, n) in enumerate(zip(num_accepted, next_token, counts))
         ]
+
+    @staticmethod
+    def _tree_accepted(
+        result: VerifyResult, trees: list[tuple[int, ...] | None], drafts: list[list[int]], counts: list[int]
+    ) -> list[Accepted]:
+        out = []
+        for row, (tree, last, token, n) in enumerate(
+            zip(trees, result.last_node.tolist(), result.next_token.tolist(), counts)
+        ):
+            path = [last]
+            parents = tree if tree is not None else range(-1, n)
+            while parents[path[-1]] >= 0:
+                path.append(parents[path[-1]])
+            path.reverse()
+            tokens = (*(drafts[row][node - 1] for node in path[1:]), token)
+            out.append(Accepted(tokens, len(path) - 1, n, path=tuple(path) if tree is not None else None))
+        return out
+
+    def tree_accepted(self, seq: Sequence, path: tuple[int, ...]) -> None:
+        """A tree's accepted path: its verify rows' captured states move to the positions the path's
+        tokens now hold."""
+        for proposer in self._capturing.values():
+            proposer.tree_accepted(seq, path)  # type: ignore[attr-defined]
 
     def update(self, plan: SchedulerOutput, accepted: Seq[Accepted]) -> None:
         """Learn from a step the scheduler and the output processor have applied: totals, acceptance

@@ -57,11 +57,11 @@ def _build_proposer(method: str, config: SpeculativeConfig, target: TargetInfo) 
             config.suffix_decoding_min_token_prob,
         )
     if method == "eagle3":
-        return _load_eagle3(Path(config.model), target)
+        return _load_eagle3(Path(config.model), target, config.tree_shape())
     return _load_draft_model(Path(config.model), target)
 
 
-def _load_eagle3(path: Path, target: TargetInfo) -> Proposer:
+def _load_eagle3(path: Path, target: TargetInfo, tree: tuple[int, int] | None = None) -> Proposer:
     from specserve.spec.eagle3.head import Eagle3Config, check_target, load_eagle3
     from specserve.spec.eagle3.proposer import Eagle3Proposer, PagedHead
 
@@ -74,7 +74,13 @@ def _load_eagle3(path: Path, target: TargetInfo) -> Proposer:
     paged = PagedHead(head, target.dtype, target.device, target.attention_backend)
     layers = cfg.layer_ids(target.num_layers)
     return Eagle3Proposer(
-        paged, layers, target.vocab_size, target.num_blocks, target.block_size, target.block_table
+        paged,
+        layers,
+        target.vocab_size,
+        target.num_blocks,
+        target.block_size,
+        target.block_table,
+        tree=tree,
     )
 
 

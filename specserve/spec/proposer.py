@@ -11,6 +11,19 @@ from specserve.engine.sequence import Sequence
 @dataclass(frozen=True)
 class Draft:
     token_ids: list[int]  # up to k proposed tokens (may be fewer, or none)
+    # A draft tree (kernels/tree.py) whose node 0 is the last token: token_ids[i - 1] is node i's token and
+    # parents[i] its parent (parents[0] = -1); None: a chain
+    parents: list[int] | None = None
+
+    def best_chain(self) -> Draft:
+        """A tree's first-child path (each node's most likely child comes first), as a chain."""
+        if self.parents is None:
+            return self
+        chain, node = [], 0
+        while child := next((c for c in range(node + 1, len(self.parents)) if self.parents[c] == node), None):
+            chain.append(self.token_ids[child - 1])
+            node = child
+        return Draft(chain)
 
 
 class Proposer(Protocol):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.kernels import reference
+from specserve.kernels import tree as tree_mask
 from specserve.kernels.cpu import build
 
 
@@ -103,6 +104,59 @@ def paged_attention_short(
     build.check(rc, "paged_attention_short")
 
 
+def paged_attention_tree(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    rows: tree_mask.TreeRows,
+    scale: float,
+    out: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """Attention for the sequences holding draft trees (rows.seq_ids), by their ancestor masks
+    (kernels/tree.py), written into out; the same layout rules as paged_attention_short."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != k_cache.dtype or out.dtype != q.dtype:
+        raise ValueError("q and out need head_dim innermost and the caches' dtype")
+    seq_ids = torch.tensor(rows.seq_ids, dtype=torch.int64)
+    mask, depth = rows.mask.contiguous(), rows.depth.contiguous()
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    rc = build._lib.specserve_paged_attention_tree(
+        q.data_ptr(),
+        q.stride(0),
+        q.stride(1),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seq_lens.data_ptr(),
+        query_start_loc.data_ptr(),
+        seq_ids.data_ptr(),
+        seq_ids.numel(),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        out.stride(1),
+        build.DTYPES[q.dtype],
+        torch.get_num_threads(),
+        window or 0,
+        softcap or 0.0,
+        mask.data_ptr(),
+        depth.data_ptr(),
+    )
+    build.check(rc, "paged_attention_tree")
+
+
 @dataclass
 class NativeShort:
     """Sequences for the C++ kernel, which reads the block tables itself: the short-query ones, and with
@@ -115,6 +169,8 @@ class NativeShort:
     seq_lens: torch.Tensor  # int32 [num_seqs]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     invariant: bool = False  # batch-invariant arithmetic (paged_attention_short)
+    trees: list[list[int] | None] | None = None  # per sequence, its draft tree's parents (kernels/tree.py)
+    tree_rows: tree_mask.TreeRows | None = None  # their rows, for paged_attention_tree
 
     def kernel_takes_all(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         """Whether the C++ kernel runs every sequence (all_ids): no prefill chunks, or a fast path that takes
@@ -143,7 +199,23 @@ class NativeShort:
                 for row, n in zip(self.block_tables.tolist(), self.seq_lens.tolist())
             ]
             query_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
-            return reference.build_plan(tables, self.seq_lens.tolist(), query_lens, block_size, window=window)
+            return reference.build_plan(
+                tables, self.seq_lens.tolist(), query_lens, block_size, window=window, trees=self.trees
+            )
+        if self.tree_rows is not None:
+            paged_attention_tree(
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.seq_lens,
+                self.query_start_loc,
+                self.tree_rows,
+                scale,
+                out,
+                window=window,
+                softcap=softcap,
+            )
         ids = self.all_ids
         long_seqs: list[reference.LongSeq] = []
         if not self.kernel_takes_all(q.dtype, head_dim, block_size):
@@ -173,15 +245,21 @@ def build_plan(
     block_size: int,
     window: int | None = None,
     invariant: bool = False,
+    trees: list[list[int] | None] | None = None,
 ) -> reference.AttentionPlan:
     """The CPU backend's plan: short queries (and long ones, where it handles them) go to the C++ kernel,
     the rest to gather + SDPA, whose index tensors are built only on first need (float32, or a CPU without
     the bf16 kernel): where the kernel takes the prefill chunks, their masks would be built for nothing.
-    window: a sliding window's plan (each layer type with its own window reads its own plan)."""
+    window: a sliding window's plan (each layer type with its own window reads its own plan). trees: per
+    sequence, its draft tree's parents or None; those sequences go to paged_attention_tree (a chain stays
+    on the causal kernel: kernels/tree.py drops it)."""
     starts = reference.query_starts(query_lens)
     width = max(len(t) for t in block_tables)
-    short_ids = [s for s, ql in enumerate(query_lens) if ql <= reference.SHORT_QUERY_MAX]
-    long_ids = [s for s, ql in enumerate(query_lens) if ql > reference.SHORT_QUERY_MAX]
+    trees = tree_mask.normalize(trees)
+    rows = None if trees is None else tree_mask.tree_rows(trees, query_lens)
+    in_tree = set(rows.seq_ids) if rows is not None else set()
+    short_ids = [s for s, ql in enumerate(query_lens) if ql <= reference.SHORT_QUERY_MAX and s not in in_tree]
+    long_ids = [s for s, ql in enumerate(query_lens) if ql > reference.SHORT_QUERY_MAX and s not in in_tree]
     native = NativeShort(
         torch.tensor(short_ids, dtype=torch.long),
         torch.tensor(long_ids + short_ids, dtype=torch.long),
@@ -189,6 +267,8 @@ def build_plan(
         torch.tensor(seq_lens, dtype=torch.int32),
         torch.tensor(starts, dtype=torch.int32),
         invariant,
+        trees,
+        rows,
     )
-    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window)
+    long_inputs = (block_tables, seq_lens, query_lens, starts, block_size, window, None, frozenset(in_tree))
     return reference.AttentionPlan([], None, native, long_inputs, window)

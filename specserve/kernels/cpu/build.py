@@ -52,6 +52,7 @@ PATH_INT_DOT, PATH_INT_DOT_VNNI = 16, 32
 _SIGNATURES = {
     "specserve_paths": "",
     "specserve_paged_attention_short": "p i i p p p i p p p i i i i i f p i i c c i f c",
+    "specserve_paged_attention_tree": "p i i p p p i p p p i i i i i f p i i c c i f p p",
     "specserve_rope_write_kv": "p i i p p p i i i p p p c c",
     "specserve_int8_matmul": "p i i p p i i p i c",
     "specserve_int8_grouped_matmul": "p i i p p i i p i c",

@@ -30,6 +30,10 @@ from specserve.spec.eagle3.head import Eagle3Head
 from specserve.spec.proposer import Draft
 
 BlockTable = Callable[[int], list[int]]
+# Draft-tree nodes a step's sequences share: a sequence drafts min(k, this // sequences) nodes, and the step
+# drafts chains where that leaves a tree no room to branch (the verify rows of trees grow the target's
+# forward, which pays at small batches only).
+TREE_STEP_NODES = 64
 
 
 class PagedHead:
@@ -99,6 +103,7 @@ class PagedHead:
             attn_in.query_start_loc,
             self.scale,
             plan=attn_in.plan,
+            **({} if attn_in.trees is None else {"trees": attn_in.trees}),
         )
         h = residual + layer.self_attn.o_proj(o.reshape(n, self.q_size))
         gate, up = F.linear(layer.post_attention_layernorm(h), self.gate_up).chunk(2, dim=-1)
@@ -111,6 +116,44 @@ class PagedHead:
         out = draft_logits.new_full((draft_logits.shape[0], vocab_size), float("-inf"))
         out[:, self.target_ids] = draft_logits
         return out
+
+
+class _Tree:
+    """One sequence's draft tree as it grows: node 0 the last token; the nodes added at the last depth
+    (`frontier`) wait for their head rows, which decide their children."""
+
+    def __init__(self, last_token: int, budget: int, max_depth: int) -> None:
+        self.tokens = [last_token]
+        self.parents = [-1]
+        self.depth = [0]
+        self.score = [0.0]  # cumulative draft log-probability
+        self.budget = budget  # draft nodes (the root not counted)
+        self.max_depth = max_depth
+        self.frontier: list[int] = []
+
+    def grow(
+        self, nodes: list[int], logprobs: torch.Tensor, target_ids: torch.Tensor, branching: int
+    ) -> None:
+        """nodes' rows' draft log-probabilities [len(nodes), draft vocab]: the best `branching` of the best
+        `branching` nodes' `branching` children join the tree, as far as the budget goes."""
+        room = self.budget - (len(self.tokens) - 1)
+        self.frontier = []
+        if room <= 0 or self.depth[nodes[0]] >= self.max_depth:
+            return
+        order = sorted(range(len(nodes)), key=lambda j: -self.score[nodes[j]])[:branching]
+        top = logprobs[order].topk(min(branching, logprobs.shape[-1]), dim=-1)
+        candidates = [
+            (self.score[nodes[j]] + float(lp), nodes[j], int(tid))
+            for j, lps, ids in zip(order, top.values, target_ids[top.indices])
+            for lp, tid in zip(lps, ids)
+        ]
+        candidates.sort(key=lambda c: -c[0])  # stable: on a tie the earlier node's earlier child
+        for score, parent, token in candidates[: min(branching, room)]:
+            self.frontier.append(len(self.tokens))
+            self.tokens.append(token)
+            self.parents.append(parent)
+            self.depth.append(self.depth[parent] + 1)
+            self.score.append(score)
 
 
 @dataclass
@@ -135,8 +178,10 @@ class Eagle3Proposer:
         num_blocks: int,
         block_size: int,
         block_table: BlockTable,
+        tree: tuple[int, int] | None = None,
     ) -> None:
         self.head = head
+        self.tree = tree  # (branching, depth) of the draft trees; None: chains
         self.aux_layers = aux_layers  # the target layers whose input the engine captures for the head
         self.vocab_size = vocab_size
         self.runner = ModelRunner(head, num_blocks, block_size)  # type: ignore[arg-type]
@@ -159,32 +204,25 @@ class Eagle3Proposer:
     # ---- Proposer ---------------------------------------------------------------------------------------
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
+        if self.tree is not None:
+            branching, depth = self.tree
+            per_seq = TREE_STEP_NODES // len(requests)
+            if branching > 1 and per_seq > depth:
+                return self.propose_tree([(seq, min(k, per_seq)) for seq, k in requests], branching, depth)
+        return self.propose_chains(requests)
+
+    def propose_chains(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         drafts: dict[int, Draft] = {}
         active: list[tuple[Sequence, int, _Seq]] = []
         for seq, k in requests:
-            state = self._seqs.get(seq.seq_id)
-            # the catch-up needs the target's states of every position from `cached` to N - 2
-            if (
-                state is None
-                or k < 1
-                or state.cached >= seq.num_tokens - 1  # nothing new since it last drafted
-                or state.aux_start + state.aux.shape[0] < seq.num_tokens - 1
-            ):
+            state = self._ready(seq, k)
+            if state is None:
                 drafts[seq.seq_id] = Draft([])
             else:
                 active.append((seq, k, state))
         if not active:
             return drafts
-        entries: list[ForwardEntry] = []
-        fused_rows: list[torch.Tensor] = []
-        for seq, _, state in active:
-            end = seq.num_tokens - 1
-            start = state.cached
-            table = self.block_table(seq.seq_id)
-            entries.append(ForwardEntry(seq.token_ids[start + 1 : end + 1], start, table, 1))
-            fused_rows.append(state.aux[start - state.aux_start : end - state.aux_start])
-        with torch.inference_mode():
-            hidden = self.head.head.fuse(torch.cat(fused_rows).to(self.head.dtype))
+        entries, hidden = self._catch_up(active)
         rows_all = RowParams.build(
             [seq.params for seq, _, _ in active], [seq.seed for seq, _, _ in active], self.vocab_size
         )
@@ -217,13 +255,117 @@ class Eagle3Proposer:
                 tokens_out = tokens_out.tolist()
             for j, i in enumerate(idx):
                 proposed[active[i][0].seq_id].append(int(tokens_out[j]))
+        self._caught_up(active)
+        for seq, _, _ in active:
+            drafts[seq.seq_id] = Draft(proposed[seq.seq_id])
+        return drafts
+
+    def _ready(self, seq: Sequence, k: int) -> _Seq | None:
+        """The sequence's state where the head can draft for it: the catch-up needs the target's states of
+        every position from `cached` to N - 2."""
+        state = self._seqs.get(seq.seq_id)
+        if (
+            state is None
+            or k < 1
+            or state.cached >= seq.num_tokens - 1  # nothing new since it last drafted
+            or state.aux_start + state.aux.shape[0] < seq.num_tokens - 1
+        ):
+            return None
+        return state
+
+    def _catch_up(self, active: list[tuple[Sequence, int, _Seq]]) -> tuple[list[ForwardEntry], torch.Tensor]:
+        """The catch-up forward's entries (rows of positions cached..N-2, the last one drafting) and their
+        fused hidden inputs."""
+        entries: list[ForwardEntry] = []
+        fused_rows: list[torch.Tensor] = []
+        for seq, _, state in active:
+            end = seq.num_tokens - 1
+            start = state.cached
+            table = self.block_table(seq.seq_id)
+            entries.append(ForwardEntry(seq.token_ids[start + 1 : end + 1], start, table, 1))
+            fused_rows.append(state.aux[start - state.aux_start : end - state.aux_start])
+        with torch.inference_mode():
+            hidden = self.head.head.fuse(torch.cat(fused_rows).to(self.head.dtype))
+        return entries, hidden
+
+    def _caught_up(self, active: list[tuple[Sequence, int, _Seq]]) -> None:
         for seq, _, state in active:
             # the catch-up wrote every position up to N - 2: its states are no longer needed
             end = seq.num_tokens - 1
             state.aux = state.aux[end - state.aux_start :]
             state.cached = state.aux_start = end
-            drafts[seq.seq_id] = Draft(proposed[seq.seq_id])
+
+    def propose_tree(
+        self, requests: list[tuple[Sequence, int]], branching: int, max_depth: int | None = None
+    ) -> dict[int, Draft]:
+        """A draft tree of up to k nodes per (sequence, k): EAGLE-2's dynamic tree, simplified. The root is
+        the last token; each depth expands the best `branching` nodes of the depth before by cumulative draft
+        log-probability into their `branching` most likely children, and keeps the best `branching` of those,
+        until k nodes or max_depth. branching 1 is chain drafting's greedy chain.
+
+        The head's rows of a tree stand where the verify rows will: node i at position N - 2 + i of the
+        head's cache, its rope position N - 2 + depth(i), attending to its ancestors (ForwardEntry.tree);
+        each depth reruns the tree so far in one forward, the head being one layer over a few rows. The
+        head's K/V past the verified tokens is rewritten by the next catch-up, as after a chain."""
+        drafts: dict[int, Draft] = {}
+        active = []
+        for seq, k in requests:
+            state = self._ready(seq, k)
+            if state is None:
+                drafts[seq.seq_id] = Draft([])
+            else:
+                active.append((seq, k, state))
+        if not active:
+            return drafts
+        entries, fused = self._catch_up(active)
+        logits, root_out = self.head.forward(self.runner, entries, fused)
+        roots = [int(e.start_pos + len(e.token_ids)) - 1 for e in entries]  # N - 2, the root's position
+        ends = torch.tensor([len(e.token_ids) for e in entries]).cumsum(0) - 1
+        root_in = fused[ends]  # the root row's own input: its fused target states
+        trees = [_Tree(seq.token_ids[-1], k, max_depth or k) for seq, k, _ in active]
+        for t, row in zip(trees, logits.log_softmax(dim=-1)):
+            t.grow([0], row[None], self.head.target_ids, branching)
+        node_out = [{0: root_out[i]} for i in range(len(active))]
+        while True:
+            growing = [i for i, t in enumerate(trees) if t.frontier]
+            if not growing:
+                break
+            tree_entries, rows_in, newest = [], [], []
+            for i in growing:
+                t, (seq, _, _) = trees[i], active[i]
+                tree_entries.append(
+                    ForwardEntry(
+                        t.tokens, roots[i], self.block_table(seq.seq_id), len(t.frontier), tree=t.parents
+                    )
+                )
+                rows_in.append(root_in[i][None])
+                rows_in.extend(node_out[i][p][None] for p in t.parents[1:])
+                newest.append(t.frontier)
+            logits, out = self.head.forward(self.runner, tree_entries, torch.cat(rows_in))
+            at = 0
+            for i, nodes in zip(growing, newest):
+                n = len(nodes)
+                for j, node in enumerate(nodes):
+                    node_out[i][node] = out[at + j]
+                trees[i].grow(nodes, logits[at : at + n].log_softmax(dim=-1), self.head.target_ids, branching)
+                at += n
+        self._caught_up(active)
+        for (seq, _, _), t in zip(active, trees):
+            drafts[seq.seq_id] = Draft(t.tokens[1:], t.parents)
         return drafts
+
+    def tree_accepted(self, seq: Sequence, path: tuple[int, ...]) -> None:
+        """The target's states of a verified tree were captured in row order from its root's position:
+        the accepted path's rows now stand for positions root + depth; the rest are dropped."""
+        state = self._seqs.get(seq.seq_id)
+        if state is None:
+            return
+        root = seq.num_computed_tokens - state.aux_start
+        if not 0 <= root or root + max(path) >= state.aux.shape[0]:
+            self._seqs.pop(seq.seq_id)  # states missing: the next draft starts from a fresh catch-up
+            return
+        rows = state.aux[root + torch.tensor(path)]
+        state.aux = torch.cat([state.aux[:root], rows])
 
     def accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """Nothing to undo: the head's K/V past the verified tokens is rewritten by the next catch-up, in

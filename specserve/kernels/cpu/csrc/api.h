@@ -36,6 +36,17 @@ int specserve_paged_attention_short(const void* q, int64_t q_tok, int64_t q_head
                                     void* out, int64_t o_tok, int64_t o_head, int dtype, int num_threads,
                                     int64_t window, float softcap, int invariant);
 
+// attention_tree.cpp: the sequences in seq_ids hold draft trees; tree_mask / tree_depth per packed query row
+// (kernels/tree.py), at most 64 rows a sequence.
+int specserve_paged_attention_tree(const void* q, int64_t q_tok, int64_t q_head, const void* k_cache,
+                                   const void* v_cache, const int32_t* block_tables, int64_t table_stride,
+                                   const int32_t* seq_lens, const int32_t* query_start_loc,
+                                   const int64_t* seq_ids, int64_t num_seqs, int64_t num_heads,
+                                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
+                                   void* out, int64_t o_tok, int64_t o_head, int dtype, int num_threads,
+                                   int64_t window, float softcap, const int64_t* tree_mask,
+                                   const int32_t* tree_depth);
+
 // rope_kv.cpp
 int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t num_tokens, const int64_t* positions,
                             const void* cos, const void* sin, int64_t num_heads, int64_t num_kv_heads,

@@ -17,6 +17,7 @@
 #include "attention_f32_avx2.cpp"
 #include "attention_generic.cpp"
 #include "attention.cpp"
+#include "attention_tree.cpp"
 #include "rope_kv.cpp"
 #include "matmul_f32_avx2.cpp"
 #include "matmul_generic.cpp"
