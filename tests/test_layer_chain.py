@@ -152,30 +152,3 @@ def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense
         assert torch.equal(got, want), step
     # 1, 2 and 1 rows on our int4 product; 12 and 4 on the copy's panels
     assert [c.calls for c in counters] == [3, 2]
-
-
-def test_bf16_auto_with_amx_chains_verify_sized_steps_on_our_int4_product():
-    """With AMX the dense copy runs on oneDNN, which the chain does not call: steps of up to
-    INT4_ROWS_BF16_MAX rows (a decode step with its drafts) stay on our int4 product, chained, bit for bit the
-    loop's; larger ones take the loop on the copy."""
-    if not (cpu.build.load() is not None and cpu.build.quant_bf16_fast()):
-        pytest.skip("our bf16 int4 product needs AVX512-BF16")
-    if not torch.cpu._is_amx_tile_supported():
-        pytest.skip("without AMX the copy's panels run past BF16_OWN_INT4_MAX_ROWS rows")
-    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
-    model = llm.engine.model
-    assert [most for most, _ in model.chain_runs] == [cpu.matmul.INT4_ROWS_BF16_MAX, math.inf]
-    assert model.chain_runs[0][1] is not None and model.chain_runs[1][1] is None
-    counters = _counting(model)
-    runs = model.chain_runs
-    chained, looped = ModelRunner(model, 32, BLOCK), ModelRunner(model, 32, BLOCK)
-    # a prompt, a decode step, verify steps of 1 + 2 and 1 + 7 tokens, one of 1 + 8 (past the kernel's rows)
-    steps = [(0, 12), (12, 1), (13, 3), (16, 8), (24, 9)]
-    for start, n in steps:
-        entries = [ForwardEntry(list(range(7 + start, 7 + start + n)), start, [0, 1, 2], num_logits=n)]
-        model.chain_runs = runs
-        got, _ = chained.forward(entries)
-        model.chain_runs = []
-        want, _ = looped.forward(entries)
-        assert torch.equal(got, want), (start, n)
-    assert [c.calls for c in counters] == [3]  # 1, 3 and 8 rows chained; 12 and 9 rows on the loop

@@ -232,19 +232,13 @@ class OwnInt4RowsBf16(Form):
     kernel = True
     # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 2
-    # With AMX the copy runs on oneDNN, not our panels, and reads four times the int4 codes' bytes: a
-    # speculative verify of 3-8 rows then cost several decode steps, and dropped out of the layer chain.
-    # `python bench/verify_cost.py --dtype bfloat16 --int4-rows-beside-copy 2` times both (Xeon with AMX).
-    AMX_BESIDE_COPY_MAX_ROWS = cpu.matmul.INT4_ROWS_BF16_MAX
     INVARIANT_ROWS = cpu.matmul.INT4_ROWS_BF16_MAX
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
 
     def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
-        if not m.dense_copy:
-            return cpu.matmul.INT4_ROWS_BF16_MAX
-        return self.AMX_BESIDE_COPY_MAX_ROWS if isa.amx else self.BESIDE_COPY_MAX_ROWS
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT4_ROWS_BF16_MAX
 
 
 class TorchInt4(Form):
