@@ -210,11 +210,13 @@ def run_vllm(
     return_outputs: bool = False,
     wrap: list[str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
+    ignore_eos: bool | None = None,
 ) -> PeerResult:
     """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir.
 
     structured_outputs: a JSON schema every request is generated under (EOS then ends them, not max_tokens);
-    return_outputs: each run also carries "outputs", [{token_ids, text}] in request order; wrap: a command
+    return_outputs: each run also carries "outputs", [{token_ids, text}] in request order; ignore_eos: None
+    for vllm_peer's default (true unless a schema is given); wrap: a command
     prefix (e.g. systemd-run's) and preexec_fn: run in the child before it execs (e.g. joining a cgroup), both
     for constraining the peer as our engine is constrained."""
     spec = {
@@ -232,6 +234,8 @@ def run_vllm(
             {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload.requests
         ],
     }
+    if ignore_eos is not None:
+        spec["ignore_eos"] = ignore_eos
     out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / f"vllm-{label}.log"
     env = dict(os.environ)

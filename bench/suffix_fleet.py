@@ -15,7 +15,9 @@ same again in reverse (the machine is noisy); each on fresh engines. Greedy: bot
 
 The step side's cost is measured apart (`micro`): a proposal for a batch of sequences against the fleet
 tree empty, holding N outputs, and while the builder inserts (its lock then mostly busy, so a proposal
-skips it).
+skips it). It runs twice: as the worker runs, and with Python's cyclic garbage collector off: the trees'
+nodes are one object each, so a collection that a proposal's (or the builder's) allocations set off walks
+them all, on the step's thread; the difference is what that costs.
 
     python bench/suffix_fleet.py [--templates 6] [--repeats 3] [--max-tokens 96] [--k 4] [--model M]
 """
@@ -312,8 +314,15 @@ def main(argv: list[str] | None = None) -> int:
         "max_tokens": args.max_tokens,
     }
     forward_s = args.micro_forward_ms / 1000
-    payload["micro"] = micro(args.micro_batch, args.micro_outputs, 128, args.micro_rounds, forward_s)
+    sizes = (args.micro_batch, args.micro_outputs, 128, args.micro_rounds, forward_s)
+    payload["micro"] = micro(*sizes)
     print(f"step side (us per proposal of {args.micro_batch} sequences): {payload['micro']}", flush=True)
+    gc.disable()
+    try:
+        payload["micro_no_gc"] = micro(*sizes)
+    finally:
+        gc.enable()
+    print(f"the same, the cyclic collector off: {payload['micro_no_gc']}", flush=True)
     if not args.skip_serving:
         payload |= asyncio.run(main_async(args))
         print(f"fleet / per-worker tok/s on B's repeats: {payload['fleet_over_per_worker_tok_s']}")

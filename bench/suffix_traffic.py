@@ -18,7 +18,13 @@ starts a fresh engine (the suffix engine's shared tree then holds only what that
 warm-up requests of other traffic), in the order off, ngram, suffix, suffix, ngram, off; ratios are taken
 from the adjacent pairs (the machine is noisy).
 
+--vllm also serves the same token ids, a request at a time, on vLLM's CPU build (its venv: --vllm-python,
+$SPECSERVE_VLLM_PYTHON or /work/vllm-venv) with speculation off, its n-gram and its suffix method (which needs
+`arctic-inference` in that venv; where it fails, its log's end is printed and the other two stand), on the
+demo model exported to --target-dir; vLLM's ratios are its own runs against each other.
+
     python bench/suffix_traffic.py [--requests 24] [--k 4] [--max-tokens 192] [--dtype float32] [--model M]
+        [--vllm] [--vllm-only]
 """
 
 from __future__ import annotations
@@ -35,7 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, cpu_line  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    Request,
+    Workload,
+    cpu_line,
+    ensure_target_dir,
+    log_tail,
+    run_vllm,
+    vllm_python,
+)
 
 KINDS = ("agent", "edit", "records")
 TOOLS = [
@@ -234,7 +249,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--model", help="default: the demo model")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
-    return p.parse_args(argv)
+    p.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build: off, ngram, suffix")
+    p.add_argument("--vllm-only", action="store_true", help="vLLM's runs alone (implies --vllm)")
+    p.add_argument("--vllm-python", help="vLLM's interpreter (default: $SPECSERVE_VLLM_PYTHON or the venv)")
+    p.add_argument("--target-dir", type=Path, default=DEFAULT_OUT / "target-hf", help="vLLM's model dir")
+    args = p.parse_args(argv)
+    args.vllm = args.vllm or args.vllm_only
+    return args
+
+
+# suffix first: where its build cannot run it, that shows before the other two runs
+VLLM_SPECS: dict[str, dict | None] = {
+    "suffix": {"method": "suffix"},
+    "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+    "off": None,
+}
+
+
+def run_vllm_systems(args: argparse.Namespace, traffic: list[AgentRequest]) -> dict[str, dict]:
+    """vLLM serving `traffic` a request at a time with each of VLLM_SPECS (k = --k), greedy, EOS ending a
+    request as on our engine; {system: its run, or {"failed": why}}."""
+    from specserve import LLM
+
+    python = vllm_python(args.vllm_python)
+    if python is None:
+        return {
+            s: {"failed": "no vLLM interpreter (--vllm-python, $SPECSERVE_VLLM_PYTHON)"} for s in VLLM_SPECS
+        }
+    tokenizer = LLM(args.model, dtype=args.dtype, max_num_seqs=1).engine  # the same prompt ids as ours
+    workload = Workload(
+        "agentic", [Request("", r.max_tokens, tokenizer.encode_chat(r.messages)) for r in traffic]
+    )
+    del tokenizer
+    gc.collect()
+    target = ensure_target_dir(args.target_dir)
+    out: dict[str, dict] = {}
+    for system, spec in VLLM_SPECS.items():
+        config = None if spec is None else {**spec, "num_speculative_tokens": args.k}
+        try:
+            peer = run_vllm(
+                python,
+                target,
+                workload,
+                args.out_dir,
+                f"suffix-traffic-{system}",
+                dtype=args.dtype,
+                max_num_seqs=1,
+                speculative_config=config,
+                batches=[[i] for i in range(len(traffic))],
+                ignore_eos=False,
+            )
+        except Exception as e:  # a method its build cannot run: said, and the others stand
+            log = args.out_dir / f"vllm-suffix-traffic-{system}.log"
+            out[system] = {"failed": f"{e}\n{log_tail(log)}"}
+            print(f"  vllm {system}: failed ({e})", flush=True)
+            continue
+        r = peer.runs[0]
+        acc = round(r["accepted"] / r["proposed"], 3) if r.get("proposed") else None
+        out[system] = {**r, "tok_s": r["output_tokens"] / r["seconds"], "acceptance": acc}
+        print(f"  vllm {system}: {out[system]['tok_s']:.1f} tok/s (acceptance {acc})", flush=True)
+    for a, b in (("suffix", "off"), ("ngram", "off"), ("suffix", "ngram")):
+        if "tok_s" in out[a] and "tok_s" in out[b]:
+            print(f"vllm {a}/{b} tok/s: {out[a]['tok_s'] / out[b]['tok_s']:.2f}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     order = ("off", "ngram", "suffix", "suffix", "ngram", "off")
     load0 = os.getloadavg()[0]
     print(f"CPU: {cpu_line()} | {args.dtype} | k={args.k} | load {load0:.1f}", flush=True)
+    if args.vllm_only:
+        vllm = run_vllm_systems(args, traffic)
+        head = {"cpu": cpu_line(), "dtype": args.dtype, "k": args.k, "requests": args.requests}
+        return _save(args, {**head, "max_tokens": args.max_tokens, "vllm": vllm})
     runs: dict[str, list[Run]] = {s: [] for s in order}
     for system in order:
         llm = make_engine(system, args)
@@ -272,10 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     identical = args.temperature > 0 or all(
         r.outputs == runs["off"][0].outputs for system in order for r in runs[system]
     )
+    vllm = run_vllm_systems(args, traffic) if args.vllm else None
     load1 = os.getloadavg()[0]
     print(f"greedy outputs identical: {identical} | load {load0:.1f} -> {load1:.1f}")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    path = args.out_dir / f"suffix-traffic-{time.strftime('%Y%m%d-%H%M%S')}.json"
     payload = {
         "cpu": cpu_line(),
         "dtype": args.dtype,
@@ -287,10 +367,18 @@ def main(argv: list[str] | None = None) -> int:
         "greedy_outputs_identical": identical,
         "load": [load0, load1],
         "runs": [r.summary() for s in ("off", "ngram", "suffix") for r in runs[s]],
+        "vllm": vllm,
     }
+    _save(args, payload)
+    return 0 if identical else 1
+
+
+def _save(args: argparse.Namespace, payload: dict) -> int:
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    path = args.out_dir / f"suffix-traffic-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"saved {path}")
-    return 0 if identical else 1
+    return 0
 
 
 if __name__ == "__main__":

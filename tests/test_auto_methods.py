@@ -100,3 +100,37 @@ def test_proposing_measures_each_methods_draft_cost() -> None:
     spec.propose(plan)
     assert set(spec.policy.method_seconds) == {"suffix", "ngram"}
     assert all(c.samples == 1 for c in spec.policy.method_seconds.values())
+
+
+def test_usage_and_engine_stats_count_draft_tokens_by_the_method_that_proposed_them(tiny_model_dir) -> None:
+    from conftest import PROMPTS
+
+    from specserve import LLM
+
+    llm = LLM(
+        str(tiny_model_dir),
+        dtype="float32",
+        speculative_config={"method": "suffix,ngram", "num_speculative_tokens": 4},
+    )
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, speculation=method)
+        for method in ("suffix", "ngram", "suffix", "ngram")
+    ]
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[1], PROMPTS[1]]
+    outs = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    for out, sp in zip(outs, params):
+        u = out.usage
+        # a request that names its method drafts with it alone: all its drafts are counted under it
+        assert set(u.draft_by_method) <= {sp.speculation}
+        assert sum(p for p, _ in u.draft_by_method.values()) == u.draft_proposed
+        assert sum(a for _, a in u.draft_by_method.values()) == u.draft_accepted
+    assert any(o.usage.draft_proposed for o in outs[2:])  # the repeats draft
+    stats = llm.engine.stats()
+    assert set(stats.draft_by_method) == {"suffix", "ngram"}
+    for method in ("suffix", "ngram"):
+        mine = [o.usage for o, sp in zip(outs, params) if sp.speculation == method]
+        assert stats.draft_by_method[method] == (
+            sum(u.draft_proposed for u in mine),
+            sum(u.draft_accepted for u in mine),
+        )
+    assert sum(p for p, _ in stats.draft_by_method.values()) == stats.draft_proposed

@@ -187,6 +187,14 @@ def test_spec_decode_counters_count_the_draft_tokens_requests_report(valkey, tin
     assert proposed > 0
     assert grew("specserve:spec_decode_num_draft_tokens_total") == proposed
     assert grew("specserve:spec_decode_num_accepted_tokens_total") == accepted
+    # the same by the method that proposed them: every draft here is the n-gram proposer's
+    by = {"model_name": model, "method": "ngram"}
+    grew_by = [
+        value(pages[1], f"specserve:spec_decode_num_{kind}_tokens_by_method_total", **by)
+        - value(pages[0], f"specserve:spec_decode_num_{kind}_tokens_by_method_total", **by)
+        for kind in ("draft", "accepted")
+    ]
+    assert grew_by == [proposed, accepted]
 
 
 def test_an_api_only_telemetry_exports_what_the_api_knows_and_no_engine_series(valkey, tiny_model_dir):

@@ -60,6 +60,7 @@ class LLM:
                         seq.draft_proposed,
                         seq.draft_accepted,
                         seq.num_cached_tokens,
+                        seq.usage_by_method(),
                     ),
                     metrics={"ttft": ttft, "e2e": finished_at[rid] - start},
                     logprobs=None if seq.logprobs is None else seq.logprobs[: seq.num_output_tokens],

@@ -128,6 +128,8 @@ class EngineStats:
     last_batch_size: int
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache at admission
     prefix_cache_hits: int = 0  # of those, found there
+    # draft_proposed and draft_accepted by the method that proposed them: method -> (proposed, accepted)
+    draft_by_method: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -492,6 +494,7 @@ class LLMEngine:
             last_batch_size=t.last_batch_size,
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
+            draft_by_method={m: (p, a) for m, (p, a) in self.spec.by_method.items()} if self.spec else {},
         )
 
     @property

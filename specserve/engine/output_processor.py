@@ -95,5 +95,6 @@ class OutputProcessor:
                 seq.draft_proposed,
                 seq.draft_accepted,
                 seq.num_cached_tokens,
+                seq.usage_by_method(),
             )
         return delta

@@ -12,6 +12,8 @@ class Usage:
     draft_proposed: int = 0  # draft tokens proposed for this request over its life
     draft_accepted: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's prompt_tokens_details)
+    # draft_proposed and draft_accepted by the method that proposed them: method -> (proposed, accepted)
+    draft_by_method: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

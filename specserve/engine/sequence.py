@@ -37,6 +37,8 @@ class Sequence:
     first_token_time: float | None = None
     draft_proposed: int = 0
     draft_accepted: int = 0
+    # the same by the method that proposed them (spec/decoder.py): method -> [proposed, accepted]
+    draft_by_method: dict[str, list[int]] = field(default_factory=dict)
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache at admission
     stream: bool = True  # hand out a delta every step; False: only the final one, with every token
     logprobs: list[TokenLogprobs] | None = None  # per output token, when params.logprobs is set
@@ -52,6 +54,10 @@ class Sequence:
             self.logprobs = []
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+
+    def usage_by_method(self) -> dict[str, tuple[int, int]]:
+        """Its draft tokens (proposed, accepted) by the method that proposed them."""
+        return {method: (p, a) for method, (p, a) in self.draft_by_method.items()}
 
     @property
     def wants_prompt_rows(self) -> bool:

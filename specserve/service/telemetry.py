@@ -89,6 +89,8 @@ class EngineGauges:
     num_preemptions: int = 0
     draft_proposed: int = 0
     draft_accepted: int = 0
+    # method -> (proposed, accepted): the two above by the method that proposed them
+    draft_by_method: dict[str, tuple[int, int]] = field(default_factory=dict)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     last_batch_size: int = 0
@@ -166,6 +168,19 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", preempted, g.num_preemptions)
         yield counter("spec_decode_num_draft_tokens", "Number of draft tokens.", g.draft_proposed)
         yield counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.", g.draft_accepted)
+        if g.draft_by_method:
+            # the two above by the proposer that drafted them (`auto` may hold several): vLLM has no such
+            # counter, so the name is ours
+            kinds = (("draft", "Draft tokens"), ("accepted", "Accepted draft tokens"))
+            for i, (kind, doc) in enumerate(kinds):
+                m = CounterMetricFamily(
+                    f"{prefix}spec_decode_num_{kind}_tokens_by_method",
+                    f"{doc}, by the speculative method that proposed them.",
+                    labels=["model_name", "method"],
+                )
+                for method, counts in sorted(g.draft_by_method.items()):
+                    m.add_metric([*label, method], counts[i])
+                yield m
         queries = "Prefix cache queries, in terms of number of queried tokens."
         yield counter("prefix_cache_queries", queries, g.prefix_cache_queries)
         hits = "Prefix cache hits, in terms of number of cached tokens."

@@ -733,6 +733,7 @@ class Worker:
         g.kv_blocks_used, g.kv_blocks_total = s.kv_blocks_used, s.kv_blocks_total
         g.num_preemptions, g.last_batch_size = s.num_preemptions, s.last_batch_size
         g.draft_proposed, g.draft_accepted = s.draft_proposed, s.draft_accepted
+        g.draft_by_method = dict(s.draft_by_method)
         g.prefix_cache_queries, g.prefix_cache_hits = s.prefix_cache_queries, s.prefix_cache_hits
         g.model_name = self.runner.names[0]
         if (routing := self.routing) is not None:

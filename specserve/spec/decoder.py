@@ -83,6 +83,8 @@ class SpeculativeDecoder:
         self._state: dict[int, _SeqState] = {}
         self.num_proposed = 0  # totals over the engine's life
         self.num_accepted = 0
+        # the same by the method that proposed them: method -> [proposed, accepted]
+        self.by_method: dict[str, list[int]] = {m: [0, 0] for m in self.methods}
         # a new request's starting estimate, per method
         self.workload_acceptance = dict.fromkeys(self.methods, ACCEPTANCE_PRIOR)
         # a proposer that reads the target's hidden states (EAGLE-3): the layers the forward captures
@@ -329,12 +331,23 @@ class SpeculativeDecoder:
             seq = s.seq
             self.num_proposed += acc.num_draft_tokens
             self.num_accepted += acc.num_accepted_drafts
+            if acc.num_draft_tokens:
+                self._count(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
             if seq.is_finished:
                 self.forget(seq)
             elif acc.num_draft_tokens:
                 self.observe(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
             elif s.num_tokens == 1 and not s.num_lookahead and self.is_auto(seq):
                 self.observe(seq, 0, 0)
+
+    def _count(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        """A verified draft's tokens, for the engine's and the request's counters of the method that
+        proposed them (grammar-forced tokens count under the method whose draft they extend)."""
+        state = self._state.get(seq.seq_id)
+        method = self.methods[0] if state is None else state.method
+        for counts in (self.by_method[method], seq.draft_by_method.setdefault(method, [0, 0])):
+            counts[0] += num_proposed
+            counts[1] += num_accepted
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A decode step of an "auto" or fixed-k sequence: its drafts' fate, or (0, 0) for a step that
