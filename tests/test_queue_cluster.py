@@ -73,8 +73,25 @@ def test_the_same_url_opens_a_cluster_client_only_on_a_cluster(valkey, valkey_cl
             await clustered.aclose()
 
     single_type, cluster_type, single_key, cluster_key = run(main())
-    assert single_type is Redis and cluster_type is RedisCluster
+    assert single_type is Redis and issubclass(cluster_type, RedisCluster)
     assert (single_key, cluster_key) == ("specserve:requests", "{specserve}:requests")
+
+
+def test_a_burst_past_the_cluster_pool_waits_for_a_connection_instead_of_failing(valkey_cluster) -> None:
+    """redis-py's cluster pool raises MaxConnectionsError when a burst outnumbers it; ours waits, as the
+    single instance's blocking pool does: 200 first enqueues at once over 4 connections all land."""
+
+    async def main():
+        r = await open_redis(valkey_cluster.nodes[0].url, max_connections=4)
+        try:
+            client = QueueClient(r)
+            body = {"prompt": "x", "max_tokens": 1}
+            accepted = await asyncio.gather(*(client.enqueue(body, f"burst-{i}") for i in range(200)))
+            return len({a.id for a in accepted}), await r.xlen(client.keys.requests)
+        finally:
+            await r.aclose()
+
+    assert run(main()) == (200, 200)
 
 
 def test_a_user_without_info_still_finds_out_whether_it_is_on_a_cluster(valkey, valkey_cluster) -> None:

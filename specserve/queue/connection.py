@@ -122,6 +122,21 @@ async def is_cluster(url: str, seeds: Sequence[str] = ()) -> bool:
     raise AssertionError("unreachable")
 
 
+class WaitingRedisCluster(RedisCluster):
+    """redis-py's cluster client, except that a burst waits for a connection: its own pool raises
+    MaxConnectionsError once a node's `max_connections` are out (256 first enqueues at once did, through
+    bench/queue_cluster.py), where the single-instance client's BlockingConnectionPool waits. At most
+    `max_connections` commands of this client are in flight, so no node's pool can run out."""
+
+    def __init__(self, *args: object, max_connections: int = 64, **kwargs: object) -> None:
+        super().__init__(*args, max_connections=max_connections, **kwargs)  # type: ignore[arg-type]
+        self._in_flight = asyncio.Semaphore(max_connections)
+
+    async def execute_command(self, *args: object, **kwargs: object) -> object:
+        async with self._in_flight:
+            return await super().execute_command(*args, **kwargs)
+
+
 def connect_cluster(
     url: str,
     *,
@@ -132,7 +147,7 @@ def connect_cluster(
     """redis-py's cluster client, starting from the node `url` names and `seeds` (host:port): it finds the
     others itself, follows MOVED and ASK, and refreshes its slot map after a failover."""
     nodes = [ClusterNode(host, int(port)) for host, _, port in (s.rpartition(":") for s in seeds)]
-    return RedisCluster.from_url(
+    return WaitingRedisCluster.from_url(
         url,
         startup_nodes=nodes or None,
         max_connections=max_connections,
