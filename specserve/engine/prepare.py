@@ -60,11 +60,11 @@ def over_budget(field: str, budget_s: float) -> InvalidParameter:
 def _serve(conn: Connection) -> None:
     """A child's loop: build each constraint of a job, telling the parent which one it is on, then the first
     error (field, message) or None. Ends when the parent's end of the pipe closes."""
+    lowest_priority()  # before the import too: loading torch took a core from the engine's threads
     import xgrammar  # noqa: F401  (loaded before "ready": a job's budget is not spent importing torch)
 
     from specserve.engine.grammar import grammar_error
 
-    lowest_priority()  # after the import: loading is the process's one-time cost, not a request's
     conn.send(("ready", None))
     while True:
         try:
@@ -85,13 +85,13 @@ def _compile(conn: Connection) -> None:
     """A worker child's loop: first the tokenizer's tables (xgrammar's TokenizerInfo as JSON), then each
     (kind, text) answered ("ok", the compiled grammar as JSON) or ("error", why it does not build). Ends when
     the parent's end of the pipe closes."""
+    lowest_priority()  # before loading torch and the tokenizer's tables, which took a core from the engine
     import xgrammar as xgr
 
     from specserve.engine.grammar import build_grammar, grammar_error
 
     info = xgr.TokenizerInfo.deserialize_json(conn.recv())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    lowest_priority()
     conn.send(("ready", None))
     while True:
         try:
