@@ -38,6 +38,13 @@ def supports_long(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
     return dtype == torch.bfloat16 and bool(build._paths & build.PATH_BF16) and block_size % 16 == 0
 
 
+def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV caches must be contiguous")
+    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != k_cache.dtype or out.dtype != q.dtype:
+        raise ValueError("q and out need head_dim innermost and the caches' dtype")
+
+
 def paged_attention_short(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -61,10 +68,7 @@ def paged_attention_short(
     q and out are [tokens, heads, head_dim] with head_dim innermost; the caches contiguous; block_tables,
     seq_lens and query_start_loc int32 and contiguous. The dtype of q, out and the caches must match.
     """
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != k_cache.dtype or out.dtype != q.dtype:
-        raise ValueError("q and out need head_dim innermost and the caches' dtype")
+    _check_layout(q, k_cache, v_cache, out)
     for t, dt in (
         (block_tables, torch.int32),
         (seq_lens, torch.int32),
@@ -119,10 +123,7 @@ def paged_attention_tree(
 ) -> None:
     """Attention for the sequences holding draft trees (rows.seq_ids), by their ancestor masks
     (kernels/tree.py), written into out; the same layout rules as paged_attention_short."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV caches must be contiguous")
-    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != k_cache.dtype or out.dtype != q.dtype:
-        raise ValueError("q and out need head_dim innermost and the caches' dtype")
+    _check_layout(q, k_cache, v_cache, out)
     seq_ids = torch.tensor(rows.seq_ids, dtype=torch.int64)
     mask, depth = rows.mask.contiguous(), rows.depth.contiguous()
     num_heads, head_dim = q.shape[1], q.shape[2]

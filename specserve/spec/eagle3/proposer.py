@@ -211,7 +211,10 @@ class Eagle3Proposer:
                 return self.propose_tree([(seq, min(k, per_seq)) for seq, k in requests], branching, depth)
         return self.propose_chains(requests)
 
-    def propose_chains(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
+    def _split_ready(
+        self, requests: list[tuple[Sequence, int]]
+    ) -> tuple[dict[int, Draft], list[tuple[Sequence, int, _Seq]]]:
+        """Empty drafts for the sequences the head cannot draft for yet, and the others with their state."""
         drafts: dict[int, Draft] = {}
         active: list[tuple[Sequence, int, _Seq]] = []
         for seq, k in requests:
@@ -220,6 +223,10 @@ class Eagle3Proposer:
                 drafts[seq.seq_id] = Draft([])
             else:
                 active.append((seq, k, state))
+        return drafts, active
+
+    def propose_chains(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
+        drafts, active = self._split_ready(requests)
         if not active:
             return drafts
         entries, hidden = self._catch_up(active)
@@ -307,14 +314,7 @@ class Eagle3Proposer:
         head's cache, its rope position N - 2 + depth(i), attending to its ancestors (ForwardEntry.tree);
         each depth reruns the tree so far in one forward, the head being one layer over a few rows. The
         head's K/V past the verified tokens is rewritten by the next catch-up, as after a chain."""
-        drafts: dict[int, Draft] = {}
-        active = []
-        for seq, k in requests:
-            state = self._ready(seq, k)
-            if state is None:
-                drafts[seq.seq_id] = Draft([])
-            else:
-                active.append((seq, k, state))
+        drafts, active = self._split_ready(requests)
         if not active:
             return drafts
         entries, fused = self._catch_up(active)
