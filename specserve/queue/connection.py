@@ -18,6 +18,7 @@ from redis.exceptions import (
     BusyLoadingError,
     ClusterDownError,
     ClusterError,
+    MaxConnectionsError,
     OutOfMemoryError,
     ReadOnlyError,
     ResponseError,
@@ -123,18 +124,25 @@ async def is_cluster(url: str, seeds: Sequence[str] = ()) -> bool:
 
 
 class WaitingRedisCluster(RedisCluster):
-    """redis-py's cluster client, except that a burst waits for a connection: its own pool raises
-    MaxConnectionsError once a node's `max_connections` are out (256 first enqueues at once did, through
-    bench/queue_cluster.py), where the single-instance client's BlockingConnectionPool waits. At most
-    `max_connections` commands of this client are in flight, so no node's pool can run out."""
+    """redis-py's cluster client, except that a burst waits for a connection: its node pools raise
+    MaxConnectionsError once `max_connections` are out (256 first enqueues at once did, through
+    bench/queue_cluster.py), where the single-instance client's BlockingConnectionPool waits. The wait is per
+    node (redis-py raises it before touching the node's state), so a stopped master's full pool never holds
+    up the commands for the others; it ends after WAIT_FOR_CONNECTION_S with the error."""
 
-    def __init__(self, *args: object, max_connections: int = 64, **kwargs: object) -> None:
-        super().__init__(*args, max_connections=max_connections, **kwargs)  # type: ignore[arg-type]
-        self._in_flight = asyncio.Semaphore(max_connections)
+    WAIT_FOR_CONNECTION_S = 30.0
 
     async def execute_command(self, *args: object, **kwargs: object) -> object:
-        async with self._in_flight:
-            return await super().execute_command(*args, **kwargs)
+        deadline = asyncio.get_running_loop().time() + self.WAIT_FOR_CONNECTION_S
+        pause = 0.001
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except MaxConnectionsError:
+                if asyncio.get_running_loop().time() + pause > deadline:
+                    raise
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
 
 
 def connect_cluster(
