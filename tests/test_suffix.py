@@ -51,9 +51,10 @@ def _shape(tree: SuffixTree) -> dict[tuple[int, ...], tuple[int, int | None]]:
     stack = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for kid in node.children():
-            out[path + (kid.token,)] = (kid.count, None if kid.best is None else kid.best.token)
-            stack.append((path + (kid.token,), kid))
+        for kid in tree.children(node):
+            best = tree.best[kid]
+            out[path + (tree.token[kid],)] = (tree.count[kid], None if best < 0 else tree.token[best])
+            stack.append((path + (tree.token[kid],), kid))
     return out
 
 

@@ -29,6 +29,7 @@ import contextlib
 import queue
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass
@@ -36,108 +37,124 @@ from dataclasses import dataclass
 from specserve.engine.sequence import Sequence
 from specserve.spec.proposer import Draft
 
-
-class _Node:
-    """The token sequence on the path from the root; `count`: its occurrences (within max_depth of where
-    they start). Children are inline while there is one (most nodes of a text's trie), a dict after."""
-
-    __slots__ = ("token", "count", "kids", "best")
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-        self.count = 0
-        self.kids: _Node | dict[int, _Node] | None = None
-        self.best: _Node | None = None  # the most frequent child; ties: the lowest token id
-
-    def child(self, token: int) -> _Node | None:
-        kids = self.kids
-        if kids is None:
-            return None
-        if type(kids) is _Node:
-            return kids if kids.token == token else None
-        return kids.get(token)
-
-    def children(self) -> Iterable[_Node]:
-        kids = self.kids
-        if kids is None:
-            return ()
-        if type(kids) is _Node:
-            return (kids,)
-        return kids.values()
-
-    def add(self, token: int) -> _Node:
-        """One more occurrence of this path followed by `token`."""
-        node = self.child(token)
-        if node is None:
-            node = _Node(token)
-            kids = self.kids
-            if kids is None:
-                self.kids = node
-            elif type(kids) is _Node:
-                self.kids = {kids.token: kids, token: node}
-            else:
-                kids[token] = node
-        node.count += 1
-        best = self.best
-        if best is None or _ranks_above(node, best):
-            self.best = node
-        return node
-
-    def remove(self, token: int) -> _Node:
-        """One occurrence fewer of this path followed by `token`; a child left with none is dropped."""
-        node = self.child(token)
-        if node is None:
-            raise KeyError(token)
-        node.count -= 1
-        if not node.count:
-            if type(self.kids) is _Node:
-                self.kids = None
-            else:
-                del self.kids[token]
-                if len(self.kids) == 1:
-                    self.kids = next(iter(self.kids.values()))
-        if node is self.best:
-            self.best = None
-            for kid in self.children():
-                if self.best is None or _ranks_above(kid, self.best):
-                    self.best = kid
-        return node
-
-
-def _ranks_above(a: _Node, b: _Node) -> bool:
-    return a.count > b.count or (a.count == b.count and a.token < b.token)
-
-
-@dataclass(frozen=True)
-class Speculation:
-    token_ids: list[int]
-    score: float  # sum of the draft tokens' estimated probabilities
-    match_len: int
-
-
-NO_SPECULATION = Speculation([], 0.0, 0)
+# A child's key in SuffixTree.kids: its parent's row shifted past any token id, or'ed with its token.
+_TOKEN_BITS = 32
+_ROOT = 0
 
 
 class SuffixTree:
     """Suffixes of token sequences, each cut at max_depth tokens. Add a sequence whole (`insert`) or token by
-    token (`extend`, which returns the suffix nodes to pass back with the next token)."""
+    token (`extend`, which returns the suffix nodes to pass back with the next token).
+
+    A node is a row of the arrays: its `token`, `count` (the path's occurrences within max_depth of where
+    they start), `best` (its most frequent child; ties: the lowest token id; -1: none; not kept for the
+    root, which no walk starts from) and its place among its parent's children (`first` child, `next` and
+    `prev` sibling, so a removal unlinks it at once). `kids` maps parent << 32 | token to the child's row.
+    A node whose count falls to 0 leaves `kids` and its row goes to `free`, reused by the next node made."""
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError("max_depth must be at least 2 (a match and one token after it)")
         self.max_depth = max_depth
-        self.root = _Node(-1)
+        self.root = _ROOT
+        self.token = array("q", [-1])
+        self.count = array("q", [0])
+        self.best = array("q", [-1])
+        self.first = array("q", [-1])
+        self.next = array("q", [-1])
+        self.prev = array("q", [-1])
+        self.kids: dict[int, int] = {}
+        self.free = array("q")
 
-    def extend(self, ends: list[_Node], token: int) -> list[_Node]:
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root aside."""
+        return len(self.token) - len(self.free) - 1
+
+    def children(self, node: int) -> Iterator[int]:
+        kid = self.first[node]
+        while kid >= 0:
+            yield kid
+            kid = self.next[kid]
+
+    def _make(self, parent: int, token: int) -> int:
+        """A new child of `parent` (count 0), in a free row if there is one."""
+        if self.free:
+            row = self.free.pop()
+            self.token[row] = token
+            self.count[row] = 0
+            self.best[row] = -1
+            self.first[row] = -1
+        else:
+            row = len(self.token)
+            self.token.append(token)
+            self.count.append(0)
+            self.best.append(-1)
+            self.first.append(-1)
+            self.next.append(-1)
+            self.prev.append(-1)
+        head = self.first[parent]
+        self.next[row] = head
+        self.prev[row] = -1
+        if head >= 0:
+            self.prev[head] = row
+        self.first[parent] = row
+        self.kids[parent << _TOKEN_BITS | token] = row
+        return row
+
+    def _drop(self, parent: int, row: int) -> None:
+        """Unlink `row` (count 0) from its parent and free it; its children go in the same removal."""
+        del self.kids[parent << _TOKEN_BITS | self.token[row]]
+        before, after = self.prev[row], self.next[row]
+        if before >= 0:
+            self.next[before] = after
+        else:
+            self.first[parent] = after
+        if after >= 0:
+            self.prev[after] = before
+        self.best[row] = -1
+        self.free.append(row)
+
+    def _rerank(self, node: int) -> None:
+        """Find `node`'s most frequent child again, after one of its children lost an occurrence."""
+        count, token = self.count, self.token
+        best = -1
+        kid = self.first[node]
+        while kid >= 0:
+            if best < 0 or (count[kid], -token[kid]) > (count[best], -token[best]):
+                best = kid
+            kid = self.next[kid]
+        self.best[node] = best
+
+    def extend(self, ends: list[int], token: int) -> list[int]:
         """`ends`: the nodes of the sequence's suffixes of lengths 1..len(ends) (len(ends) < max_depth),
         shortest first. Counts the suffixes of the sequence with `token` appended and returns their nodes,
         but for the one of max_depth tokens, which goes no deeper."""
-        return self._counted(ends, token)[: self.max_depth - 1]
+        return self._counted(ends, token)[0][: self.max_depth - 1]
 
-    def _counted(self, ends: list[_Node], token: int) -> list[_Node]:
-        out = [self.root.add(token)]
-        out.extend(node.add(token) for node in ends)
-        return out
+    def _counted(self, ends: list[int], token: int) -> tuple[list[int], int]:
+        """The nodes of `ends` followed by `token` (made where new), one occurrence more each, and how many
+        were made."""
+        kids, count, best, tokens = self.kids, self.count, self.best, self.token
+        made = 0
+        row = kids.get(token)  # the root's child: _ROOT << _TOKEN_BITS is 0
+        if row is None:
+            row = self._make(_ROOT, token)
+            made += 1
+        count[row] += 1
+        out = [row]
+        for node in ends:
+            row = kids.get(node << _TOKEN_BITS | token)
+            if row is None:
+                row = self._make(node, token)
+                made += 1
+            c = count[row] + 1
+            count[row] = c
+            b = best[node]
+            if b != row and (b < 0 or c > count[b] or (c == count[b] and token < tokens[b])):
+                best[node] = row
+            out.append(row)
+        return out, made
 
     def insert(self, tokens: Iterable[int]) -> int:
         """Count every suffix of `tokens`; returns the nodes it added."""
@@ -147,11 +164,12 @@ class SuffixTree:
         """insert(tokens) `chunk` tokens at a time, yielding the nodes each chunk added: the tree is whole
         between chunks (as if a prefix of `tokens` had been inserted), so a reader may walk it there."""
         added = 0
-        ends: list[_Node] = []
+        ends: list[int] = []
+        keep = self.max_depth - 1
         for i, token in enumerate(tokens, 1):
-            nodes = self._counted(ends, token)
-            added += sum(node.count == 1 for node in nodes)  # a node of count 0 does not stay in the tree
-            ends = nodes[: self.max_depth - 1]
+            nodes, made = self._counted(ends, token)
+            added += made
+            ends = nodes[:keep]
             if i % chunk == 0:
                 yield added
                 added = 0
@@ -164,30 +182,59 @@ class SuffixTree:
 
     def remove_steps(self, tokens: list[int], chunk: int) -> Iterator[int]:
         """remove(tokens) `chunk` suffixes at a time, yielding the nodes each chunk dropped."""
+        kids, count, best = self.kids, self.count, self.best
         dropped = 0
         for start in range(len(tokens)):
-            node = self.root
+            node = _ROOT
             for token in tokens[start : start + self.max_depth]:
-                node = node.remove(token)
-                dropped += node.count == 0
+                row = kids[node << _TOKEN_BITS | token]
+                c = count[row] - 1
+                count[row] = c
+                if not c:
+                    self._drop(node, row)
+                    dropped += 1
+                # a node with one child left (its count all that child's) needs no search
+                if node != _ROOT and best[node] == row and (not c or c != count[node]):
+                    self._rerank(node)
+                node = row
             if (start + 1) % chunk == 0:
                 yield dropped
                 dropped = 0
         yield dropped
 
-    def follow(self, ends: list[_Node | None], token: int) -> list[_Node | None]:
-        """Like extend, read-only: None where the suffix does not occur in the tree."""
-        out = [self.root.child(token)]
-        out.extend(None if node is None else node.child(token) for node in ends[: self.max_depth - 2])
+    def follow(self, ends: list[int], token: int) -> list[int]:
+        """Like extend, read-only, and only as far as the suffixes occur in the tree: a suffix that does
+        not occur has no longer one that does."""
+        kids = self.kids
+        row = kids.get(token)
+        if row is None:
+            return []
+        out = [row]
+        for node in ends[: self.max_depth - 2]:
+            row = kids.get(node << _TOKEN_BITS | token)
+            if row is None:
+                break
+            out.append(row)
         return out
 
-    def match(self, suffix: list[int]) -> _Node | None:
-        node: _Node | None = self.root
+    def match(self, suffix: list[int]) -> int | None:
+        node = _ROOT
         for token in suffix:
-            node = node.child(token)
-            if node is None:
+            row = self.kids.get(node << _TOKEN_BITS | token)
+            if row is None:
                 return None
+            node = row
         return node
+
+
+@dataclass(frozen=True)
+class Speculation:
+    token_ids: list[int]
+    score: float  # sum of the draft tokens' estimated probabilities
+    match_len: int
+
+
+NO_SPECULATION = Speculation([], 0.0, 0)
 
 
 @dataclass(frozen=True)
@@ -198,29 +245,49 @@ class Walk:
     max_spec_offset: float
     min_token_prob: float
 
-    def speculate(self, ends: list[_Node | None], max_tokens: int) -> Speculation:
-        """The best draft from any of the context's suffix nodes (`ends[i]`: the suffix of length i + 1)."""
-        best = NO_SPECULATION
-        for i, node in enumerate(ends):
-            if node is None or node.best is None:
+    def limit(self, match_len: int, max_tokens: int) -> int:
+        return min(max_tokens, int(match_len * self.max_spec_factor + self.max_spec_offset + 1e-6))
+
+    def speculate(
+        self, tree: SuffixTree, ends: list[int], max_tokens: int, beat: Speculation = NO_SPECULATION
+    ) -> Speculation:
+        """The best draft from any of the context's suffix nodes in `tree` (`ends[i]`: the suffix of length
+        i + 1) if it scores above `beat`, else `beat`; on a tie, the longer match.
+
+        Longest match first: a draft of n tokens scores n at most (each token's probability is at most 1),
+        and n only shrinks with the match, so the walk stops at the first match whose limit cannot beat the
+        best so far, and a shorter match must score strictly more to win, as a tie goes to the longer."""
+        count, best_kid, token = tree.count, tree.best, tree.token
+        min_prob = self.min_token_prob
+        best = beat
+        for i in range(len(ends) - 1, -1, -1):
+            limit = self.limit(i + 1, max_tokens)
+            if limit <= best.score:
+                break
+            node = ends[i]
+            child = best_kid[node]
+            if child < 0:
                 continue
-            match_len = i + 1
-            limit = min(max_tokens, int(match_len * self.max_spec_factor + self.max_spec_offset + 1e-6))
             tokens: list[int] = []
             prob = 1.0
             score = 0.0
-            while len(tokens) < limit:
-                child = node.best
-                if child is None or child.count <= 0:  # <= 0: removed since it was reached (FleetTree)
+            while True:
+                c = count[child]
+                if c <= 0:  # removed since it was reached (FleetTree)
                     break
-                prob *= child.count / node.count
-                if prob < self.min_token_prob:
+                prob *= c / count[node]
+                if prob < min_prob:
                     break
-                tokens.append(child.token)
+                tokens.append(token[child])
                 score += prob
+                if len(tokens) >= limit:
+                    break
                 node = child
-            if tokens and score >= best.score:  # a longer match wins a tie
-                best = Speculation(tokens, score, match_len)
+                child = best_kid[node]
+                if child < 0:
+                    break
+            if tokens and score > best.score:
+                best = Speculation(tokens, score, i + 1)
         return best
 
 
@@ -230,7 +297,7 @@ class _Followed:
     __slots__ = ("ends", "version", "age")
 
     def __init__(self) -> None:
-        self.ends: list[_Node | None] = []
+        self.ends: list[int] = []
         self.version = -1  # no version: the next reading rebuilds `ends`
         self.age = 0  # proposals since `ends` were rebuilt
 
@@ -240,7 +307,7 @@ class _RequestState:
 
     def __init__(self, max_depth: int) -> None:
         self.tree = SuffixTree(max_depth)
-        self.ends: list[_Node] = []
+        self.ends: list[int] = []
         self.num_tokens = 0
         self.shared = _Followed()  # this worker's finished outputs
         self.fleet = _Followed()  # other workers' (FleetTree)
@@ -481,15 +548,13 @@ class SuffixProposer:
     def speculate(self, state: _RequestState, max_tokens: int, fleet: bool = False) -> Speculation:
         """The best of the request's own tree, this worker's outputs and (`fleet`: its lock is held) the
         fleet's; on a tie, in that order."""
-        best = self.walk.speculate(state.ends, max_tokens)
+        walk = self.walk
+        best = walk.speculate(state.tree, state.ends, max_tokens)
         if self.cache.outputs:
-            shared = self.walk.speculate(state.shared.ends, max_tokens)
-            if shared.score > best.score:
-                best = shared
+            best = walk.speculate(self.cache.tree, state.shared.ends, max_tokens, best)
         if fleet:
-            other = self.walk.speculate(state.fleet.ends, max_tokens)
-            if other.score > best.score:
-                best = other
+            assert self.fleet is not None
+            best = walk.speculate(self.fleet.cache.tree, state.fleet.ends, max_tokens, best)
         return best
 
     def _catch_up(self, seq: Sequence) -> _RequestState:
