@@ -29,10 +29,9 @@ import contextlib
 import queue
 import threading
 import time
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.engine.sequence import Sequence
 from specserve.spec.proposer import Draft
@@ -46,25 +45,27 @@ class SuffixTree:
     """Suffixes of token sequences, each cut at max_depth tokens. Add a sequence whole (`insert`) or token by
     token (`extend`, which returns the suffix nodes to pass back with the next token).
 
-    A node is a row of the arrays: its `token`, `count` (the path's occurrences within max_depth of where
-    they start), `best` (its most frequent child; ties: the lowest token id; -1: none; not kept for the
-    root, which no walk starts from) and its place among its parent's children (`first` child, `next` and
-    `prev` sibling, so a removal unlinks it at once). `kids` maps parent << 32 | token to the child's row.
-    A node whose count falls to 0 leaves `kids` and its row goes to `free`, reused by the next node made."""
+    A node is a row of the lists: its `token`, `count` (the path's occurrences within max_depth of where
+    they start) and `best` (its most frequent child; ties: the lowest token id; -1: none; not kept for the
+    root, which no walk starts from); `kids` maps parent << 32 | token to the child's row. A tree that
+    sequences leave (`removable`) also links each node among its parent's children (`first` child, `next`
+    and `prev` sibling), so a removal unlinks it at once and finds the parent's most frequent child again;
+    a node whose count falls to 0 leaves `kids` and its row goes to `free`, for the next node made."""
 
-    def __init__(self, max_depth: int) -> None:
+    def __init__(self, max_depth: int, removable: bool = True) -> None:
         if max_depth < 2:
             raise ValueError("max_depth must be at least 2 (a match and one token after it)")
         self.max_depth = max_depth
+        self.removable = removable
         self.root = _ROOT
-        self.token = array("q", [-1])
-        self.count = array("q", [0])
-        self.best = array("q", [-1])
-        self.first = array("q", [-1])
-        self.next = array("q", [-1])
-        self.prev = array("q", [-1])
+        self.token = [-1]
+        self.count = [0]
+        self.best = [-1]
+        self.first = [-1] if removable else []
+        self.next = [-1] if removable else []
+        self.prev = [-1] if removable else []
         self.kids: dict[int, int] = {}
-        self.free = array("q")
+        self.free: list[int] = []
 
     @property
     def num_nodes(self) -> int:
@@ -72,6 +73,9 @@ class SuffixTree:
         return len(self.token) - len(self.free) - 1
 
     def children(self, node: int) -> Iterator[int]:
+        if not self.removable:
+            yield from (row for key, row in self.kids.items() if key >> _TOKEN_BITS == node)
+            return
         kid = self.first[node]
         while kid >= 0:
             yield kid
@@ -84,21 +88,23 @@ class SuffixTree:
             self.token[row] = token
             self.count[row] = 0
             self.best[row] = -1
-            self.first[row] = -1
         else:
             row = len(self.token)
             self.token.append(token)
             self.count.append(0)
             self.best.append(-1)
-            self.first.append(-1)
-            self.next.append(-1)
-            self.prev.append(-1)
-        head = self.first[parent]
-        self.next[row] = head
-        self.prev[row] = -1
-        if head >= 0:
-            self.prev[head] = row
-        self.first[parent] = row
+            if self.removable:
+                self.first.append(-1)
+                self.next.append(-1)
+                self.prev.append(-1)
+        if self.removable:
+            head = self.first[parent]
+            self.first[row] = -1
+            self.next[row] = head
+            self.prev[row] = -1
+            if head >= 0:
+                self.prev[head] = row
+            self.first[parent] = row
         self.kids[parent << _TOKEN_BITS | token] = row
         return row
 
@@ -130,12 +136,19 @@ class SuffixTree:
         """`ends`: the nodes of the sequence's suffixes of lengths 1..len(ends) (len(ends) < max_depth),
         shortest first. Counts the suffixes of the sequence with `token` appended and returns their nodes,
         but for the one of max_depth tokens, which goes no deeper."""
-        return self._counted(ends, token)[0][: self.max_depth - 1]
+        out = self._counted(ends, token)[0]
+        if len(out) == self.max_depth:
+            out.pop()
+        return out
 
     def _counted(self, ends: list[int], token: int) -> tuple[list[int], int]:
         """The nodes of `ends` followed by `token` (made where new), one occurrence more each, and how many
         were made."""
         kids, count, best, tokens = self.kids, self.count, self.best, self.token
+        if self.removable or self.free:
+            make = self._make
+        else:  # a request's tree: a new node is three appends, inline (most of a step's suffixes are new)
+            make = None
         made = 0
         row = kids.get(token)  # the root's child: _ROOT << _TOKEN_BITS is 0
         if row is None:
@@ -144,15 +157,28 @@ class SuffixTree:
         count[row] += 1
         out = [row]
         for node in ends:
-            row = kids.get(node << _TOKEN_BITS | token)
+            key = node << _TOKEN_BITS | token
+            row = kids.get(key)
             if row is None:
-                row = self._make(node, token)
                 made += 1
-            c = count[row] + 1
-            count[row] = c
-            b = best[node]
-            if b != row and (b < 0 or c > count[b] or (c == count[b] and token < tokens[b])):
-                best[node] = row
+                if make is None:
+                    row = len(tokens)
+                    tokens.append(token)
+                    count.append(1)
+                    best.append(-1)
+                    kids[key] = row
+                else:
+                    row = make(node, token)
+                    count[row] = 1
+                b = best[node]
+                if b < 0 or (count[b] == 1 and token < tokens[b]):
+                    best[node] = row
+            else:
+                c = count[row] + 1
+                count[row] = c
+                b = best[node]
+                if b != row and (c > count[b] or (c == count[b] and token < tokens[b])):
+                    best[node] = row
             out.append(row)
         return out, made
 
@@ -244,9 +270,16 @@ class Walk:
     max_spec_factor: float
     max_spec_offset: float
     min_token_prob: float
+    # per max_tokens, the draft's longest for each match length (index: match length)
+    _limits: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
-    def limit(self, match_len: int, max_tokens: int) -> int:
-        return min(max_tokens, int(match_len * self.max_spec_factor + self.max_spec_offset + 1e-6))
+    def limits(self, max_tokens: int, depth: int) -> list[int]:
+        out = self._limits.get(max_tokens)
+        if out is None or len(out) <= depth:
+            grow = self.max_spec_factor, self.max_spec_offset
+            out = [min(max_tokens, int(n * grow[0] + grow[1] + 1e-6)) for n in range(depth + 1)]
+            self._limits[max_tokens] = out
+        return out
 
     def speculate(
         self, tree: SuffixTree, ends: list[int], max_tokens: int, beat: Speculation = NO_SPECULATION
@@ -260,8 +293,9 @@ class Walk:
         count, best_kid, token = tree.count, tree.best, tree.token
         min_prob = self.min_token_prob
         best = beat
+        limits = self.limits(max_tokens, len(ends))
         for i in range(len(ends) - 1, -1, -1):
-            limit = self.limit(i + 1, max_tokens)
+            limit = limits[i + 1]
             if limit <= best.score:
                 break
             node = ends[i]
@@ -306,7 +340,7 @@ class _RequestState:
     """One sequence's tree over its tokens so far, and where its suffixes stand in the shared trees."""
 
     def __init__(self, max_depth: int) -> None:
-        self.tree = SuffixTree(max_depth)
+        self.tree = SuffixTree(max_depth, removable=False)
         self.ends: list[int] = []
         self.num_tokens = 0
         self.shared = _Followed()  # this worker's finished outputs
