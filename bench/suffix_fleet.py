@@ -222,6 +222,9 @@ def micro(batch: int, outputs: int, length: int, rounds: int, forward_s: float) 
             time.sleep(forward_s)  # the target's forward, torch's, without the GIL
         return spent / rounds
 
+    # What the imports left is collected and old, as in a worker long past its start: else its full
+    # collection (~100 ms here) lands in whichever case comes first.
+    gc.collect()
     # as the worker runs the engine (engine/async_engine.py): the builder's thread gives the GIL back soon
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     result: dict[str, Any] = {"batch": batch, "outputs": outputs, "output_tokens": length, "rounds": rounds}
