@@ -19,8 +19,21 @@ the depth, not by the text's length:
   kept), and so does following it in the global tree (the same, read-only, rebuilt once from the last
   `max_depth` tokens after the global tree changed);
 - a proposal reads those nodes directly (no search from the root) and walks at most k children from each
-  (the most frequent child of every node is kept up to date).
-A request's tree holds up to prompt length x max_depth nodes (each one object), built on its first draft.
+  (the most frequent child of every node is kept up to date), longest match first, stopping where no shorter
+  match can score more; following a shared tree stops at the first suffix it lacks (no longer one is there).
+A request's tree holds up to prompt length x max_depth nodes, built on its first draft.
+
+The trees are flat: a node is a row of a few int lists, and children are found in one dict of int keys per
+tree (SuffixTree), so a tree is a handful of objects whatever its size. Nodes as one Python object each cost
+the step most of its proposal time, in Python's cyclic collector rather than in the walks: every node made
+on the step thread counted toward a collection, and a full one walked every node of every tree (~200 ms with
+a fleet tree of 200 outputs and 32 requests' trees); the 50 proposals bench/suffix_fleet.py's micro part
+times per case caught one such or not, which is all an EMPTY fleet tree's extra 2.5 ms was (with the
+collector off it priced the same as no fleet tree). Lists rather than arrays: an array's read makes an int
+object and is ~4x slower, and a list of ints is one object to the collector (its items are no containers).
+A compiled tree would cost a build step and a binding for the dict walks Python already does in C, and the
+flat one prices a proposal for 32 sequences with a full fleet tree below a millisecond (`python
+bench/suffix_fleet.py --skip-serving`, the 2-core Xeon, loaded).
 """
 
 from __future__ import annotations
@@ -349,9 +362,10 @@ class _RequestState:
 
 
 # The shared tree's nodes at most, whatever max_requests allows: an output of n tokens adds up to n x depth
-# nodes, so 10,000 outputs of 256 distinct tokens would be 61 M nodes, GBs of Python objects. A node takes
-# about 67 bytes (tracemalloc, CPython 3.11, 2,000 random tokens at depth 24): some 270 MB here.
-MAX_SHARED_NODES = 4_000_000
+# nodes, so 10,000 outputs of 256 distinct tokens would be 61 M nodes, GBs. A node takes about 165 bytes
+# (its rows, its int, its key in `kids`; tracemalloc, CPython 3.11, 2,000 random tokens at depth 24): some
+# 330 MB here, the bound the trees had as one object a node at 4 M nodes of ~67 bytes.
+MAX_SHARED_NODES = 2_000_000
 
 
 class GlobalTree:
@@ -400,8 +414,9 @@ class GlobalTree:
 
 
 _DONE = object()
-# Tree work the fleet's builder does per hold of its lock: ~40 us a token (CPython 3.11, depth 24, the 2-core
-# Xeon, loaded), so a step that wants the tree waits for none of it: it skips the fleet's tree that step.
+# Tree work the fleet's builder does per hold of its lock: ~25 us a token (CPython 3.11, depth 24, 200 random
+# outputs of 128 tokens in a row, the 2-core Xeon, loaded), so a step that wants the tree waits for none of
+# it: it skips the fleet's tree that step.
 FLEET_CHUNK_TOKENS = 16
 MAX_REST_S = 0.01
 # A sequence re-finds its place in the fleet's tree, after it changed, at most every this many proposals:
