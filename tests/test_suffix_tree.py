@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from test_suffix import _draft, _finish, _seq, _shape
 
-from specserve.spec.suffix import FLEET_REFRESH, GlobalTree, SuffixProposer, SuffixTree
+from specserve.spec.suffix import FLEET_REFRESH, GlobalTree, RequestTree, SuffixProposer, SuffixTree
 
 
 def _substrings(texts: list[list[int]], depth: int) -> Counter[tuple[int, ...]]:
@@ -100,6 +100,26 @@ def test_a_shared_trees_chunked_eviction_recycles_its_rows() -> None:
     assert cache.num_nodes == cache.tree.num_nodes
     # two outputs' nodes at most were ever live at once, plus one being inserted
     assert len(cache.tree.token) <= 1 + 3 * 30 * 5
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_requests_tree_keeps_rows_for_repeated_paths_alone_and_counts_them_all(seed: int) -> None:
+    rng = random.Random(seed)
+    depth, vocab = rng.choice([(2, 2), (3, 3), (5, 3), (8, 4), (24, 6)])
+    tree = RequestTree(depth)
+    text: list[int] = []
+    for _ in range(80):
+        token = rng.randrange(vocab)
+        text.append(token)
+        tree.append(token)
+        expected = _oracle_shape([text], depth)
+        assert tree.paths() == expected
+        assert len(tree.token) - 1 == sum(count >= 2 for count, _ in expected.values())
+        repeated = [tuple(text[-n:]) for n in range(1, min(len(text), depth - 1) + 1)]
+        assert [tree.count[row] for row in tree.ends] == [
+            expected[path][0] for path in repeated[: len(tree.ends)]
+        ]
+        assert all(expected[path][0] == 1 for path in repeated[len(tree.ends) :])
 
 
 # ---- drafts from counts alone ----------------------------------------------------------------------------

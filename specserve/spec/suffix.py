@@ -266,6 +266,97 @@ class SuffixTree:
         return node
 
 
+class RequestTree:
+    """A request's tree over its text so far, grown a token at a time (never removed from): SuffixTree's rows,
+    but only for paths that occur twice or more. A path that occurs once is where it occurs: its parent's
+    `kids` (and `best`) hold -2 - position (of its last token in `text`), and its only continuation, what
+    follows it there in the text, is implied; it gets a row when it occurs again. Most of a text's suffixes
+    past a few tokens occur once, so a token costs the dict steps of the suffixes that occurred before
+    (`ends`: their rows, shortest first) rather than max_depth new nodes."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError("max_depth must be at least 2 (a match and one token after it)")
+        self.max_depth = max_depth
+        self.root = _ROOT
+        self.text: list[int] = []
+        self.token = [-1]
+        self.count = [0]
+        self.best = [-1]
+        self.kids: dict[int, int] = {}
+        self.ends: list[int] = []  # rows of the text's suffixes of lengths 1..len(ends) (< max_depth)
+
+    def append(self, token: int) -> None:
+        text, kids, count, best, tokens = self.text, self.kids, self.count, self.best, self.token
+        text.append(token)
+        here = -2 - (len(text) - 1)
+        depth = self.max_depth
+        ends: list[int] = []
+        for length, node in enumerate((_ROOT, *self.ends), 1):  # the child's length
+            key = node << _TOKEN_BITS | token
+            row = kids.get(key)
+            if row is None:  # a first occurrence: so are all longer ones, each noted at its parent
+                kids[key] = child = here
+                c = 1
+            elif row >= 0:
+                child = row
+                c = count[row] + 1
+                count[row] = c
+            else:  # a second occurrence: a row, whose one child so far is what followed the first
+                first = -2 - row
+                child = len(tokens)
+                c = 2
+                tokens.append(token)
+                count.append(2)
+                after = -1
+                if length < depth and first + 1 < len(text):
+                    after = -3 - first
+                    kids[child << _TOKEN_BITS | text[first + 1]] = after
+                best.append(after)
+                kids[key] = child
+            if node != _ROOT:
+                b = best[node]
+                if b == row:  # the once-seen child now has its row
+                    best[node] = child
+                elif b != child:
+                    bc, bt = (count[b], tokens[b]) if b >= 0 else (1, text[-2 - b]) if b != -1 else (0, 0)
+                    if c > bc or (c == bc and token < bt):
+                        best[node] = child
+            if child >= 0 and length < depth:
+                ends.append(child)
+        self.ends = ends
+
+    def paths(self) -> dict[tuple[int, ...], tuple[int, int | None]]:
+        """Every path's occurrence count and its most frequent next token (None: none), rows or not."""
+        text, depth = self.text, self.max_depth
+        under: dict[int, list[int]] = {}
+        for key, child in self.kids.items():
+            under.setdefault(key >> _TOKEN_BITS, []).append(child)
+
+        def next_token(b: int) -> int | None:
+            return None if b == -1 else self.token[b] if b >= 0 else text[-2 - b]
+
+        out: dict[tuple[int, ...], tuple[int, int | None]] = {}
+        stack: list[tuple[tuple[int, ...], int]] = [((), _ROOT)]
+        while stack:
+            path, node = stack.pop()
+            for child in under.get(node, ()):
+                if child >= 0:
+                    out[path + (self.token[child],)] = (self.count[child], next_token(self.best[child]))
+                    stack.append((path + (self.token[child],), child))
+                    continue
+                at = -2 - child
+                chain = path + (text[at],)
+                while True:
+                    more = len(chain) < depth and at + 1 < len(text)
+                    out[chain] = (1, text[at + 1] if more else None)
+                    if not more:
+                        break
+                    at += 1
+                    chain += (text[at],)
+        return out
+
+
 @dataclass(frozen=True)
 class Speculation:
     token_ids: list[int]
@@ -295,16 +386,21 @@ class Walk:
         return out
 
     def speculate(
-        self, tree: SuffixTree, ends: list[int], max_tokens: int, beat: Speculation = NO_SPECULATION
+        self,
+        tree: SuffixTree | RequestTree,
+        ends: list[int],
+        max_tokens: int,
+        beat: Speculation = NO_SPECULATION,
+        text: list[int] | None = None,
     ) -> Speculation:
         """The best draft from any of the context's suffix nodes in `tree` (`ends[i]`: the suffix of length
-        i + 1) if it scores above `beat`, else `beat`; on a tie, the longer match.
+        i + 1) if it scores above `beat`, else `beat`; on a tie, the longer match. `text`: a RequestTree's.
 
         Longest match first: a draft of n tokens scores n at most (each token's probability is at most 1),
         and n only shrinks with the match, so the walk stops at the first match whose limit cannot beat the
         best so far, and a shorter match must score strictly more to win, as a tie goes to the longer."""
         count, best_kid, token = tree.count, tree.best, tree.token
-        min_prob = self.min_token_prob
+        min_prob, depth = self.min_token_prob, tree.max_depth
         best = beat
         limits = self.limits(max_tokens, len(ends))
         for i in range(len(ends) - 1, -1, -1):
@@ -313,12 +409,25 @@ class Walk:
                 break
             node = ends[i]
             child = best_kid[node]
-            if child < 0:
+            if child == -1:
                 continue
             tokens: list[int] = []
             prob = 1.0
             score = 0.0
             while True:
+                if child < 0:  # a path seen once (RequestTree): the text after it, each token a ratio of 1
+                    assert text is not None
+                    prob *= 1 / count[node]
+                    if prob < min_prob:
+                        break
+                    at = -2 - child
+                    tokens.append(text[at])
+                    score += prob
+                    while len(tokens) < limit and i + 1 + len(tokens) < depth and at + 1 < len(text):
+                        at += 1
+                        tokens.append(text[at])
+                        score += prob
+                    break
                 c = count[child]
                 if c <= 0:  # removed since it was reached (FleetTree)
                     break
@@ -331,7 +440,7 @@ class Walk:
                     break
                 node = child
                 child = best_kid[node]
-                if child < 0:
+                if child == -1:
                     break
             if tokens and score > best.score:
                 best = Speculation(tokens, score, i + 1)
@@ -353,8 +462,7 @@ class _RequestState:
     """One sequence's tree over its tokens so far, and where its suffixes stand in the shared trees."""
 
     def __init__(self, max_depth: int) -> None:
-        self.tree = SuffixTree(max_depth, removable=False)
-        self.ends: list[int] = []
+        self.tree = RequestTree(max_depth)
         self.num_tokens = 0
         self.shared = _Followed()  # this worker's finished outputs
         self.fleet = _Followed()  # other workers' (FleetTree)
@@ -598,7 +706,7 @@ class SuffixProposer:
         """The best of the request's own tree, this worker's outputs and (`fleet`: its lock is held) the
         fleet's; on a tie, in that order."""
         walk = self.walk
-        best = walk.speculate(state.tree, state.ends, max_tokens)
+        best = walk.speculate(state.tree, state.tree.ends, max_tokens, text=state.tree.text)
         if self.cache.outputs:
             best = walk.speculate(self.cache.tree, state.shared.ends, max_tokens, best)
         if fleet:
@@ -615,7 +723,7 @@ class SuffixProposer:
         start = state.num_tokens
         tree = state.tree
         for token in tokens[start:]:
-            state.ends = tree.extend(state.ends, token)
+            tree.append(token)
         state.num_tokens = len(tokens)
         if self.cache.outputs:
             self._follow(self.cache, state.shared, tokens, start)
