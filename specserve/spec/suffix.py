@@ -15,25 +15,26 @@ Pure Python rather than Arctic Inference's compiled suffix tree (arctic-inferenc
 `arctic_inference.suffix_decoding` imports without vLLM on CPU): a wheel per CPython version and platform
 for a few hundred lines of dict walks is not worth the dependency, and every step's cost here is bounded by
 the depth, not by the text's length:
-- appending a token to a request's tree touches the `max_depth` suffixes that end at it (their nodes are
-  kept), and so does following it in the global tree (the same, read-only, rebuilt once from the last
-  `max_depth` tokens after the global tree changed);
+- appending a token to a request's tree touches the suffixes that end at it and occurred before (a
+  RequestTree keeps a path seen once as its place in the text, not as max_depth new nodes), and following it
+  in a shared tree touches those it holds (read-only, rebuilt once from the last `max_depth` tokens after the
+  tree changed; it stops at the first suffix the tree lacks, as no longer one is there);
 - a proposal reads those nodes directly (no search from the root) and walks at most k children from each
   (the most frequent child of every node is kept up to date), longest match first, stopping where no shorter
-  match can score more; following a shared tree stops at the first suffix it lacks (no longer one is there).
-A request's tree holds up to prompt length x max_depth nodes, built on its first draft.
+  match can score more.
 
-The trees are flat: a node is a row of a few int lists, and children are found in one dict of int keys per
-tree (SuffixTree), so a tree is a handful of objects whatever its size. Nodes as one Python object each cost
-the step most of its proposal time, in Python's cyclic collector rather than in the walks: every node made
-on the step thread counted toward a collection, and a full one walked every node of every tree (~200 ms with
-a fleet tree of 200 outputs and 32 requests' trees); the 50 proposals bench/suffix_fleet.py's micro part
-times per case caught one such or not, which is all an EMPTY fleet tree's extra 2.5 ms was (with the
-collector off it priced the same as no fleet tree). Lists rather than arrays: an array's read makes an int
-object and is ~4x slower, and a list of ints is one object to the collector (its items are no containers).
-A compiled tree would cost a build step and a binding for the dict walks Python already does in C, and the
-flat one prices a proposal for 32 sequences with a full fleet tree below a millisecond (`python
-bench/suffix_fleet.py --skip-serving`, the 2-core Xeon, loaded).
+The trees are flat: a node is a row of a few int lists, and children are found in one dict of int keys
+per tree (SuffixTree, RequestTree), so a tree is a handful of objects whatever its size. Nodes as one
+Python object each cost the step most of its proposal time, in Python's cyclic collector rather than in
+the walks: every node made on the step thread counted toward a collection, and a full one walked every
+node of every tree (~200 ms with a fleet tree of 200 outputs and 32 requests' trees); the 50 proposals
+bench/suffix_fleet.py's micro part times per case caught one such or not, which is all an EMPTY fleet
+tree's extra 2.5 ms was (with the collector off it priced the same as no fleet tree). Lists rather than
+arrays: an array's read makes an int object and is ~4x slower, and a list of ints is one object to the
+collector (its items are no containers). Not compiled: a build step and a binding for dict walks Python
+already does in C, when the flat trees price a proposal for 32 sequences at ~0.26 ms with no fleet tree,
+~0.31 ms with an empty one and ~0.52 ms with a full one (200 outputs), collector on, against 1.1 / 5.1 /
+9.7 ms for one object a node (`python bench/suffix_fleet.py --skip-serving`, the 2-core Xeon, loaded).
 """
 
 from __future__ import annotations
@@ -55,28 +56,27 @@ _ROOT = 0
 
 
 class SuffixTree:
-    """Suffixes of token sequences, each cut at max_depth tokens. Add a sequence whole (`insert`) or token by
-    token (`extend`, which returns the suffix nodes to pass back with the next token).
+    """Suffixes of token sequences, each cut at max_depth tokens, added (`insert`) and removed (`remove`)
+    whole: the shared trees' (a request's own is a RequestTree).
 
     A node is a row of the lists: its `token`, `count` (the path's occurrences within max_depth of where
-    they start) and `best` (its most frequent child; ties: the lowest token id; -1: none; not kept for the
-    root, which no walk starts from); `kids` maps parent << 32 | token to the child's row. A tree that
-    sequences leave (`removable`) also links each node among its parent's children (`first` child, `next`
-    and `prev` sibling), so a removal unlinks it at once and finds the parent's most frequent child again;
-    a node whose count falls to 0 leaves `kids` and its row goes to `free`, for the next node made."""
+    they start), `best` (its most frequent child; ties: the lowest token id; -1: none; not kept for the
+    root, which no walk starts from) and its place among its parent's children (`first` child, `next` and
+    `prev` sibling), so a removal unlinks it at once and finds the parent's most frequent child again.
+    `kids` maps parent << 32 | token to the child's row. A node whose count falls to 0 leaves `kids` and its
+    row goes to `free`, for the next node made."""
 
-    def __init__(self, max_depth: int, removable: bool = True) -> None:
+    def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError("max_depth must be at least 2 (a match and one token after it)")
         self.max_depth = max_depth
-        self.removable = removable
         self.root = _ROOT
         self.token = [-1]
         self.count = [0]
         self.best = [-1]
-        self.first = [-1] if removable else []
-        self.next = [-1] if removable else []
-        self.prev = [-1] if removable else []
+        self.first = [-1]
+        self.next = [-1]
+        self.prev = [-1]
         self.kids: dict[int, int] = {}
         self.free: list[int] = []
 
@@ -86,9 +86,6 @@ class SuffixTree:
         return len(self.token) - len(self.free) - 1
 
     def children(self, node: int) -> Iterator[int]:
-        if not self.removable:
-            yield from (row for key, row in self.kids.items() if key >> _TOKEN_BITS == node)
-            return
         kid = self.first[node]
         while kid >= 0:
             yield kid
@@ -106,18 +103,16 @@ class SuffixTree:
             self.token.append(token)
             self.count.append(0)
             self.best.append(-1)
-            if self.removable:
-                self.first.append(-1)
-                self.next.append(-1)
-                self.prev.append(-1)
-        if self.removable:
-            head = self.first[parent]
-            self.first[row] = -1
-            self.next[row] = head
-            self.prev[row] = -1
-            if head >= 0:
-                self.prev[head] = row
-            self.first[parent] = row
+            self.first.append(-1)
+            self.next.append(-1)
+            self.prev.append(-1)
+        head = self.first[parent]
+        self.first[row] = -1
+        self.next[row] = head
+        self.prev[row] = -1
+        if head >= 0:
+            self.prev[head] = row
+        self.first[parent] = row
         self.kids[parent << _TOKEN_BITS | token] = row
         return row
 
@@ -145,23 +140,11 @@ class SuffixTree:
             kid = self.next[kid]
         self.best[node] = best
 
-    def extend(self, ends: list[int], token: int) -> list[int]:
-        """`ends`: the nodes of the sequence's suffixes of lengths 1..len(ends) (len(ends) < max_depth),
-        shortest first. Counts the suffixes of the sequence with `token` appended and returns their nodes,
-        but for the one of max_depth tokens, which goes no deeper."""
-        out = self._counted(ends, token)[0]
-        if len(out) == self.max_depth:
-            out.pop()
-        return out
-
     def _counted(self, ends: list[int], token: int) -> tuple[list[int], int]:
-        """The nodes of `ends` followed by `token` (made where new), one occurrence more each, and how many
-        were made."""
+        """`ends`: the nodes of a sequence's suffixes of lengths 1..len(ends), shortest first. The nodes of
+        its suffixes with `token` appended (made where new), one occurrence more each, and how many were
+        made."""
         kids, count, best, tokens = self.kids, self.count, self.best, self.token
-        if self.removable or self.free:
-            make = self._make
-        else:  # a request's tree: a new node is three appends, inline (most of a step's suffixes are new)
-            make = None
         made = 0
         row = kids.get(token)  # the root's child: _ROOT << _TOKEN_BITS is 0
         if row is None:
@@ -170,28 +153,15 @@ class SuffixTree:
         count[row] += 1
         out = [row]
         for node in ends:
-            key = node << _TOKEN_BITS | token
-            row = kids.get(key)
+            row = kids.get(node << _TOKEN_BITS | token)
             if row is None:
+                row = self._make(node, token)
                 made += 1
-                if make is None:
-                    row = len(tokens)
-                    tokens.append(token)
-                    count.append(1)
-                    best.append(-1)
-                    kids[key] = row
-                else:
-                    row = make(node, token)
-                    count[row] = 1
-                b = best[node]
-                if b < 0 or (count[b] == 1 and token < tokens[b]):
-                    best[node] = row
-            else:
-                c = count[row] + 1
-                count[row] = c
-                b = best[node]
-                if b != row and (c > count[b] or (c == count[b] and token < tokens[b])):
-                    best[node] = row
+            c = count[row] + 1
+            count[row] = c
+            b = best[node]
+            if b != row and (b < 0 or c > count[b] or (c == count[b] and token < tokens[b])):
+                best[node] = row
             out.append(row)
         return out, made
 
@@ -242,8 +212,9 @@ class SuffixTree:
         yield dropped
 
     def follow(self, ends: list[int], token: int) -> list[int]:
-        """Like extend, read-only, and only as far as the suffixes occur in the tree: a suffix that does
-        not occur has no longer one that does."""
+        """`ends`: the nodes of a sequence's suffixes of lengths 1..len(ends) (< max_depth - 1), shortest
+        first; the nodes of its suffixes with `token` appended, as far as they occur in the tree (a suffix
+        that does not has no longer one that does)."""
         kids = self.kids
         row = kids.get(token)
         if row is None:
