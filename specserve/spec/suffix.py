@@ -32,9 +32,10 @@ bench/suffix_fleet.py's micro part times per case caught one such or not, which 
 tree's extra 2.5 ms was (with the collector off it priced the same as no fleet tree). Lists rather than
 arrays: an array's read makes an int object and is ~4x slower, and a list of ints is one object to the
 collector (its items are no containers). Not compiled: a build step and a binding for dict walks Python
-already does in C, when the flat trees price a proposal for 32 sequences at ~0.26 ms with no fleet tree,
-~0.31 ms with an empty one and ~0.52 ms with a full one (200 outputs), collector on, against 1.1 / 5.1 /
-9.7 ms for one object a node (`python bench/suffix_fleet.py --skip-serving`, the 2-core Xeon, loaded).
+already does in C, when the flat trees price a proposal for 32 sequences at 0.21 ms with no fleet tree,
+0.21 ms with an empty one, 0.67 ms with a full one (200 outputs) and 0.53 ms while it is built, collector
+on, against 1.06 / 1.02 / 1.57 / 27.9 ms for one object a node, run just before (`python
+bench/suffix_fleet.py --skip-serving`, the 2-core Xeon, loaded: indicative only).
 """
 
 from __future__ import annotations
