@@ -468,9 +468,11 @@ class GlobalTree:
     def add_steps(self, key: Hashable, tokens: list[int], chunk: int) -> Iterator[None]:
         """add(key, tokens) about `chunk` tokens of tree work at a time; between two steps the tree is whole,
         so a reader holding the writer's lock may walk it. `version` changes once per output inserted or
-        removed, not per step: a reader's nodes from before stay usable meanwhile (a node removed since is
-        detached, its counts only lower, and Walk stops at a count of 0), and rebuilding every reader's nodes
-        per chunk would cost the step more than the drafts it misses."""
+        removed, not per step: a reader's nodes from before stay usable meanwhile (a node removed since has
+        count 0 and no child, so Walk drafts nothing from it; once its row is reused for another path, a
+        stale reader may draft that path's continuation, which the verifier rejects like any poor draft:
+        the target's tokens never depend on a draft), and rebuilding every reader's nodes per chunk would
+        cost the step more than the drafts it misses."""
         if self.max_requests <= 0 or not tokens:
             return
         old = self.outputs.pop(key, None)
