@@ -374,7 +374,7 @@ class Walk:
         count, best_kid, token = tree.count, tree.best, tree.token
         min_prob, depth = self.min_token_prob, tree.max_depth
         best = beat
-        limits = self.limits(max_tokens, len(ends))
+        limits = self.limits(max_tokens, depth)  # the same list every call: ends are shorter than depth
         for i in range(len(ends) - 1, -1, -1):
             limit = limits[i + 1]
             if limit <= best.score:
