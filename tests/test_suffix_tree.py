@@ -5,6 +5,7 @@ substring counts alone."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 from collections import Counter
@@ -120,6 +121,23 @@ def test_a_requests_tree_keeps_rows_for_repeated_paths_alone_and_counts_them_all
             expected[path][0] for path in repeated[: len(tree.ends)]
         ]
         assert all(expected[path][0] == 1 for path in repeated[len(tree.ends) :])
+
+
+@pytest.mark.parametrize("kind", [SuffixTree, RequestTree])
+def test_a_tree_holds_nothing_the_cyclic_collector_walks_whatever_its_size(kind: type) -> None:
+    rng = random.Random(0)
+    tree = kind(24)
+    text = [rng.randrange(6) for _ in range(3000)]
+    if kind is SuffixTree:
+        tree.insert(text)
+        tree.remove(text[:1000])
+    else:
+        for token in text:
+            tree.append(token)
+    held = list(vars(tree).values())
+    assert len(tree.token) > 1500  # rows enough that one object per node would show
+    assert not [o for o in gc.get_referents(*held) if gc.is_tracked(o)]  # lists of ints, int-keyed dicts
+    assert not gc.is_tracked(tree.kids)
 
 
 # ---- drafts from counts alone ----------------------------------------------------------------------------
