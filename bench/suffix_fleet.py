@@ -15,9 +15,9 @@ same again in reverse (the machine is noisy); each on fresh engines. Greedy: bot
 
 The step side's cost is measured apart (`micro`): a proposal for a batch of sequences against the fleet
 tree empty, holding N outputs, and while the builder inserts (its lock then mostly busy, so a proposal
-skips it). It runs twice: as the worker runs, and with Python's cyclic garbage collector off: the trees'
-nodes are one object each, so a collection that a proposal's (or the builder's) allocations set off walks
-them all, on the step's thread; the difference is what that costs.
+skips it). It runs twice: as the worker runs, and with Python's cyclic garbage collector off: trees of one
+object a node had a collection that a proposal's (or the builder's) allocations set off walk them all, on
+the step's thread; the trees are flat now (spec/suffix.py), and the two runs should price the same.
 
     python bench/suffix_fleet.py [--templates 6] [--repeats 3] [--max-tokens 96] [--k 4] [--model M]
 """
@@ -222,6 +222,9 @@ def micro(batch: int, outputs: int, length: int, rounds: int, forward_s: float) 
             time.sleep(forward_s)  # the target's forward, torch's, without the GIL
         return spent / rounds
 
+    # What the imports left is collected and old, as in a worker long past its start: else its full
+    # collection (~100 ms here) lands in whichever case comes first.
+    gc.collect()
     # as the worker runs the engine (engine/async_engine.py): the builder's thread gives the GIL back soon
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     result: dict[str, Any] = {"batch": batch, "outputs": outputs, "output_tokens": length, "rounds": rounds}

@@ -25,7 +25,7 @@ from specserve.engine.sequence import SeqStatus, Sequence
 from specserve.spec.config import SpeculativeConfig
 from specserve.spec.decoder import SpeculativeDecoder, check_speculation
 from specserve.spec.ngram import NgramProposer
-from specserve.spec.suffix import GlobalTree, SuffixProposer, SuffixTree
+from specserve.spec.suffix import GlobalTree, RequestTree, SuffixProposer, SuffixTree
 
 pytest_plugins = ("valkey_fixtures",)
 
@@ -45,15 +45,18 @@ def _finish(proposer: SuffixProposer, seq_id: int, prompt: list[int], output: li
     proposer.forget(seq)
 
 
-def _shape(tree: SuffixTree) -> dict[tuple[int, ...], tuple[int, int | None]]:
+def _shape(tree: SuffixTree | RequestTree) -> dict[tuple[int, ...], tuple[int, int | None]]:
     """Every path's occurrence count and its most frequent next token."""
+    if isinstance(tree, RequestTree):
+        return tree.paths()
     out: dict[tuple[int, ...], tuple[int, int | None]] = {}
     stack = [((), tree.root)]
     while stack:
         path, node = stack.pop()
-        for kid in node.children():
-            out[path + (kid.token,)] = (kid.count, None if kid.best is None else kid.best.token)
-            stack.append((path + (kid.token,), kid))
+        for kid in tree.children(node):
+            best = tree.best[kid]
+            out[path + (tree.token[kid],)] = (tree.count[kid], None if best < 0 else tree.token[best])
+            stack.append((path + (tree.token[kid],), kid))
     return out
 
 

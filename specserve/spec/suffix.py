@@ -15,12 +15,27 @@ Pure Python rather than Arctic Inference's compiled suffix tree (arctic-inferenc
 `arctic_inference.suffix_decoding` imports without vLLM on CPU): a wheel per CPython version and platform
 for a few hundred lines of dict walks is not worth the dependency, and every step's cost here is bounded by
 the depth, not by the text's length:
-- appending a token to a request's tree touches the `max_depth` suffixes that end at it (their nodes are
-  kept), and so does following it in the global tree (the same, read-only, rebuilt once from the last
-  `max_depth` tokens after the global tree changed);
+- appending a token to a request's tree touches the suffixes that end at it and occurred before (a
+  RequestTree keeps a path seen once as its place in the text, not as max_depth new nodes), and following it
+  in a shared tree touches those it holds (read-only, rebuilt once from the last `max_depth` tokens after the
+  tree changed; it stops at the first suffix the tree lacks, as no longer one is there);
 - a proposal reads those nodes directly (no search from the root) and walks at most k children from each
-  (the most frequent child of every node is kept up to date).
-A request's tree holds up to prompt length x max_depth nodes (each one object), built on its first draft.
+  (the most frequent child of every node is kept up to date), longest match first, stopping where no shorter
+  match can score more.
+
+The trees are flat: a node is a row of a few int lists, and children are found in one dict of int keys
+per tree (SuffixTree, RequestTree), so a tree is a handful of objects whatever its size. Nodes as one
+Python object each cost the step most of its proposal time, in Python's cyclic collector rather than in
+the walks: every node made on the step thread counted toward a collection, and a full one walked every
+node of every tree (~200 ms with a fleet tree of 200 outputs and 32 requests' trees); the 50 proposals
+bench/suffix_fleet.py's micro part times per case caught one such or not, which is all an EMPTY fleet
+tree's extra 2.5 ms was (with the collector off it priced the same as no fleet tree). Lists rather than
+arrays: an array's read makes an int object and is ~4x slower, and a list of ints is one object to the
+collector (its items are no containers). Not compiled: a build step and a binding for dict walks Python
+already does in C, when the flat trees price a proposal for 32 sequences at 0.21 ms with no fleet tree,
+0.21 ms with an empty one, 0.67 ms with a full one (200 outputs) and 0.53 ms while it is built, collector
+on, against 1.06 / 1.02 / 1.57 / 27.9 ms for one object a node, run just before (`python
+bench/suffix_fleet.py --skip-serving`, the 2-core Xeon, loaded: indicative only).
 """
 
 from __future__ import annotations
@@ -31,113 +46,125 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specserve.engine.sequence import Sequence
 from specserve.spec.proposer import Draft
 
-
-class _Node:
-    """The token sequence on the path from the root; `count`: its occurrences (within max_depth of where
-    they start). Children are inline while there is one (most nodes of a text's trie), a dict after."""
-
-    __slots__ = ("token", "count", "kids", "best")
-
-    def __init__(self, token: int) -> None:
-        self.token = token
-        self.count = 0
-        self.kids: _Node | dict[int, _Node] | None = None
-        self.best: _Node | None = None  # the most frequent child; ties: the lowest token id
-
-    def child(self, token: int) -> _Node | None:
-        kids = self.kids
-        if kids is None:
-            return None
-        if type(kids) is _Node:
-            return kids if kids.token == token else None
-        return kids.get(token)
-
-    def children(self) -> Iterable[_Node]:
-        kids = self.kids
-        if kids is None:
-            return ()
-        if type(kids) is _Node:
-            return (kids,)
-        return kids.values()
-
-    def add(self, token: int) -> _Node:
-        """One more occurrence of this path followed by `token`."""
-        node = self.child(token)
-        if node is None:
-            node = _Node(token)
-            kids = self.kids
-            if kids is None:
-                self.kids = node
-            elif type(kids) is _Node:
-                self.kids = {kids.token: kids, token: node}
-            else:
-                kids[token] = node
-        node.count += 1
-        best = self.best
-        if best is None or _ranks_above(node, best):
-            self.best = node
-        return node
-
-    def remove(self, token: int) -> _Node:
-        """One occurrence fewer of this path followed by `token`; a child left with none is dropped."""
-        node = self.child(token)
-        if node is None:
-            raise KeyError(token)
-        node.count -= 1
-        if not node.count:
-            if type(self.kids) is _Node:
-                self.kids = None
-            else:
-                del self.kids[token]
-                if len(self.kids) == 1:
-                    self.kids = next(iter(self.kids.values()))
-        if node is self.best:
-            self.best = None
-            for kid in self.children():
-                if self.best is None or _ranks_above(kid, self.best):
-                    self.best = kid
-        return node
-
-
-def _ranks_above(a: _Node, b: _Node) -> bool:
-    return a.count > b.count or (a.count == b.count and a.token < b.token)
-
-
-@dataclass(frozen=True)
-class Speculation:
-    token_ids: list[int]
-    score: float  # sum of the draft tokens' estimated probabilities
-    match_len: int
-
-
-NO_SPECULATION = Speculation([], 0.0, 0)
+# A child's key in SuffixTree.kids: its parent's row shifted past any token id, or'ed with its token.
+_TOKEN_BITS = 32
+_ROOT = 0
 
 
 class SuffixTree:
-    """Suffixes of token sequences, each cut at max_depth tokens. Add a sequence whole (`insert`) or token by
-    token (`extend`, which returns the suffix nodes to pass back with the next token)."""
+    """Suffixes of token sequences, each cut at max_depth tokens, added (`insert`) and removed (`remove`)
+    whole: the shared trees' (a request's own is a RequestTree).
+
+    A node is a row of the lists: its `token`, `count` (the path's occurrences within max_depth of where
+    they start), `best` (its most frequent child; ties: the lowest token id; -1: none; not kept for the
+    root, which no walk starts from) and its place among its parent's children (`first` child, `next` and
+    `prev` sibling), so a removal unlinks it at once and finds the parent's most frequent child again.
+    `kids` maps parent << 32 | token to the child's row. A node whose count falls to 0 leaves `kids` and its
+    row goes to `free`, for the next node made."""
 
     def __init__(self, max_depth: int) -> None:
         if max_depth < 2:
             raise ValueError("max_depth must be at least 2 (a match and one token after it)")
         self.max_depth = max_depth
-        self.root = _Node(-1)
+        self.root = _ROOT
+        self.token = [-1]
+        self.count = [0]
+        self.best = [-1]
+        self.first = [-1]
+        self.next = [-1]
+        self.prev = [-1]
+        self.kids: dict[int, int] = {}
+        self.free: list[int] = []
 
-    def extend(self, ends: list[_Node], token: int) -> list[_Node]:
-        """`ends`: the nodes of the sequence's suffixes of lengths 1..len(ends) (len(ends) < max_depth),
-        shortest first. Counts the suffixes of the sequence with `token` appended and returns their nodes,
-        but for the one of max_depth tokens, which goes no deeper."""
-        return self._counted(ends, token)[: self.max_depth - 1]
+    @property
+    def num_nodes(self) -> int:
+        """Nodes in the tree, the root aside."""
+        return len(self.token) - len(self.free) - 1
 
-    def _counted(self, ends: list[_Node], token: int) -> list[_Node]:
-        out = [self.root.add(token)]
-        out.extend(node.add(token) for node in ends)
-        return out
+    def children(self, node: int) -> Iterator[int]:
+        kid = self.first[node]
+        while kid >= 0:
+            yield kid
+            kid = self.next[kid]
+
+    def _make(self, parent: int, token: int) -> int:
+        """A new child of `parent` (count 0), in a free row if there is one."""
+        if self.free:
+            row = self.free.pop()
+            self.token[row] = token
+            self.count[row] = 0
+            self.best[row] = -1
+        else:
+            row = len(self.token)
+            self.token.append(token)
+            self.count.append(0)
+            self.best.append(-1)
+            self.first.append(-1)
+            self.next.append(-1)
+            self.prev.append(-1)
+        head = self.first[parent]
+        self.first[row] = -1
+        self.next[row] = head
+        self.prev[row] = -1
+        if head >= 0:
+            self.prev[head] = row
+        self.first[parent] = row
+        self.kids[parent << _TOKEN_BITS | token] = row
+        return row
+
+    def _drop(self, parent: int, row: int) -> None:
+        """Unlink `row` (count 0) from its parent and free it; its children go in the same removal."""
+        del self.kids[parent << _TOKEN_BITS | self.token[row]]
+        before, after = self.prev[row], self.next[row]
+        if before >= 0:
+            self.next[before] = after
+        else:
+            self.first[parent] = after
+        if after >= 0:
+            self.prev[after] = before
+        self.best[row] = -1
+        self.free.append(row)
+
+    def _rerank(self, node: int) -> None:
+        """Find `node`'s most frequent child again, after one of its children lost an occurrence."""
+        count, token = self.count, self.token
+        best = -1
+        kid = self.first[node]
+        while kid >= 0:
+            if best < 0 or (count[kid], -token[kid]) > (count[best], -token[best]):
+                best = kid
+            kid = self.next[kid]
+        self.best[node] = best
+
+    def _counted(self, ends: list[int], token: int) -> tuple[list[int], int]:
+        """`ends`: the nodes of a sequence's suffixes of lengths 1..len(ends), shortest first. The nodes of
+        its suffixes with `token` appended (made where new), one occurrence more each, and how many were
+        made."""
+        kids, count, best, tokens = self.kids, self.count, self.best, self.token
+        made = 0
+        row = kids.get(token)  # the root's child: _ROOT << _TOKEN_BITS is 0
+        if row is None:
+            row = self._make(_ROOT, token)
+            made += 1
+        count[row] += 1
+        out = [row]
+        for node in ends:
+            row = kids.get(node << _TOKEN_BITS | token)
+            if row is None:
+                row = self._make(node, token)
+                made += 1
+            c = count[row] + 1
+            count[row] = c
+            b = best[node]
+            if b != row and (b < 0 or c > count[b] or (c == count[b] and token < tokens[b])):
+                best[node] = row
+            out.append(row)
+        return out, made
 
     def insert(self, tokens: Iterable[int]) -> int:
         """Count every suffix of `tokens`; returns the nodes it added."""
@@ -147,11 +174,12 @@ class SuffixTree:
         """insert(tokens) `chunk` tokens at a time, yielding the nodes each chunk added: the tree is whole
         between chunks (as if a prefix of `tokens` had been inserted), so a reader may walk it there."""
         added = 0
-        ends: list[_Node] = []
+        ends: list[int] = []
+        keep = self.max_depth - 1
         for i, token in enumerate(tokens, 1):
-            nodes = self._counted(ends, token)
-            added += sum(node.count == 1 for node in nodes)  # a node of count 0 does not stay in the tree
-            ends = nodes[: self.max_depth - 1]
+            nodes, made = self._counted(ends, token)
+            added += made
+            ends = nodes[:keep]
             if i % chunk == 0:
                 yield added
                 added = 0
@@ -164,30 +192,151 @@ class SuffixTree:
 
     def remove_steps(self, tokens: list[int], chunk: int) -> Iterator[int]:
         """remove(tokens) `chunk` suffixes at a time, yielding the nodes each chunk dropped."""
+        kids, count, best = self.kids, self.count, self.best
         dropped = 0
         for start in range(len(tokens)):
-            node = self.root
+            node = _ROOT
             for token in tokens[start : start + self.max_depth]:
-                node = node.remove(token)
-                dropped += node.count == 0
+                row = kids[node << _TOKEN_BITS | token]
+                c = count[row] - 1
+                count[row] = c
+                if not c:
+                    self._drop(node, row)
+                    dropped += 1
+                # a node with one child left (its count all that child's) needs no search
+                if node != _ROOT and best[node] == row and (not c or c != count[node]):
+                    self._rerank(node)
+                node = row
             if (start + 1) % chunk == 0:
                 yield dropped
                 dropped = 0
         yield dropped
 
-    def follow(self, ends: list[_Node | None], token: int) -> list[_Node | None]:
-        """Like extend, read-only: None where the suffix does not occur in the tree."""
-        out = [self.root.child(token)]
-        out.extend(None if node is None else node.child(token) for node in ends[: self.max_depth - 2])
+    def follow(self, ends: list[int], token: int) -> list[int]:
+        """`ends`: the nodes of a sequence's suffixes of lengths 1..len(ends) (< max_depth - 1), shortest
+        first; the nodes of its suffixes with `token` appended, as far as they occur in the tree (a suffix
+        that does not has no longer one that does)."""
+        kids = self.kids
+        row = kids.get(token)
+        if row is None:
+            return []
+        out = [row]
+        for node in ends[: self.max_depth - 2]:
+            row = kids.get(node << _TOKEN_BITS | token)
+            if row is None:
+                break
+            out.append(row)
         return out
 
-    def match(self, suffix: list[int]) -> _Node | None:
-        node: _Node | None = self.root
+    def match(self, suffix: list[int]) -> int | None:
+        node = _ROOT
         for token in suffix:
-            node = node.child(token)
-            if node is None:
+            row = self.kids.get(node << _TOKEN_BITS | token)
+            if row is None:
                 return None
+            node = row
         return node
+
+
+class RequestTree:
+    """A request's tree over its text so far, grown a token at a time (never removed from): SuffixTree's rows,
+    but only for paths that occur twice or more. A path that occurs once is where it occurs: its parent's
+    `kids` (and `best`) hold -2 - position (of its last token in `text`), and its only continuation, what
+    follows it there in the text, is implied; it gets a row when it occurs again. Most of a text's suffixes
+    past a few tokens occur once, so a token costs the dict steps of the suffixes that occurred before
+    (`ends`: their rows, shortest first) rather than max_depth new nodes."""
+
+    def __init__(self, max_depth: int) -> None:
+        if max_depth < 2:
+            raise ValueError("max_depth must be at least 2 (a match and one token after it)")
+        self.max_depth = max_depth
+        self.root = _ROOT
+        self.text: list[int] = []
+        self.token = [-1]
+        self.count = [0]
+        self.best = [-1]
+        self.kids: dict[int, int] = {}
+        self.ends: list[int] = []  # rows of the text's suffixes of lengths 1..len(ends) (< max_depth)
+
+    def append(self, token: int) -> None:
+        text, kids, count, best, tokens = self.text, self.kids, self.count, self.best, self.token
+        text.append(token)
+        here = -2 - (len(text) - 1)
+        depth = self.max_depth
+        ends: list[int] = []
+        for length, node in enumerate((_ROOT, *self.ends), 1):  # the child's length
+            key = node << _TOKEN_BITS | token
+            row = kids.get(key)
+            if row is None:  # a first occurrence: so are all longer ones, each noted at its parent
+                kids[key] = child = here
+                c = 1
+            elif row >= 0:
+                child = row
+                c = count[row] + 1
+                count[row] = c
+            else:  # a second occurrence: a row, whose one child so far is what followed the first
+                first = -2 - row
+                child = len(tokens)
+                c = 2
+                tokens.append(token)
+                count.append(2)
+                after = -1
+                if length < depth and first + 1 < len(text):
+                    after = -3 - first
+                    kids[child << _TOKEN_BITS | text[first + 1]] = after
+                best.append(after)
+                kids[key] = child
+            if node != _ROOT:
+                b = best[node]
+                if b == row:  # the once-seen child now has its row
+                    best[node] = child
+                elif b != child:
+                    bc, bt = (count[b], tokens[b]) if b >= 0 else (1, text[-2 - b]) if b != -1 else (0, 0)
+                    if c > bc or (c == bc and token < bt):
+                        best[node] = child
+            if child >= 0 and length < depth:
+                ends.append(child)
+        self.ends = ends
+
+    def paths(self) -> dict[tuple[int, ...], tuple[int, int | None]]:
+        """Every path's occurrence count and its most frequent next token (None: none), rows or not."""
+        text, depth = self.text, self.max_depth
+        under: dict[int, list[int]] = {}
+        for key, child in self.kids.items():
+            under.setdefault(key >> _TOKEN_BITS, []).append(child)
+
+        def next_token(b: int) -> int | None:
+            return None if b == -1 else self.token[b] if b >= 0 else text[-2 - b]
+
+        out: dict[tuple[int, ...], tuple[int, int | None]] = {}
+        stack: list[tuple[tuple[int, ...], int]] = [((), _ROOT)]
+        while stack:
+            path, node = stack.pop()
+            for child in under.get(node, ()):
+                if child >= 0:
+                    out[path + (self.token[child],)] = (self.count[child], next_token(self.best[child]))
+                    stack.append((path + (self.token[child],), child))
+                    continue
+                at = -2 - child
+                chain = path + (text[at],)
+                while True:
+                    more = len(chain) < depth and at + 1 < len(text)
+                    out[chain] = (1, text[at + 1] if more else None)
+                    if not more:
+                        break
+                    at += 1
+                    chain += (text[at],)
+        return out
+
+
+@dataclass(frozen=True)
+class Speculation:
+    token_ids: list[int]
+    score: float  # sum of the draft tokens' estimated probabilities
+    match_len: int
+
+
+NO_SPECULATION = Speculation([], 0.0, 0)
 
 
 @dataclass(frozen=True)
@@ -197,30 +346,76 @@ class Walk:
     max_spec_factor: float
     max_spec_offset: float
     min_token_prob: float
+    # per max_tokens, the draft's longest for each match length (index: match length)
+    _limits: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
-    def speculate(self, ends: list[_Node | None], max_tokens: int) -> Speculation:
-        """The best draft from any of the context's suffix nodes (`ends[i]`: the suffix of length i + 1)."""
-        best = NO_SPECULATION
-        for i, node in enumerate(ends):
-            if node is None or node.best is None:
+    def limits(self, max_tokens: int, depth: int) -> list[int]:
+        out = self._limits.get(max_tokens)
+        if out is None or len(out) <= depth:
+            grow = self.max_spec_factor, self.max_spec_offset
+            out = [min(max_tokens, int(n * grow[0] + grow[1] + 1e-6)) for n in range(depth + 1)]
+            self._limits[max_tokens] = out
+        return out
+
+    def speculate(
+        self,
+        tree: SuffixTree | RequestTree,
+        ends: list[int],
+        max_tokens: int,
+        beat: Speculation = NO_SPECULATION,
+        text: list[int] | None = None,
+    ) -> Speculation:
+        """The best draft from any of the context's suffix nodes in `tree` (`ends[i]`: the suffix of length
+        i + 1) if it scores above `beat`, else `beat`; on a tie, the longer match. `text`: a RequestTree's.
+
+        Longest match first: a draft of n tokens scores n at most (each token's probability is at most 1),
+        and n only shrinks with the match, so the walk stops at the first match whose limit cannot beat the
+        best so far, and a shorter match must score strictly more to win, as a tie goes to the longer."""
+        count, best_kid, token = tree.count, tree.best, tree.token
+        min_prob, depth = self.min_token_prob, tree.max_depth
+        best = beat
+        limits = self.limits(max_tokens, depth)  # the same list every call: ends are shorter than depth
+        for i in range(len(ends) - 1, -1, -1):
+            limit = limits[i + 1]
+            if limit <= best.score:
+                break
+            node = ends[i]
+            child = best_kid[node]
+            if child == -1:
                 continue
-            match_len = i + 1
-            limit = min(max_tokens, int(match_len * self.max_spec_factor + self.max_spec_offset + 1e-6))
             tokens: list[int] = []
             prob = 1.0
             score = 0.0
-            while len(tokens) < limit:
-                child = node.best
-                if child is None or child.count <= 0:  # <= 0: removed since it was reached (FleetTree)
+            while True:
+                if child < 0:  # a path seen once (RequestTree): the text after it, each token a ratio of 1
+                    assert text is not None
+                    prob *= 1 / count[node]
+                    if prob < min_prob:
+                        break
+                    at = -2 - child
+                    tokens.append(text[at])
+                    score += prob
+                    while len(tokens) < limit and i + 1 + len(tokens) < depth and at + 1 < len(text):
+                        at += 1
+                        tokens.append(text[at])
+                        score += prob
                     break
-                prob *= child.count / node.count
-                if prob < self.min_token_prob:
+                c = count[child]
+                if c <= 0:  # removed since it was reached (FleetTree)
                     break
-                tokens.append(child.token)
+                prob *= c / count[node]
+                if prob < min_prob:
+                    break
+                tokens.append(token[child])
                 score += prob
+                if len(tokens) >= limit:
+                    break
                 node = child
-            if tokens and score >= best.score:  # a longer match wins a tie
-                best = Speculation(tokens, score, match_len)
+                child = best_kid[node]
+                if child == -1:
+                    break
+            if tokens and score > best.score:
+                best = Speculation(tokens, score, i + 1)
         return best
 
 
@@ -230,7 +425,7 @@ class _Followed:
     __slots__ = ("ends", "version", "age")
 
     def __init__(self) -> None:
-        self.ends: list[_Node | None] = []
+        self.ends: list[int] = []
         self.version = -1  # no version: the next reading rebuilds `ends`
         self.age = 0  # proposals since `ends` were rebuilt
 
@@ -239,8 +434,7 @@ class _RequestState:
     """One sequence's tree over its tokens so far, and where its suffixes stand in the shared trees."""
 
     def __init__(self, max_depth: int) -> None:
-        self.tree = SuffixTree(max_depth)
-        self.ends: list[_Node] = []
+        self.tree = RequestTree(max_depth)
         self.num_tokens = 0
         self.shared = _Followed()  # this worker's finished outputs
         self.fleet = _Followed()  # other workers' (FleetTree)
@@ -248,9 +442,10 @@ class _RequestState:
 
 
 # The shared tree's nodes at most, whatever max_requests allows: an output of n tokens adds up to n x depth
-# nodes, so 10,000 outputs of 256 distinct tokens would be 61 M nodes, GBs of Python objects. A node takes
-# about 67 bytes (tracemalloc, CPython 3.11, 2,000 random tokens at depth 24): some 270 MB here.
-MAX_SHARED_NODES = 4_000_000
+# nodes, so 10,000 outputs of 256 distinct tokens would be 61 M nodes, GBs. A node takes about 165 bytes
+# (its rows, its int, its key in `kids`; tracemalloc, CPython 3.11, 2,000 random tokens at depth 24): some
+# 330 MB here, the bound the trees had as one object a node at 4 M nodes of ~67 bytes.
+MAX_SHARED_NODES = 2_000_000
 
 
 class GlobalTree:
@@ -273,9 +468,11 @@ class GlobalTree:
     def add_steps(self, key: Hashable, tokens: list[int], chunk: int) -> Iterator[None]:
         """add(key, tokens) about `chunk` tokens of tree work at a time; between two steps the tree is whole,
         so a reader holding the writer's lock may walk it. `version` changes once per output inserted or
-        removed, not per step: a reader's nodes from before stay usable meanwhile (a node removed since is
-        detached, its counts only lower, and Walk stops at a count of 0), and rebuilding every reader's nodes
-        per chunk would cost the step more than the drafts it misses."""
+        removed, not per step: a reader's nodes from before stay usable meanwhile (a node removed since has
+        count 0 and no child, so Walk drafts nothing from it; once its row is reused for another path, a
+        stale reader may draft that path's continuation, which the verifier rejects like any poor draft:
+        the target's tokens never depend on a draft), and rebuilding every reader's nodes per chunk would
+        cost the step more than the drafts it misses."""
         if self.max_requests <= 0 or not tokens:
             return
         old = self.outputs.pop(key, None)
@@ -299,8 +496,9 @@ class GlobalTree:
 
 
 _DONE = object()
-# Tree work the fleet's builder does per hold of its lock: ~40 us a token (CPython 3.11, depth 24, the 2-core
-# Xeon, loaded), so a step that wants the tree waits for none of it: it skips the fleet's tree that step.
+# Tree work the fleet's builder does per hold of its lock: ~25 us a token (CPython 3.11, depth 24, 200 random
+# outputs of 128 tokens in a row, the 2-core Xeon, loaded), so a step that wants the tree waits for none of
+# it: it skips the fleet's tree that step.
 FLEET_CHUNK_TOKENS = 16
 MAX_REST_S = 0.01
 # A sequence re-finds its place in the fleet's tree, after it changed, at most every this many proposals:
@@ -481,15 +679,13 @@ class SuffixProposer:
     def speculate(self, state: _RequestState, max_tokens: int, fleet: bool = False) -> Speculation:
         """The best of the request's own tree, this worker's outputs and (`fleet`: its lock is held) the
         fleet's; on a tie, in that order."""
-        best = self.walk.speculate(state.ends, max_tokens)
+        walk = self.walk
+        best = walk.speculate(state.tree, state.tree.ends, max_tokens, text=state.tree.text)
         if self.cache.outputs:
-            shared = self.walk.speculate(state.shared.ends, max_tokens)
-            if shared.score > best.score:
-                best = shared
+            best = walk.speculate(self.cache.tree, state.shared.ends, max_tokens, best)
         if fleet:
-            other = self.walk.speculate(state.fleet.ends, max_tokens)
-            if other.score > best.score:
-                best = other
+            assert self.fleet is not None
+            best = walk.speculate(self.fleet.cache.tree, state.fleet.ends, max_tokens, best)
         return best
 
     def _catch_up(self, seq: Sequence) -> _RequestState:
@@ -501,7 +697,7 @@ class SuffixProposer:
         start = state.num_tokens
         tree = state.tree
         for token in tokens[start:]:
-            state.ends = tree.extend(state.ends, token)
+            tree.append(token)
         state.num_tokens = len(tokens)
         if self.cache.outputs:
             self._follow(self.cache, state.shared, tokens, start)
