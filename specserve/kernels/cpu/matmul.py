@@ -233,13 +233,18 @@ def int4_matmul(
     return bind_int4(packed, scales, offsets)(x)
 
 
-# The most rows int4_rows_bf16 takes (the float32 few-row kernels' forms).
-INT4_ROWS_BF16_MAX = 8
+# The most rows int4_rows_bf16 takes (csrc/matmul.cpp's kInt4RowsMax: a verify step of 1 + 31 drafts), and the
+# most one call sums each row alike (q4_bf16_row's 1..8 rows, and its passes of 8 past them where AMX does not
+# run; AMX runs 3..32 rows, whose sums come in another order than one row's).
+INT4_ROWS_BF16_MAX = 32
+INT4_ROWS_BF16_INVARIANT = 8
+INT4_ROWS_BF16_INVARIANT_AMX = 2
 
 
 def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
     """bind_int4's matrix times x [rows, k] bfloat16 (1..INT4_ROWS_BF16_MAX rows) -> [rows, n] bfloat16: codes
-    exact in bf16 products on vdpbf16ps, sums in float32, rounded once. Needs build.quant_bf16_fast()."""
+    exact in bf16 products on vdpbf16ps (3 or more rows on AMX's tdpbf16ps where build.int4_rows_amx()), sums
+    in float32, rounded once. Needs build.quant_bf16_fast()."""
     n, k = _check_int4(packed, scales, offsets)
     return Product("int4_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, packed, scales, offsets)
 
