@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.engine.config import EngineConfig
+from specserve.kernels.cpu import build as cpu_build
 from specserve.kernels.cpu import matmul
 from specserve.models import quant
 from specserve.models.loader import demo_model_path, load_checkpoint
@@ -311,8 +312,9 @@ def _assert_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch
 
 def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     """int4 asked for outright in bf16, where our AVX512-BF16 kernel is built: steps of many rows run on it
-    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 8 rows on our
-    few-row product, from the GGUF's own values (its nibbles and float32 scales)."""
+    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 8 rows (32
+    where AMX tiles run them) on our few-row product, from the GGUF's own values (its nibbles and float32
+    scales)."""
     cpu = torch.device("cpu")
     o_proj = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
         "model.layers.0.self_attn.o_proj.weight"
@@ -322,10 +324,11 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128, batch_invariant=False)
     layer = llm.engine.model.layers[0]
     assert layer.o.many_rows == layer.o.many_rows_bf16 and layer.o.own_rows_bf16
-    assert layer.o.kernel_max_rows == matmul.INT4_ROWS_BF16_MAX and not hasattr(layer.o, "packed")
+    few = matmul.INT4_ROWS_BF16_MAX if cpu_build.int4_rows_amx() else matmul.INT4_ROWS_BF16_AVX512
+    assert layer.o.kernel_max_rows == few and not hasattr(layer.o, "packed")
     weights = quant.dequantize(o_proj).to(torch.bfloat16).double()
     torch.manual_seed(0)
-    for rows in (quant.KERNEL_MAX_ROWS + 4, 64):
+    for rows in (few + 4, 64):
         x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
         _assert_one_bf16_rounding(llm.engine.model.linear(x, layer.o), x, weights)
     x = torch.randn(1, weights.shape[1]).to(torch.bfloat16)

@@ -233,12 +233,13 @@ def int4_matmul(
     return bind_int4(packed, scales, offsets)(x)
 
 
-# The most rows int4_rows_bf16 takes (csrc/matmul.cpp's kInt4RowsMax: a verify step of 1 + 31 drafts), and the
-# most one call sums each row alike (q4_bf16_row's 1..8 rows, and its passes of 8 past them where AMX does not
-# run; AMX runs 3..32 rows, whose sums come in another order than one row's).
+# The most rows int4_rows_bf16 takes (csrc/matmul.cpp's kInt4RowsMax: a verify step of 1 + 31 drafts); the
+# rows of q4_bf16_row (AVX512-BF16), which sums each of its 1..8 rows as a one-row call does; and the most
+# rows a call runs on it where AMX tiles run the rest (csrc's kInt4AmxFromRows - 1): the tiles' sums come
+# in another order, so only calls of up to that many rows sum each row as a one-row call.
 INT4_ROWS_BF16_MAX = 32
-INT4_ROWS_BF16_INVARIANT = 8
-INT4_ROWS_BF16_INVARIANT_AMX = 2
+INT4_ROWS_BF16_AVX512 = 8
+INT4_ROWS_BF16_BELOW_AMX = 2
 
 
 def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:

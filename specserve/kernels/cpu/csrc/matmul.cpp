@@ -10,7 +10,8 @@
 constexpr int64_t kWidenFromRows = 16;
 
 // specserve_int4_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest it runs on AMX tiles:
-// below them q4_bf16_row, whose one- and two-row steps read the codes once at no more cost than the tiles.
+// below them q4_bf16_row, whose one- and two-row steps cost little more than reading the codes, and whose
+// one-row sums batch-invariant plans keep (cpu.matmul.INT4_ROWS_BF16_BELOW_AMX).
 constexpr int64_t kInt4RowsMax = 32;
 constexpr int64_t kInt4AmxFromRows = 3;
 

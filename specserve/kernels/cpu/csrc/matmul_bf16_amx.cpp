@@ -1,15 +1,12 @@
 // The int4 few-row product (pack_int4's nibbles, w = code * scale + offset per group of 32 inputs) on AMX
 // tiles (specserve_paths() bit 64), for the 3..32 bf16 rows of a verify step. q4_bf16_row (AVX512-BF16)
 // pays its unpacking, two vdpbf16ps and its epilogue again for every row, so its cost grows with the rows;
-// here each group of 16 outputs x 32 inputs is widened to bf16 once, in registers, into a tile buffer in
-// L1, and one tdpbf16ps runs it against every row (rows past 16 take a second tile against the same buffer).
-//
-// The weights are widened with their scale and offset (one FMA in float32, then rounded to bf16: the values
-// a dense bf16 copy holds), so one float32 tile sums every group of a block and nothing is stored between
-// groups: scaling each group's sums in registers (exact bf16 codes) cost a tile store and 32 FMAs a group,
-// and ran 3 rows of SmolLM2's four layer matrices at 2.3x one row against 1.9x (bench/verify_cost.py's
-// kernel alone, 1 thread, 2-core Sapphire Rapids). Its rounding is not q4_bf16_row's: see
-// cpu.matmul.INT4_ROWS_BF16_INVARIANT_AMX.
+// here each group of 16 outputs x 32 inputs is widened once, to its exact codes in bf16, into a tile buffer
+// in L1, and one tdpbf16ps runs it against every row (rows past 16 take a second tile against the same
+// buffer). Products are exact and sums float32, as in q4_bf16_row: each group's tile of sums is stored and
+// scaled in registers (y = sum_g scale_g D_g + offset_g xsum_g), in another order than q4_bf16_row's (see
+// cpu.matmul.INT4_ROWS_BF16_BELOW_AMX). Widening the weights with their scales into bf16 instead would
+// save the per-group stores and scaling but round every weight to bf16.
 #if defined(SPECSERVE_QUANT_BF16_PATH) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SPECSERVE_INT4_AMX_PATH 1
 #include <sys/syscall.h>
@@ -35,67 +32,111 @@ struct alignas(64) TileConfig {
 };
 
 // Tiles: 0 and 3 the weights (A, groups in turn), 1 and 2 the rows' activations (B, rows 0-15 and 16-31), 4
-// and 5 their sums (C).
+// to 7 the sums (C: groups in turn, and row blocks).
 inline void amx_configure() {
   TileConfig cfg;
-  for (int t : {0, 1, 2, 3, 4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
 
-// A group's 16 bytes of codes -> its 32 weights code * scale + offset in bf16, in input order (the low
-// nibbles are inputs 0-15, the high ones 16-31).
-inline __m512i widen_scaled(const uint8_t* p, float scale, float offset) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 s = _mm512_set1_ps(scale), o = _mm512_set1_ps(offset);
-  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), s, o);
-  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, o);
-  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+// One output's codes of groups g and g + 1 (32 bytes; 16 where g is the last) -> each group's 32 codes as
+// exact bf16 in input order (the low nibbles are inputs 0-15, the high ones 16-31).
+inline void widen_two_groups(const uint8_t* p, bool pair, __m512i table, uint16_t* a0, uint16_t* a1) {
+  const __m256i bytes = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
+                             : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i w = _mm512_cvtepu8_epi16(bytes);
+  const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), table);
+  const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  _mm512_store_si512(a0, _mm512_shuffle_i64x2(lo, hi, 0x44));  // lo's and hi's low halves: group g
+  if (pair) _mm512_store_si512(a1, _mm512_shuffle_i64x2(lo, hi, 0xEE));
 }
 
-// A 16-output block's group g widened into abuf, then run on tile T against the B tiles of group g.
-template <int T, int NRB>
-inline void q4_amx_group(const uint16_t* bt, const uint8_t* codes, const float* s, const float* o,
-                         int64_t groups, int64_t g, uint16_t* abuf) {
-#pragma GCC unroll 16
-  for (int n = 0; n < 16; ++n)
-    _mm512_store_si512(abuf + n * 32,
-                       widen_scaled(codes + (n * groups + g) * 16, s[n * groups + g], o[n * groups + g]));
-  // the intrinsics take tile numbers as literals (they spell the register), hence a branch a tile
-  if constexpr (T == 0) _tile_loadd(0, abuf, 64);
+// Group g's codes (widened in abuf) against the B tiles of group g on A tile TA, its sums left in
+// cbuf: [NRB][16 outputs][16 rows] float32. The intrinsics take tile numbers as literals (they spell the
+// register), hence the branches.
+template <int TA, int NRB>
+inline void q4_amx_group(const uint16_t* bt, int64_t g, const uint16_t* abuf, float* cbuf) {
+  constexpr int TC = TA == 0 ? 4 : 6;  // C tiles: 4 and 5 beside A tile 0, 6 and 7 beside 3
+  if constexpr (TA == 0) _tile_loadd(0, abuf, 64);
   else _tile_loadd(3, abuf, 64);
   _tile_loadd(1, bt + (g * NRB) * 512, 64);
-  if constexpr (T == 0) _tile_dpbf16ps(4, 0, 1);
-  else _tile_dpbf16ps(4, 3, 1);
+  if constexpr (TC == 4) {
+    _tile_zero(4);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_stored(4, cbuf, 64);
+  } else {
+    _tile_zero(6);
+    _tile_dpbf16ps(6, 3, 1);
+    _tile_stored(6, cbuf, 64);
+  }
   if constexpr (NRB == 2) {
     _tile_loadd(2, bt + (g * NRB + 1) * 512, 64);
-    if constexpr (T == 0) _tile_dpbf16ps(5, 0, 2);
-    else _tile_dpbf16ps(5, 3, 2);
+    if constexpr (TC == 4) {
+      _tile_zero(5);
+      _tile_dpbf16ps(5, 0, 2);
+      _tile_stored(5, cbuf + 256, 64);
+    } else {
+      _tile_zero(7);
+      _tile_dpbf16ps(7, 3, 2);
+      _tile_stored(7, cbuf + 256, 64);
+    }
   }
 }
 
-// Rows [0, 16 * NRB) of the B tiles (bt: [groups][NRB][16 pairs][16 rows][2] bf16, zero past the rows)
-// against the outputs [j0, j0 + 16).
+// acc += group g's sums (cbuf) times each output's scale, plus the rows' group sums times its offset.
 template <int NRB>
-void q4_amx_block(const uint16_t* bt, const uint8_t* packed, const float* scales, const float* offsets,
-                  int64_t groups, int64_t j0, int64_t rows, uint16_t* out, int64_t os, uint16_t* abuf,
-                  float* cbuf) {
+inline void q4_amx_scale(__m512 (&acc)[NRB][16], const float* cbuf, const float* xsum, const float* s,
+                         const float* o, int64_t groups, int64_t g) {
+#pragma GCC unroll 2
+  for (int rb = 0; rb < NRB; ++rb) {
+    const __m512 xs = _mm512_loadu_ps(xsum + g * 32 + rb * 16);
+#pragma GCC unroll 16
+    for (int n = 0; n < 16; ++n) {
+      acc[rb][n] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + rb * 256 + n * 16), _mm512_set1_ps(s[n * groups + g]),
+                                   acc[rb][n]);
+      acc[rb][n] = _mm512_fmadd_ps(xs, _mm512_set1_ps(o[n * groups + g]), acc[rb][n]);
+    }
+  }
+}
+
+// Rows [0, 16 * NRB) of the B tiles (bt: [groups][NRB][16 pairs][16 rows][2] bf16, zero past the rows; xsum
+// [groups][32]) against the outputs [j0, j0 + 16). Groups go in pairs, each on its own A and C tiles, and a
+// pair's sums are scaled while the next pair's products run: a tile's sums are ready only some tens of
+// cycles after its tdpbf16ps, which one C tile scaled group after group would wait for each time.
+template <int NRB>
+void q4_amx_block(const uint16_t* bt, const float* xsum, const uint8_t* packed, const float* scales,
+                  const float* offsets, int64_t groups, int64_t j0, int64_t rows, uint16_t* out, int64_t os,
+                  uint16_t* abuf, float* cbuf, __m512i table) {
   const uint8_t* codes = packed + j0 * groups * 16;
   const float* s = scales + j0 * groups;
   const float* o = offsets + j0 * groups;
-  _tile_zero(4);
-  if constexpr (NRB == 2) _tile_zero(5);
-  // two A tiles and buffers in turn, so a group's widening need not wait for the last one's product
-  int64_t g = 0;
-  for (; g + 2 <= groups; g += 2) {
-    q4_amx_group<0, NRB>(bt, codes, s, o, groups, g, abuf);
-    q4_amx_group<3, NRB>(bt, codes, s, o, groups, g + 1, abuf + 512);
+  __m512 acc[NRB][16];
+  for (int rb = 0; rb < NRB; ++rb)
+    for (int n = 0; n < 16; ++n) acc[rb][n] = _mm512_setzero_ps();
+  constexpr int64_t kSlot = NRB * 256;  // cbuf floats a group: slots 0, 1 one pair, 2, 3 the other
+  for (int64_t g = 0; g < groups; g += 2) {
+    const bool pair = g + 1 < groups;
+    float* c = cbuf + (g / 2 % 2) * 2 * kSlot;
+#pragma GCC unroll 16
+    for (int n = 0; n < 16; ++n) widen_two_groups(codes + (n * groups + g) * 16, pair, table, abuf + n * 32,
+                                                  abuf + 512 + n * 32);
+    q4_amx_group<0, NRB>(bt, g, abuf, c);
+    if (pair) q4_amx_group<3, NRB>(bt, g + 1, abuf + 512, c + kSlot);
+    if (g >= 2) {  // the pair before
+      float* before = cbuf + ((g / 2 + 1) % 2) * 2 * kSlot;
+      q4_amx_scale<NRB>(acc, before, xsum, s, o, groups, g - 2);
+      q4_amx_scale<NRB>(acc, before + kSlot, xsum, s, o, groups, g - 1);
+    }
   }
-  if (g < groups) q4_amx_group<0, NRB>(bt, codes, s, o, groups, g, abuf);
-  _tile_stored(4, cbuf, 64);
-  if constexpr (NRB == 2) _tile_stored(5, cbuf + 256, 64);
-  // cbuf[rb][n][r]: output j0 + n of row 16 rb + r, gathered into rows of 16 outputs
+  const int64_t last = (groups - 1) / 2 * 2;  // the last pair's first group
+  float* c = cbuf + (last / 2 % 2) * 2 * kSlot;
+  q4_amx_scale<NRB>(acc, c, xsum, s, o, groups, last);
+  if (last + 1 < groups) q4_amx_scale<NRB>(acc, c + kSlot, xsum, s, o, groups, last + 1);
+  // acc[rb][n] holds output j0 + n of rows 16 rb + lane: through cbuf into rows of 16 outputs
   const __m512i column = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+  for (int rb = 0; rb < NRB; ++rb)
+    for (int n = 0; n < 16; ++n) _mm512_store_ps(cbuf + rb * 256 + n * 16, acc[rb][n]);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>((r / 16) * 256 + r % 16)));
     const __m512 y = _mm512_i32gather_ps(at, cbuf, 4);
@@ -109,24 +150,33 @@ void q4_bf16_amx(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* pac
   const int64_t groups = k / 32, nrb = (rows + kAmxRows - 1) / kAmxRows;
   // B tiles: pair p of group g for row r is x[r, 32g + 2p], x[r, 32g + 2p + 1]; zero past the rows
   std::vector<uint32_t> bt(groups * nrb * 256, 0);
+  std::vector<float> xsum(groups * 32, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t rb = r / kAmxRows, rr = r % kAmxRows;
-    for (int64_t g = 0; g < groups; ++g)
+    for (int64_t g = 0; g < groups; ++g) {
       for (int p = 0; p < 16; ++p)
         std::memcpy(&bt[(g * nrb + rb) * 256 + p * 16 + rr], x + r * xs + g * 32 + 2 * p, 4);
+      float t = 0.f;
+      for (int i = 0; i < 32; ++i) t += load(x + r * xs, g * 32 + i);  // as group_sums
+      xsum[g * 32 + r] = t;
+    }
   }
+  const float* xsp = xsum.data();
+  const __m512i table = nibble_table();
   const uint16_t* btp = reinterpret_cast<const uint16_t*>(bt.data());
   const int64_t blocks = n / 16;
 #pragma omp parallel num_threads(num_threads) if (n * k >= (int64_t{1} << 16))
   {
     amx_configure();
     alignas(64) uint16_t abuf[2 * 512];
-    alignas(64) float cbuf[2 * 256];
+    alignas(64) float cbuf[4 * 2 * 256];
 #pragma omp for schedule(dynamic, 2)
     for (int64_t b = 0; b < blocks; ++b) {
       if (b + 1 < blocks) prefetch(packed + (b + 1) * 16 * groups * 16, 16 * groups * 16);
-      if (nrb == 1) q4_amx_block<1>(btp, packed, scales, offsets, groups, 16 * b, rows, out, os, abuf, cbuf);
-      else q4_amx_block<2>(btp, packed, scales, offsets, groups, 16 * b, rows, out, os, abuf, cbuf);
+      if (nrb == 1)
+        q4_amx_block<1>(btp, xsp, packed, scales, offsets, groups, 16 * b, rows, out, os, abuf, cbuf, table);
+      else
+        q4_amx_block<2>(btp, xsp, packed, scales, offsets, groups, 16 * b, rows, out, os, abuf, cbuf, table);
     }
     _tile_release();
   }
