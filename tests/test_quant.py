@@ -13,7 +13,7 @@ from specserve import LLM, SamplingParams
 from specserve.engine.config import EngineConfig
 from specserve.kernels.cpu import build as cpu_build
 from specserve.kernels.cpu import matmul
-from specserve.models import quant
+from specserve.models import linear, quant
 from specserve.models.loader import demo_model_path, load_checkpoint
 from tests.conftest import MAX_TOKENS, PROMPTS
 
@@ -405,3 +405,21 @@ def test_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypa
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     prepacked = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
     assert isinstance(prepacked.engine.model.layers[0].qkv, torch.Tensor)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_tiles_run_them(amx):
+    """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 2 rows on our few-row
+    product and the copy past them, or up to a 16-draft verify step's 17 rows where the library runs the
+    product's 3..32 rows on AMX tiles; batch-invariant passes only as many rows as sum a row alike."""
+    isa = linear.Isa(
+        cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True, int4_rows_amx=amx
+    )
+    copy = linear.Matrix(linear.INT4, (576, 1536), dense_copy=True)
+    few, most, many = linear.plan(copy, torch.bfloat16, isa)
+    assert few is linear.OWN_INT4_ROWS_BF16 and many is linear.DENSE_COPY
+    assert most == (17 if amx else 2)
+    alone = linear.Matrix(linear.INT4, (576, 1536))
+    assert linear.plan(alone, torch.bfloat16, isa)[1] == (32 if amx else 8)
+    invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
+    assert linear.plan(copy, torch.bfloat16, invariant) == (few, 2 if amx else 8, few)
