@@ -224,11 +224,13 @@ def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpu.matmul.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8])
+# 1..8: q4_bf16_row's rows; past them AMX tiles (one B tile to 16 rows, two to 32) or passes of 8
+@pytest.mark.parametrize("rows", [*range(1, 18), 24, 31, 32])
 def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypatch, rows) -> None:
-    """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). Each code
-    enters as 1 + code / 16 (exact in bf16) and its group's x sum is taken off again, so the float32 error
-    bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight."""
+    """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). q4_bf16_row
+    takes each code as 1 + code / 16 (exact in bf16) and its group's x sum off again, so the float32 error
+    bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight; the AMX
+    tiles take the codes themselves (exact) and are within the same bound."""
     cpu = _variant(monkeypatch, "native")
     if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
@@ -249,12 +251,38 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
         assert ((got.double() - exact).abs() <= bound).all(), (n, k)
 
 
+def test_bf16_int4_rows_sums_a_row_alike_within_each_form(monkeypatch) -> None:
+    """What batch-invariant plans rely on (linear.OwnInt4RowsBf16.invariant_rows): a row's result does not
+    depend on the rows beside it within q4_bf16_row's 1..8 rows, nor within the AMX tiles' 3..32, and calls
+    of up to INT4_ROWS_BF16_BELOW_AMX rows sum a row as a one-row call does where the tiles run."""
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
+        pytest.skip("the bf16 int4 product needs AVX512-BF16")
+    torch.manual_seed(3)
+    n, k = 96, 224  # 6 tiles of 16 outputs, 7 groups (the last one alone)
+    w = quant.quantize_int4(torch.randn(n, k) + torch.rand(n, 1))
+    offsets = (w.zeros - 8.0 * w.scales).contiguous()
+    product = cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), w.scales, offsets)
+    x = torch.randn(cpu.matmul.INT4_ROWS_BF16_MAX, k).to(torch.bfloat16)
+    one = product(x[:1])
+    amx = cpu.build.int4_rows_amx()
+    below = cpu.matmul.INT4_ROWS_BF16_BELOW_AMX if amx else cpu.matmul.INT4_ROWS_BF16_AVX512
+    for rows in range(1, below + 1):
+        assert torch.equal(product(x[:rows])[:1], one), rows
+    if amx:
+        three = product(x[:3])
+        for rows in range(3, cpu.matmul.INT4_ROWS_BF16_MAX + 1):
+            assert torch.equal(product(x[:rows])[:3], three), rows
+        # the second B tile's rows as the first tile's
+        assert torch.equal(product(x[16:19]), product(x[:19])[16:])
+
+
 def test_bf16_int4_rows_refuses_what_it_cannot_take(monkeypatch) -> None:
     cpu = _variant(monkeypatch, "native")
     w = quant.quantize_int4(torch.randn(32, 64))
     offsets = (w.zeros - 8.0 * w.scales).contiguous()
     product = cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), w.scales, offsets)
-    x = torch.randn(9, 64).to(torch.bfloat16)
+    x = torch.randn(cpu.matmul.INT4_ROWS_BF16_MAX + 1, 64).to(torch.bfloat16)
     if not cpu.build.quant_bf16_fast():  # a build without AVX512-BF16 refuses the call instead of computing
         with pytest.raises(ValueError, match="code 2"):
             product(x[:1])

@@ -11,7 +11,7 @@ import torch
 from specserve import LLM
 from specserve.engine.model_runner import ForwardEntry, ModelRunner
 from specserve.kernels import cpu
-from specserve.models import quant
+from specserve.models import linear, quant
 
 BLOCK = 16
 
@@ -152,3 +152,28 @@ def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense
         assert torch.equal(got, want), step
     # 1, 2 and 1 rows on our int4 product; 12 and 4 on the copy's panels
     assert [c.calls for c in counters] == [3, 2]
+
+
+def test_bf16_auto_chains_verify_steps_on_the_amx_int4_product():
+    """The demo's Q4_1 under auto in bf16 where the int4 few-row product runs AMX tiles: a verify step of up
+    to 17 rows stays on it and in the chain (not on the dense copy through torch), bit for bit the loop's."""
+    if not (cpu.build.load() is not None and cpu.build.int4_rows_amx()):
+        pytest.skip("the int4 product runs 3..32 rows on AMX tiles only")
+    llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
+    model = llm.engine.model
+    most = linear.OwnInt4RowsBf16.AMX_BESIDE_COPY_MAX_ROWS
+    assert model.layers[0].qkv.kernel_max_rows == most
+    assert model.chain_runs[0][0] == most and model.chain_runs[0][1] is not None
+    counters = _counting(model)
+    runs = model.chain_runs
+    chained, looped = ModelRunner(model, 32, BLOCK), ModelRunner(model, 32, BLOCK)
+    start = 0
+    for rows in (12, 1, 3, 9, most):  # a prompt, a decode step, verify steps of 2, 8 and 16 drafts
+        entry = ForwardEntry(list(range(7 + start, 7 + start + rows)), start, [0, 1, 2], num_logits=rows)
+        model.chain_runs = runs
+        got, _ = chained.forward([entry])
+        model.chain_runs = []
+        want, _ = looped.forward([entry])
+        assert torch.equal(got, want), rows
+        start += rows
+    assert counters[0].calls == 5

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from specserve import LLM, SamplingParams
 from specserve.engine.config import EngineConfig
+from specserve.kernels.cpu import build as cpu_build
 from specserve.kernels.cpu import matmul
-from specserve.models import quant
+from specserve.models import linear, quant
 from specserve.models.loader import demo_model_path, load_checkpoint
 from tests.conftest import MAX_TOKENS, PROMPTS
 
@@ -284,7 +285,11 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
         copy = getattr(layer.qkv.many_rows, "__self__", None)
         assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
         assert hasattr(layer.qkv, "nibbles") == layer.qkv.own_rows_bf16 != hasattr(layer.qkv, "packed")
-    prompts = [[1, 2, 3, 4, 5 + i] for i in range(quant.KERNEL_MAX_ROWS + 4)]
+    # more sequences than bf16's few-row product takes (17 where AMX tiles run it), so that every bf16 step
+    # runs the dense copy, whose values are the dense model's: the few-row product sums the GGUF's own values,
+    # which round otherwise, and a near tie then picks another token
+    most = max(quant.KERNEL_MAX_ROWS, layer.qkv.kernel_max_rows)
+    prompts = [[1, 2, 3, 4, 5 + i] for i in range(int(most) + 4)]
     assert [o.token_ids for o in auto.generate(prompts, params)] == [
         o.token_ids for o in dense.generate(prompts, params)
     ]
@@ -311,8 +316,9 @@ def _assert_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch
 
 def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     """int4 asked for outright in bf16, where our AVX512-BF16 kernel is built: steps of many rows run on it
-    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 8 rows on our
-    few-row product, from the GGUF's own values (its nibbles and float32 scales)."""
+    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 8 rows (32
+    where AMX tiles run them) on our few-row product, from the GGUF's own values (its nibbles and float32
+    scales)."""
     cpu = torch.device("cpu")
     o_proj = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
         "model.layers.0.self_attn.o_proj.weight"
@@ -322,10 +328,11 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128, batch_invariant=False)
     layer = llm.engine.model.layers[0]
     assert layer.o.many_rows == layer.o.many_rows_bf16 and layer.o.own_rows_bf16
-    assert layer.o.kernel_max_rows == matmul.INT4_ROWS_BF16_MAX and not hasattr(layer.o, "packed")
+    few = matmul.INT4_ROWS_BF16_MAX if cpu_build.int4_rows_amx() else matmul.INT4_ROWS_BF16_AVX512
+    assert layer.o.kernel_max_rows == few and not hasattr(layer.o, "packed")
     weights = quant.dequantize(o_proj).to(torch.bfloat16).double()
     torch.manual_seed(0)
-    for rows in (quant.KERNEL_MAX_ROWS + 4, 64):
+    for rows in (few + 4, 64):
         x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
         _assert_one_bf16_rounding(llm.engine.model.linear(x, layer.o), x, weights)
     x = torch.randn(1, weights.shape[1]).to(torch.bfloat16)
@@ -402,3 +409,21 @@ def test_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypa
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     prepacked = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
     assert isinstance(prepacked.engine.model.layers[0].qkv, torch.Tensor)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_tiles_run_them(amx):
+    """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 2 rows on our few-row
+    product and the copy past them, or up to a 16-draft verify step's 17 rows where the library runs the
+    product's 3..32 rows on AMX tiles; batch-invariant passes only as many rows as sum a row alike."""
+    isa = linear.Isa(
+        cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True, int4_rows_amx=amx
+    )
+    copy = linear.Matrix(linear.INT4, (576, 1536), dense_copy=True)
+    few, most, many = linear.plan(copy, torch.bfloat16, isa)
+    assert few is linear.OWN_INT4_ROWS_BF16 and many is linear.DENSE_COPY
+    assert most == (17 if amx else 2)
+    alone = linear.Matrix(linear.INT4, (576, 1536))
+    assert linear.plan(alone, torch.bfloat16, isa)[1] == (32 if amx else 8)
+    invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
+    assert linear.plan(copy, torch.bfloat16, invariant) == (few, 2 if amx else 8, few)

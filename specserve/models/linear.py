@@ -68,6 +68,7 @@ class Isa:
     # not what the machine runs but how it must run it: one form a matrix, whatever a step's rows
     batch_invariant: bool = False
     int_dot: bool = False  # the library's w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
+    int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 3..32 rows on AMX tiles
 
     @classmethod
     def here(cls, device: torch.device, onednn_bf16: bool = False, batch_invariant: bool = False) -> Isa:
@@ -81,6 +82,7 @@ class Isa:
             onednn_bf16=onednn_bf16,
             batch_invariant=batch_invariant,
             int_dot=library and cpu.build.int_dot_fast(),
+            int4_rows_amx=library and cpu.build.int4_rows_amx(),
         )
 
 
@@ -105,7 +107,7 @@ class Form:
     # on its row count whose per-row sums do not change with it); batch-invariant plans run passes of it.
     INVARIANT_ROWS: float = math.inf
 
-    def invariant_rows(self, m: Matrix) -> float:
+    def invariant_rows(self, m: Matrix, isa: Isa) -> float:
         return self.INVARIANT_ROWS
 
     def can_run(self, m: Matrix, rows: float, dtype: torch.dtype, isa: Isa) -> str | None:
@@ -173,7 +175,7 @@ class OwnInt8F32(Form):
     # panels win (`python bench/quant_kernels.py`, SmolLM2's head, 2-core Zen 4 avx2-only build)
     GROUPED_MAX_ROWS = 15
 
-    def invariant_rows(self, m: Matrix) -> float:
+    def invariant_rows(self, m: Matrix, isa: Isa) -> float:
         # q8_row keeps 4 accumulators a row for 1-2 rows and fewer past them (another order of sums);
         # q8g_row sums each row alike for its 1..8 rows
         return self.FEW_ROWS if m.kind == INT8_GROUPED else 2
@@ -225,20 +227,31 @@ class TorchInt8(Form):
 
 
 class OwnInt4RowsBf16(Form):
-    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16): a layer chain can call it."""
+    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16), 3..32 rows on AMX tiles where
+    the library runs them (Isa.int4_rows_amx): a layer chain can call it."""
 
     name = "ours int4 rows bf16"
     kinds = (INT4,)
     kernel = True
     # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 2
-    INVARIANT_ROWS = cpu.matmul.INT4_ROWS_BF16_MAX
+    # on AMX tiles a step of up to a verify step's 17 rows (`bench/verify_cost.py --dtype bfloat16`, 2-core
+    # Sapphire Rapids); past them the dense copy's oneDNN tiles, which run 64 rows at 1.5x one
+    AMX_BESIDE_COPY_MAX_ROWS = 17
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
 
     def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
-        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT4_ROWS_BF16_MAX
+        if not m.dense_copy:  # without AMX, past q4_bf16_row's rows the tiles form's widened panels
+            return cpu.matmul.INT4_ROWS_BF16_MAX if isa.int4_rows_amx else cpu.matmul.INT4_ROWS_BF16_AVX512
+        return self.AMX_BESIDE_COPY_MAX_ROWS if isa.int4_rows_amx else self.BESIDE_COPY_MAX_ROWS
+
+    def invariant_rows(self, m: Matrix, isa: Isa) -> float:
+        # the AMX tiles round the weights to bf16 and sum in another order than q4_bf16_row's 1..8 rows
+        if isa.int4_rows_amx:
+            return cpu.matmul.INT4_ROWS_BF16_BELOW_AMX
+        return cpu.matmul.INT4_ROWS_BF16_AVX512
 
 
 class TorchInt4(Form):
@@ -476,7 +489,7 @@ def plan(m: Matrix, dtype: torch.dtype, isa: Isa) -> tuple[Form, float, Form]:
     if isa.batch_invariant:
         one = Matrix(m.kind, m.shape)
         few, refused = _walk(one, 1, dtype, isa)
-        passes = few.invariant_rows(one)
+        passes = few.invariant_rows(one, isa)
         _log_choice(m.kind, f"all, in passes of {passes}", dtype, few.name, refused)
         return few, passes, few
     few, refused = _walk(m, 1, dtype, isa)

@@ -46,6 +46,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 PATH_F32, PATH_BF16, PATH_QUANT_F32, PATH_QUANT_BF16 = 1, 2, 4, 8
 # and the w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2), the first on AVX512-VNNI
 PATH_INT_DOT, PATH_INT_DOT_VNNI = 16, 32
+# and the int4 few-row bf16 product on AMX tiles (built for an AMX CPU, the tile state granted by the kernel)
+PATH_INT4_AMX = 64
 
 # Every entry point of csrc/api.h by its arguments: p pointer, i int64, f float, c int (each returns an int
 # status: 0 done, 1 refused arguments, 2 a dtype or path not in this build).
@@ -205,6 +207,11 @@ def int_dot_fast() -> bool:
 def int_dot_vnni() -> bool:
     """Whether those products run on AVX512-VNNI (vpdpbusd) rather than AVX2 (vpmaddubsw + vpmaddwd)."""
     return bool(_paths & PATH_INT_DOT_VNNI)
+
+
+def int4_rows_amx() -> bool:
+    """Whether the int4 few-row bf16 product runs its 3..32-row steps on AMX tiles."""
+    return bool(_paths & PATH_INT4_AMX)
 
 
 def check(rc: int, name: str) -> None:

@@ -21,6 +21,7 @@ constexpr int kPathQuantF32 = 4;       // int8 / int4 / dense panel products for
 constexpr int kPathQuantBf16 = 8;      // int8 / int4 / dense panel products for bfloat16, AVX512-BF16
 constexpr int kPathIntDot = 16;        // w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
 constexpr int kPathIntDotVnni = 32;    // ... on AVX512-VNNI's vpdpbusd
+constexpr int kPathInt4Amx = 64;       // the int4 few-row bf16 product on AMX tiles, the kernel permitting
 
 extern "C" {
 

@@ -9,6 +9,12 @@
 // 25.5 / 29.2); at 16 rows widening is even or ahead (int8 32.6 twice against ~31, int4 36.0 against 29.5).
 constexpr int64_t kWidenFromRows = 16;
 
+// specserve_int4_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest it runs on AMX tiles:
+// below them q4_bf16_row, whose one- and two-row steps cost little more than reading the codes, and whose
+// one-row sums batch-invariant plans keep (cpu.matmul.INT4_ROWS_BF16_BELOW_AMX).
+constexpr int64_t kInt4RowsMax = 32;
+constexpr int64_t kInt4AmxFromRows = 3;
+
 // Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
 // out[r, j] for r < rows (vectorised: 1..8 rows, and more where n % 8 == 0 on widened panels), j < n.
 extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
@@ -117,16 +123,27 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 #endif
 }
 
-// x [rows, k] bf16 (row stride xs), 1..8 rows, times the int4 matrix of specserve_int4_matmul (pack_int4's
-// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32 rounded once
-// (q4_bf16_row). For the few-row steps of a bf16 model whose int4 matrices keep their blocks: the library's
-// own, so a layer chain runs them, where torch's int4 kernel had to be called from Python. Returns 2 where
-// the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+// x [rows, k] bf16 (row stride xs), 1..32 rows, times the int4 matrix of specserve_int4_matmul (pack_int4's
+// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), products exact and sums in
+// float32, rounded once. For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode,
+// verify steps): the library's own, so a layer chain runs them, where torch's int4 kernel had to be called
+// from Python. 1..2 rows run q4_bf16_row; 3..32 the AMX tiles where the build and the kernel allow them
+// (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
+// Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
 extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
                                         const float* scales, const float* offsets, int64_t n, int64_t k,
                                         uint16_t* out, int64_t os, int num_threads) {
-  if (rows < 1 || rows > 8 || n < 1 || k < 32 || k % 32 != 0) return kBadArguments;
+  if (rows < 1 || rows > kInt4RowsMax || n < 1 || k < 32 || k % 32 != 0) return kBadArguments;
 #ifdef SPECSERVE_QUANT_BF16_PATH
+#ifdef SPECSERVE_INT4_AMX_PATH
+  if (rows >= kInt4AmxFromRows && n % 16 == 0 && amx_permitted())
+    return q4_bf16_amx(x, xs, rows, packed, scales, offsets, n, k, out, os, num_threads), kOk;
+#endif
+  if (rows > 8) {
+    specserve_int4_rows_bf16(x, xs, 8, packed, scales, offsets, n, k, out, os, num_threads);
+    return specserve_int4_rows_bf16(x + 8 * xs, xs, rows - 8, packed, scales, offsets, n, k, out + 8 * os, os,
+                                    num_threads);
+  }
   const int64_t groups = k / 32, xis = (groups + 1) / 2 * 64;
   std::vector<uint16_t> xi(rows * xis);
   for (int64_t r = 0; r < rows; ++r) interleave_groups(x + r * xs, k, xi.data() + r * xis);

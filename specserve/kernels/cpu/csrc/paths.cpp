@@ -24,5 +24,8 @@ extern "C" int specserve_paths() {
 #ifdef SPECSERVE_INT_DOT_VNNI
   paths |= kPathIntDotVnni;
 #endif
+#ifdef SPECSERVE_INT4_AMX_PATH
+  if (amx_permitted()) paths |= kPathInt4Amx;
+#endif
   return paths;
 }

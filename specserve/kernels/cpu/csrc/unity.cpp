@@ -22,6 +22,7 @@
 #include "matmul_f32_avx2.cpp"
 #include "matmul_generic.cpp"
 #include "matmul_bf16_avx512.cpp"
+#include "matmul_bf16_amx.cpp"
 #include "matmul.cpp"
 #include "matmul_q8.cpp"
 #include "bitmask.cpp"
