@@ -25,6 +25,8 @@ _CHAIN_KINDS = {
     "w4a8_matmul": 17,
     "w8a8_matmul_bf16": 18,
     "w4a8_matmul_bf16": 19,
+    "w4a8h_matmul": 20,
+    "w4a8h_matmul_bf16": 21,
 }
 
 
