@@ -166,3 +166,68 @@ def test_w4a8_keeps_the_gguf_int4_blocks():
     assert all(
         isinstance(v, torch.Tensor) for v in load_checkpoint(path, torch.float32, "w8a8").state_dict.values()
     )
+
+
+@pytest.fixture(scope="module")
+def q8_head_model_dir(tiny_model_factory, tmp_path_factory):
+    """The tiny tied Llama with its embedding (so its head) replaced by its own int8 blocks of 32
+    dequantized: a head that quant.head_form keeps as int8, as it keeps a GGUF's Q8_0 one."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src = tiny_model_factory("llama_gqa_tied")
+    dst = tmp_path_factory.mktemp("q8_head")
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    emb = hf.get_input_embeddings().weight
+    with torch.no_grad():
+        emb.copy_(quant.dequantize(quant.quantize_int8_grouped(emb.detach().clone())))
+    hf.save_pretrained(dst)
+    return dst
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_a8_model_runs_a_q8_head_on_int8_activations_too(q8_head_model_dir, mode):
+    """Its logits are the head's blocks times int8 activations at every step size (reference:
+    w8a8_grouped_matmul), greedy token for token against transformers running that arithmetic."""
+    llm = LLM(str(q8_head_model_dir), dtype="float32", quantization=mode, num_kv_blocks=256)
+    head = llm.engine.model.lm_head
+    assert isinstance(head, quant.PackedA8) and head.few is head.many
+    if linear.Isa.here(torch.device("cpu")).int_dot:
+        assert head.few is linear.OWN_A8 and head._product.name in ("w8a8g_matmul", "w8a8gh_matmul")
+    hf = _hf_in_a8(q8_head_model_dir, mode)
+    q = quant.quantize_int8_grouped(hf.lm_head.weight.detach().clone())
+
+    def head_forward(x: torch.Tensor) -> torch.Tensor:
+        flat = reference_a8.w8a8_grouped_matmul(x.reshape(-1, x.shape[-1]), q.codes, q.scales)
+        return flat.reshape(*x.shape[:-1], -1)
+
+    hf.lm_head.forward = head_forward
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ours = llm.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(ids, ours):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt) :].tolist()
+    # the weight-only modes keep the float-activation int8 head
+    assert (
+        isinstance(
+            LLM(str(q8_head_model_dir), dtype="float32", quantization="int8").engine.model.lm_head,
+            quant.PackedInt8,
+        )
+        or not cpu.build.quant_fast()
+    )
+
+
+def test_speculation_with_an_a8_head_is_lossless(q8_head_model_dir):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    path = str(q8_head_model_dir)
+    plain = LLM(path, dtype="float32", quantization="w4a8", num_kv_blocks=256)
+    drafted = LLM(path, dtype="float32", quantization="w4a8", num_kv_blocks=256, speculative_config=spec)
+    assert isinstance(drafted.engine.model.lm_head, quant.PackedA8)
+    prompts = PROMPTS + [PROMPTS[0] * 3]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    got = drafted.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.usage.draft_accepted for o in got) > 0
