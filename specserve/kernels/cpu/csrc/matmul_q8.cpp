@@ -112,8 +112,10 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < a.nb; ++b) {
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // two sums a row, added at the block's end: one row's vpdpbusd would otherwise wait on the one before
+    // (a chain of 8 a block); integer sums, so the order changes nothing
+    __m512i dot[R], dot2[R];
+    for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
     const int8_t* xb = a.codes + r0 * a.k + b * kQ8Block;
     if constexpr (W4) {
       for (int q = 0; q < 4; ++q) {
@@ -122,9 +124,10 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
         for (int r = 0; r < R; ++r) {
           const int8_t* x = xb + r * a.k + q * 8;
           dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(four_codes(x)));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(four_codes(x + 4)));
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, _mm512_set1_epi32(four_codes(x + 4)));
         }
       }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
       const __m512 s = load16(scales + b * kQ8Tile), o = load16(offsets + b * kQ8Tile);
       for (int r = 0; r < R; ++r) {
         const int64_t blk = (r0 + r) * a.nb + b;
@@ -134,11 +137,15 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
         acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), t)));
       }
     } else {
-      for (int q = 0; q < 8; ++q) {
+      for (int q = 0; q < 8; q += 2) {
         const __m512i v = _mm512_loadu_si512(w + (b * 8 + q) * 64);
-        for (int r = 0; r < R; ++r)
+        const __m512i v2 = _mm512_loadu_si512(w + (b * 8 + q + 1) * 64);
+        for (int r = 0; r < R; ++r) {
           dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(four_codes(xb + r * a.k + q * 4)));
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], v2, _mm512_set1_epi32(four_codes(xb + r * a.k + q * 4 + 4)));
+        }
       }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
       for (int r = 0; r < R; ++r) {
         const int64_t blk = (r0 + r) * a.nb + b;
         // the codes were stored + 128: take 128 times the block's activation sum back off
