@@ -302,13 +302,12 @@ class LlamaModel:
                 copy_mm = copy if isinstance(copy, quant.DensePanels) else dense_mm(copy)
             return quant.pack(w, self.dtype, self.device, copy_mm, invariant)
 
-        quantized = a8 = False
+        quantized = False
         for layer in self.layers:
-            matrices = [layer.qkv, layer.o, layer.gate_up, layer.down, *sum(layer.experts, ())]
             quantized |= any(
-                isinstance(w, quant.Int8Weight | quant.Int4Weight | quant.A8Weight) for w in matrices
+                isinstance(w, quant.Int8Weight | quant.Int4Weight | quant.A8Weight)
+                for w in [layer.qkv, layer.o, layer.gate_up, layer.down, *sum(layer.experts, ())]
             )
-            a8 |= any(isinstance(w, quant.A8Weight) for w in matrices)
             layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
             if layer.router is None:
                 layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
@@ -322,9 +321,9 @@ class LlamaModel:
         head = dense_form(self.lm_head)
         if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
             int8_head = quant.pack_head(
-                self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0, invariant, a8
+                self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0, invariant
             )
-            head = int8_head if isinstance(int8_head, quant.PackedInt8 | quant.PackedA8) else head
+            head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
 

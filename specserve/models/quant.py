@@ -65,8 +65,7 @@ class Int4Weight:
 @dataclass(frozen=True)
 class A8Weight:
     """A matrix of a w8a8 / w4a8 model: int8 codes in -127..127 with a scale per output (AVX2's sign trick
-    negates them), or int4 in groups of 32; its products quantize their activations first (a8). A Q8_0 head
-    keeps its scale per block of 32 (pack_head)."""
+    negates them), or int4 in groups of 32; its products quantize their activations first (a8)."""
 
     w: Int8Weight | Int4Weight
 
@@ -491,10 +490,6 @@ class PackedA8(_Packed):
                 self._product = cpu.matmul.bind_w4a8(
                     tiles, by_tile(self.scales, kept), by_tile(self.offsets, kept), dtype
                 )
-            elif self.scales.dim() == 2:  # a scale per block: a Q8_0 head (pack_head)
-                kept = torch.float16 if cpu.matmul.fits_half(self.scales) else torch.float32
-                tiles = cpu.matmul.w8a8_tiles(self.codes)
-                self._product = cpu.matmul.bind_w8a8(tiles, cpu.matmul.by_tile(self.scales, kept), dtype)
             else:
                 self._product = cpu.matmul.bind_w8a8(cpu.matmul.w8a8_tiles(self.codes), self.scales, dtype)
             del self.codes  # the tiles hold them
@@ -504,8 +499,6 @@ class PackedA8(_Packed):
             return self._product(x)
         if self.int4:
             return reference_a8.w4a8_matmul(x, self.codes, self.scales, self.offsets)
-        if self.scales.dim() == 2:
-            return reference_a8.w8a8_grouped_matmul(x, self.codes, self.scales)
         return reference_a8.w8a8_matmul(x, self.codes, self.scales)
 
 
@@ -573,17 +566,11 @@ def pack_head(
     device: torch.device,
     q8_0: Int8Weight | None = None,
     batch_invariant: bool = False,
-    a8: bool = False,
 ) -> object:
     """The head for the model's linear: head_form's int8 for steps of few rows beside `dense_mm` (the dense
     head, which the embedding lookup keeps anyway when tied) for more, or `w` as is. Batch-invariant: the
-    int8 head for every step size, in passes (linear.plan). a8 (a w8a8 / w4a8 model, float32): head_form's
-    blocks as a PackedA8 for every step size."""
+    int8 head for every step size, in passes (linear.plan)."""
     q = head_form(w, dtype, device, q8_0)
-    if q is not None and a8 and dtype == torch.float32 and int(q.codes.min()) >= -127:
-        # a w8a8 / w4a8 model's head: the same blocks with int8 activations at every step size (one
-        # arithmetic, so speculation stays lossless), the integer product's dot in place of float FMAs
-        return PackedA8(A8Weight(q), dtype, device)  # not .of: that re-quantizes blocks per output
     return w if q is None else PackedInt8(q, dtype, device, dense_mm, batch_invariant)
 
 
