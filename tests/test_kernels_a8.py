@@ -128,31 +128,6 @@ def test_w4a8_with_float16_scales_and_offsets_equals_the_reference(monkeypatch, 
     assert torch.equal(cpu.matmul.bind_w4a8(tiles, by_tile(scales), by_tile(offsets), dtype)(x), want)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
-@pytest.mark.parametrize("half", [False, True])
-def test_w8a8_with_a_scale_per_block_equals_the_reference(monkeypatch, isa, rows, half) -> None:
-    """A Q8_0 head's blocks (int8, a scale per 32 inputs, float16 values in a GGUF) with int8 activations."""
-    cpu = _variant(monkeypatch, isa)
-    n, k = 48, 96
-    codes, _ = _w8(n, k, seed=rows)
-    g = torch.Generator().manual_seed(rows)
-    scales = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
-    if half:
-        scales = scales.half().float()
-    x = _activations(rows, k, torch.float32, seed=rows + 13)
-    kept = torch.float16 if half else torch.float32
-    product = cpu.matmul.bind_w8a8(
-        cpu.matmul.w8a8_tiles(codes), cpu.matmul.by_tile(scales, kept), torch.float32
-    )
-    assert product.name == ("w8a8gh_matmul" if half else "w8a8g_matmul")
-    got = product(x)
-    want = ref.w8a8_grouped_matmul(x, codes, scales)
-    assert torch.equal(got, want)
-    near = x @ (codes.float().view(n, -1, 32) * scales[..., None]).view(n, k).t()
-    assert torch.allclose(got, near, rtol=0.05, atol=0.05 * float(near.abs().max()))
-
-
 def test_w4a8_scales_and_offsets_share_a_dtype(monkeypatch) -> None:
     cpu = _variant(monkeypatch, "native")
     codes, scales, offsets = _w4(16, 32, seed=0)

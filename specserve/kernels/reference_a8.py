@@ -6,7 +6,6 @@ codes round(x * (1 / d)) half to even (0 where d is 0), clamped to +-127. Each b
 weight codes is an exact integer. Scales are applied in float32, each product rounded on its own, blocks
 summed in input order:
 - w8a8 (int8 codes, a scale per output): acc += d_b * dot_b; out = acc * scale
-- w8a8 grouped (int8 codes, a scale per output and block of 32: a Q8_0 head): acc += d_b * (scale_b * dot_b)
 - w4a8 (codes 0..15, scale and offset per output and block of 32, w = code * scale + offset):
   acc += d_b * (scale_b * dot_b + offset_b * sum_b), sum_b the block's activation codes summed
 """
@@ -58,22 +57,6 @@ def w8a8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
         for b in range(dots.shape[0]):
             acc = acc + d[:, b, None] * dots[b]
         return acc * scales.float()
-
-    return _by_rows(x, codes.shape[0], one)
-
-
-def w8a8_grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] times w^T, w = codes [n, k] int8 * scales [n, k // 32] float32 per block of 32 inputs ->
-    [rows, n] in x's dtype."""
-
-    def one(rows: torch.Tensor) -> torch.Tensor:
-        xq, d, _ = quantize_activations(rows)
-        dots = _block_dots(xq, codes)
-        acc = torch.zeros(rows.shape[0], codes.shape[0])
-        s = scales.float()
-        for b in range(dots.shape[0]):
-            acc = acc + d[:, b, None] * (s[None, :, b] * dots[b])
-        return acc
 
     return _by_rows(x, codes.shape[0], one)
 

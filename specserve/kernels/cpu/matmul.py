@@ -318,18 +318,10 @@ _A8_NAMES = {torch.float32: "", torch.bfloat16: "_bf16"}
 def bind_w8a8(tiles: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> Product:
     """x [rows, k] (float32 or bfloat16) times w^T -> [rows, n] in x's dtype, w = codes * scales (float32
     [n]), the codes as w8a8_tiles gives them, x quantized per 32 inputs first (any build; SIMD where
-    build.int_dot_fast()). Grouped: float32 x and a scale per output and block of 32 (a Q8_0 head), as
-    by_tile gives them, float32 or float16 (w8a8g / w8a8gh)."""
+    build.int_dot_fast())."""
     if tiles.dtype != torch.uint8 or tiles.dim() != 4 or not tiles.is_contiguous() or dtype not in _A8_NAMES:
         raise ValueError("w8a8_matmul takes the codes as w8a8_tiles gives them, float32 or bfloat16 x")
     n, k = tiles.shape[0] * Q8_TILE, tiles.shape[1] * 4
-    if scales.dim() == 3:  # a scale per output and block (a Q8_0 head), float32 x only
-        if scales.shape != (n // Q8_TILE, k // Q8_BLOCK, Q8_TILE) or not scales.is_contiguous():
-            raise ValueError("w8a8_matmul: grouped scales as by_tile gives them")
-        if scales.dtype not in (torch.float32, torch.float16) or dtype != torch.float32:
-            raise ValueError("w8a8_matmul: grouped scales float32 or float16, float32 x")
-        name = "w8a8g_matmul" if scales.dtype == torch.float32 else "w8a8gh_matmul"
-        return Product(name, dtype, dtype, n, k, tiles, scales)
     if scales.dtype != torch.float32 or scales.shape != (n,) or not scales.is_contiguous():
         raise ValueError(f"w8a8_matmul: float32 scales [{n}]")
     return Product(f"w8a8_matmul{_A8_NAMES[dtype]}", dtype, dtype, n, k, tiles, scales)

@@ -96,11 +96,6 @@ int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_
 int specserve_w4a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                const float* scales, const float* offsets, int64_t n, int64_t k, uint16_t* out,
                                int64_t os, int num_threads);
-// ... w8a8 with a scale per output and block of 32 (by tile, as w4a8's), float32 or float16 bits
-int specserve_w8a8g_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
-                           int64_t n, int64_t k, float* out, int64_t os, int num_threads);
-int specserve_w8a8gh_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
-                            const uint16_t* scales, int64_t n, int64_t k, float* out, int64_t os, int num_threads);
 // ... w4a8 with its scales and offsets as float16 bits (where each is a float16 value)
 int specserve_w4a8h_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles, const uint16_t* scales,
                            const uint16_t* offsets, int64_t n, int64_t k, float* out, int64_t os, int num_threads);

@@ -13,7 +13,6 @@
 //
 // Per block b of row r (xd: its scale, xs: the sum of its codes, dot: the integer sum for output j):
 //   w8a8: acc += xd * dot, then out = acc * scale[j]
-//   w8a8 grouped (w8a8g, a Q8_0 head): acc += xd * (scale[j, b] * dot)
 //   w4a8: acc += xd * (scale[j, b] * dot + offset[j, b] * xs), offset = zero - 8 * scale
 // each product rounded to float32 on its own (no fused multiply-add), blocks summed in input order.
 //
@@ -98,14 +97,13 @@ inline float scalar(const float* p, int64_t i) { return p[i]; }
 inline float scalar(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
 
 // One tile of 16 outputs for rows [r0, r0 + R): res[r][j], in the arithmetic above. W4 picks the int4 form,
-// S its scales' and offsets' type (float, or uint16_t for float16 bits; w8a8's per-output scales are float);
-// G: w8a8 with a scale per output and block of 32 (a Q8_0 head) in place of one per output.
+// S its scales' and offsets' type (float, or uint16_t for float16 bits; w8a8's per-output scales are float).
 #ifdef SPECSERVE_INT_DOT_VNNI
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-template <int R, bool W4, typename S, bool G = false>
+template <int R, bool W4, typename S>
 inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
   __m512 acc[R];
@@ -150,15 +148,13 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
         const int64_t blk = (r0 + r) * a.nb + b;
         // the codes were stored + 128: take 128 times the block's activation sum back off
         const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * a.sums[blk]));
-        __m512 p = _mm512_cvtepi32_ps(exact);
-        if constexpr (G) p = rounded(_mm512_mul_ps(load16(scales + b * kQ8Tile), p));
-        p = rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), p));
+        const __m512 p = rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), _mm512_cvtepi32_ps(exact)));
         acc[r] = _mm512_add_ps(acc[r], p);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    if constexpr (!W4 && !G) acc[r] = _mm512_mul_ps(acc[r], load16(scales));
+    if constexpr (!W4) acc[r] = _mm512_mul_ps(acc[r], load16(scales));
     _mm512_storeu_ps(res[r], acc[r]);
   }
 }
@@ -168,7 +164,7 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-template <int R, bool W4, typename S, bool G = false>
+template <int R, bool W4, typename S>
 inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
@@ -213,21 +209,19 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
         }
         for (int r = 0; r < R; ++r) {
           const int64_t blk = (r0 + r) * a.nb + b;
-          __m256 p = _mm256_cvtepi32_ps(dot[r]);
-          if constexpr (G) p = rounded(_mm256_mul_ps(load8(scales + b * kQ8Tile + h * 8), p));
-          p = rounded(_mm256_mul_ps(_mm256_set1_ps(a.scales[blk]), p));
+          const __m256 p = rounded(_mm256_mul_ps(_mm256_set1_ps(a.scales[blk]), _mm256_cvtepi32_ps(dot[r])));
           acc[r] = _mm256_add_ps(acc[r], p);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      if constexpr (!W4 && !G) acc[r] = _mm256_mul_ps(acc[r], load8(scales + h * 8));
+      if constexpr (!W4) acc[r] = _mm256_mul_ps(acc[r], load8(scales + h * 8));
       _mm256_storeu_ps(res[r] + h * 8, acc[r]);
     }
   }
 }
 #else
-template <int R, bool W4, typename S, bool G = false>
+template <int R, bool W4, typename S>
 inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
   float acc[R][kQ8Tile] = {};
@@ -251,21 +245,18 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
           const float sd = rounded(scalar(scales, b * kQ8Tile + j) * static_cast<float>(dot));
           const float os = rounded(scalar(offsets, b * kQ8Tile + j) * static_cast<float>(a.sums[blk]));
           acc[r][j] = acc[r][j] + rounded(a.scales[blk] * (sd + os));
-        } else if constexpr (G) {
-          const float sd = rounded(scalar(scales, b * kQ8Tile + j) * static_cast<float>(dot));
-          acc[r][j] = acc[r][j] + rounded(a.scales[blk] * sd);
         } else {
           acc[r][j] = acc[r][j] + rounded(a.scales[blk] * static_cast<float>(dot));
         }
       }
     }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kQ8Tile; ++j) res[r][j] = W4 || G ? acc[r][j] : acc[r][j] * scalar(scales, j);
+    for (int j = 0; j < kQ8Tile; ++j) res[r][j] = W4 ? acc[r][j] : acc[r][j] * scales[j];
 }
 #endif
 
 // x [rows, k] (row stride xs) times the tiled matrix -> out [rows, n] (row stride os), in T.
-template <bool W4, typename T, typename S = float, bool G = false>
+template <bool W4, typename T, typename S = float>
 int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const S* scales, const S* offsets,
               int64_t n, int64_t k, T* out, int64_t os, int num_threads) {
   if (rows < 1 || n < kQ8Tile || n % kQ8Tile != 0 || k < kQ8Block || k % kQ8Block != 0) return kBadArguments;
@@ -279,12 +270,12 @@ int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const 
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
   for (int64_t t = 0; t < n / kQ8Tile; ++t) {
     const uint8_t* w = tiles + t * tile_bytes;
-    const S* s = W4 || G ? scales + t * nb * kQ8Tile : scales + t * kQ8Tile;
+    const S* s = W4 ? scales + t * nb * kQ8Tile : scales + t * kQ8Tile;
     const S* o = W4 ? offsets + t * nb * kQ8Tile : nullptr;
     float res[kQ8Rows][kQ8Tile];
     for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
       const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
-      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, W4, S, G>(a, r0, w, s, o, res); });
+      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, W4, S>(a, r0, w, s, o, res); });
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t j = 0; j < kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
     }
@@ -342,17 +333,4 @@ extern "C" int specserve_w4a8h_matmul_bf16(const uint16_t* x, int64_t xs, int64_
                                            const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
                                            uint16_t* out, int64_t os, int num_threads) {
   return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
-}
-
-extern "C" int specserve_w8a8g_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
-                                      const float* scales, int64_t n, int64_t k, float* out, int64_t os,
-                                      int num_threads) {
-  return q8_matmul<false, float, float, true>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
-}
-
-extern "C" int specserve_w8a8gh_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
-                                       const uint16_t* scales, int64_t n, int64_t k, float* out, int64_t os,
-                                       int num_threads) {
-  return q8_matmul<false, float, uint16_t, true>(x, xs, rows, tiles, scales, nullptr, n, k, out, os,
-                                                 num_threads);
 }
