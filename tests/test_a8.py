@@ -107,8 +107,9 @@ def test_without_integer_simd_the_torch_form_runs_the_same_arithmetic(monkeypatc
     slow = quant.pack(w, dtype, torch.device("cpu"))
     assert slow.few is linear.TORCH_A8 and slow.many is linear.TORCH_A8
     assert torch.equal(fast.mm(x), slow.mm(x))
+    assert slow.library_products() == [(float("inf"), None)]  # torch's: not a layer chain's product
     if fast.few is linear.OWN_A8:
-        assert fast.library_products() == [(float("inf"), None)]  # not a layer chain's product
+        assert fast.library_products() == [(float("inf"), fast._product)]
 
 
 def test_the_table_refuses_what_the_integer_products_cannot_take():

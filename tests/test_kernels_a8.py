@@ -106,6 +106,37 @@ def test_w4a8_matmul_equals_the_reference(monkeypatch, isa, dtype, rows, shape) 
     assert got.dtype == dtype and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_w4a8_with_float16_scales_and_offsets_equals_the_reference(monkeypatch, isa, dtype, rows) -> None:
+    """A GGUF's Q4_0 / Q4_1 scales and minimums are float16 values: kept as float16 bits (w4a8h), the
+    kernel widens them to the very float32 values, subnormal and negative ones too."""
+    cpu = _variant(monkeypatch, isa)
+    n, k = 48, 96
+    codes, scales, offsets = _w4(n, k, seed=rows)
+    offsets[0, 0], offsets[1, 1], scales[2, 2] = 3e-7, -2e-5, 0.0  # float16 subnormals and a zero
+    scales, offsets = scales.half().float(), offsets.half().float()
+    assert cpu.matmul.fits_half(scales) and cpu.matmul.fits_half(offsets)
+    x = _activations(rows, k, dtype, seed=rows + 11)
+    tiles = cpu.matmul.w4a8_tiles(codes)
+    by_tile = cpu.matmul.by_tile
+    half = cpu.matmul.bind_w4a8(tiles, by_tile(scales, torch.float16), by_tile(offsets, torch.float16), dtype)
+    assert half.name.startswith("w4a8h_matmul")
+    want = ref.w4a8_matmul(x, codes, scales, offsets)
+    assert torch.equal(half(x), want)
+    assert torch.equal(cpu.matmul.bind_w4a8(tiles, by_tile(scales), by_tile(offsets), dtype)(x), want)
+
+
+def test_w4a8_scales_and_offsets_share_a_dtype(monkeypatch) -> None:
+    cpu = _variant(monkeypatch, "native")
+    codes, scales, offsets = _w4(16, 32, seed=0)
+    tiles, by_tile = cpu.matmul.w4a8_tiles(codes), cpu.matmul.by_tile
+    with pytest.raises(ValueError, match="both float32 or both float16"):
+        cpu.matmul.bind_w4a8(tiles, by_tile(scales, torch.float16), by_tile(offsets), torch.float32)
+    assert not cpu.matmul.fits_half(torch.tensor([0.1]))
+
+
 def test_the_reference_is_near_the_float_product() -> None:
     """Quantizing activations per 32 inputs costs about 1/254 of each block's largest value per input."""
     n, k = 64, 256

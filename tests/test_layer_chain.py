@@ -42,7 +42,10 @@ STEPS = [
 def _chains(dtype: str, shape: str, mode: str) -> bool:
     """Whether the model's products run in the library, for some steps at least: float32 on AVX2 + FMA
     builds; bfloat16 on AVX512-BF16 ones, but not with biases (added in float32 only), nor dense matrices
-    where AMX runs oneDNN's tiles in place of our panels (models/linear.py)."""
+    where AMX runs oneDNN's tiles in place of our panels (models/linear.py). w8a8 / w4a8: where the integer
+    products run on SIMD, in either dtype (bf16 still without biases)."""
+    if mode in quant.A8_MODES:
+        return cpu.build.int_dot_fast() and (dtype == "float32" or "bias" not in shape)
     if dtype == "float32":
         return cpu.build.quant_fast()
     dense_on_amx = mode == "none" and torch.cpu._is_amx_tile_supported()
@@ -65,7 +68,7 @@ def _counting(model) -> list[Counting]:
 
 
 @pytest.mark.parametrize("shape", ["llama_gqa_tied", "qwen2_bias", "llama_bias", "llama_hd64"])
-@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["none", "int8", "int4", "w8a8", "w4a8"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_chained_layers_equal_the_python_loop_bit_for_bit(tiny_model_factory, dtype, shape, mode):
     # the forms a step's rows pick, whose runs _chained_steps counts (a batch-invariant plan chains only the

@@ -20,6 +20,13 @@ _CHAIN_KINDS = {
     "int8_matmul_bf16": 5,
     "int4_matmul_bf16": 6,
     "int4_rows_bf16": 7,
+    # apart from the weight-only kinds, so that either list can grow without renumbering the other
+    "w8a8_matmul": 16,
+    "w4a8_matmul": 17,
+    "w8a8_matmul_bf16": 18,
+    "w4a8_matmul_bf16": 19,
+    "w4a8h_matmul": 20,
+    "w4a8h_matmul_bf16": 21,
 }
 
 

@@ -306,10 +306,16 @@ def w4a8_tiles(codes: torch.Tensor) -> torch.Tensor:
     return (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
 
 
-def by_tile(t: torch.Tensor) -> torch.Tensor:
-    """Per-block values [n, k // 32] -> [n // 16, k // 32, 16] float32 (a tile's 16 outputs side by side)."""
+def by_tile(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-block values [n, k // 32] -> [n // 16, k // 32, 16] in dtype (a tile's 16 outputs side by side)."""
     n = t.shape[0]
-    return t.float().view(n // Q8_TILE, Q8_TILE, -1).permute(0, 2, 1).contiguous()
+    return t.to(dtype).view(n // Q8_TILE, Q8_TILE, -1).permute(0, 2, 1).contiguous()
+
+
+def fits_half(t: torch.Tensor) -> bool:
+    """Whether every value of t is a float16 value (w4a8's scales and offsets can then be kept as float16
+    bits, bind_w4a8, and read as the same values)."""
+    return bool(torch.equal(t.to(torch.float16).float(), t.float()))
 
 
 _A8_NAMES = {torch.float32: "", torch.bfloat16: "_bf16"}
@@ -331,15 +337,19 @@ def bind_w4a8(
     tiles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype
 ) -> Product:
     """x [rows, k] times w^T, w = code * scale + offset per group of 32 inputs (scales and offsets as by_tile
-    gives them, codes as w4a8_tiles), x quantized per 32 inputs first; out in x's dtype."""
+    gives them, both float32 or both float16: the same arithmetic in float32 either way), codes as
+    w4a8_tiles, x quantized per 32 inputs first; out in x's dtype."""
     if tiles.dtype != torch.uint8 or tiles.dim() != 4 or not tiles.is_contiguous() or dtype not in _A8_NAMES:
         raise ValueError("w4a8_matmul takes the codes as w4a8_tiles gives them, float32 or bfloat16 x")
     n, k = tiles.shape[0] * Q8_TILE, tiles.shape[1] * 8
     shape = (n // Q8_TILE, k // Q8_BLOCK, Q8_TILE)
     for t in (scales, offsets):
-        if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous():
-            raise ValueError(f"w4a8_matmul: float32 scales and offsets {list(shape)} (by_tile)")
-    return Product(f"w4a8_matmul{_A8_NAMES[dtype]}", dtype, dtype, n, k, tiles, scales, offsets)
+        if t.dtype != scales.dtype or t.dtype not in (torch.float32, torch.float16):
+            raise ValueError("w4a8_matmul: scales and offsets both float32 or both float16")
+        if t.shape != shape or not t.is_contiguous():
+            raise ValueError(f"w4a8_matmul: scales and offsets {list(shape)} (by_tile)")
+    name = "w4a8_matmul" if scales.dtype == torch.float32 else "w4a8h_matmul"
+    return Product(f"{name}{_A8_NAMES[dtype]}", dtype, dtype, n, k, tiles, scales, offsets)
 
 
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

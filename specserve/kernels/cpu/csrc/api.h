@@ -97,6 +97,12 @@ int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_
 int specserve_w4a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                const float* scales, const float* offsets, int64_t n, int64_t k, uint16_t* out,
                                int64_t os, int num_threads);
+// ... w4a8 with its scales and offsets as float16 bits (where each is a float16 value)
+int specserve_w4a8h_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles, const uint16_t* scales,
+                           const uint16_t* offsets, int64_t n, int64_t k, float* out, int64_t os, int num_threads);
+int specserve_w4a8h_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
+                                uint16_t* out, int64_t os, int num_threads);
 
 // bitmask.cpp
 int specserve_apply_bitmask(float* logits, int64_t logits_stride, int64_t vocab, const int32_t* bitmask,

@@ -25,7 +25,8 @@ struct LayerDesc {
 static_assert(sizeof(ProductDesc) == 7 * 8 && sizeof(LayerDesc) == 31 * 8, "LayerChain's words");
 
 enum ProductKind : int64_t {
-  kF32Panels, kInt8, kInt8Grouped, kInt4, kBf16Panels, kInt8Bf16, kInt4Bf16, kInt4RowsBf16
+  kF32Panels, kInt8, kInt8Grouped, kInt4, kBf16Panels, kInt8Bf16, kInt4Bf16, kInt4RowsBf16,
+  kW8a8 = 16, kW4a8, kW8a8Bf16, kW4a8Bf16, kW4a8Half, kW4a8HalfBf16
 };
 
 int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, int threads) {
@@ -40,6 +41,8 @@ int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, in
   const auto* b16 = static_cast<const u16*>(p.w[0]);
   const auto* s = static_cast<const float*>(p.w[1]);
   const auto* z = static_cast<const float*>(p.w[2]);
+  const auto* sh = static_cast<const u16*>(p.w[1]);  // float16 bits
+  const auto* zh = static_cast<const u16*>(p.w[2]);
   const int64_t n = p.n, k = p.k;
   int rc;
   switch (p.kind) {
@@ -51,6 +54,12 @@ int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, in
     case kInt8Bf16: rc = specserve_int8_matmul_bf16(xb, k, rows, i8, s, n, k, ob, n, threads); break;
     case kInt4Bf16: rc = specserve_int4_matmul_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
     case kInt4RowsBf16: rc = specserve_int4_rows_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
+    case kW8a8: rc = specserve_w8a8_matmul(xf, k, rows, u8, s, n, k, of, n, threads); break;
+    case kW4a8: rc = specserve_w4a8_matmul(xf, k, rows, u8, s, z, n, k, of, n, threads); break;
+    case kW8a8Bf16: rc = specserve_w8a8_matmul_bf16(xb, k, rows, u8, s, n, k, ob, n, threads); break;
+    case kW4a8Bf16: rc = specserve_w4a8_matmul_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
+    case kW4a8Half: rc = specserve_w4a8h_matmul(xf, k, rows, u8, sh, zh, n, k, of, n, threads); break;
+    case kW4a8HalfBf16: rc = specserve_w4a8h_matmul_bf16(xb, k, rows, u8, sh, zh, n, k, ob, n, threads); break;
     default: return kUnknownProduct;
   }
   if (rc == 0 && p.bias != nullptr)  // y + bias, one rounding as torch's add

@@ -15,6 +15,11 @@
 //   w8a8: acc += xd * dot, then out = acc * scale[j]
 //   w4a8: acc += xd * (scale[j, b] * dot + offset[j, b] * xs), offset = zero - 8 * scale
 // each product rounded to float32 on its own (no fused multiply-add), blocks summed in input order.
+//
+// w4a8's scales and offsets come as float32 or, where every one of a matrix's is a float16 value (a GGUF's
+// Q4_0 / Q4_1 blocks: fp16 scales and minimums), as those float16 bits (the w4a8h entry points): the same
+// values, widened exactly in the kernel, a quarter fewer bytes a weight (0.5625 against 0.75), which is what a
+// batch-1 step reads.
 #include "api.h"
 #include "common.h"
 
@@ -75,17 +80,40 @@ inline int32_t four_codes(const int8_t* p) {
   return v;
 }
 
-// One tile of 16 outputs for rows [r0, r0 + R): res[r][j], in the arithmetic above. W4 picks the int4 form.
+// float16 bits -> float32, exactly (the generic build's widening of w4a8h's scales and offsets)
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0) {  // zero and subnormals: man * 2^-24, exact in float32
+    const float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  bits = sign | (exp == 31 ? 0x7F800000u | (man << 13) : ((exp + 112) << 23) | (man << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float scalar(const float* p, int64_t i) { return p[i]; }
+inline float scalar(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
+
+// One tile of 16 outputs for rows [r0, r0 + R): res[r][j], in the arithmetic above. W4 picks the int4 form,
+// S its scales' and offsets' type (float, or uint16_t for float16 bits; w8a8's per-output scales are float).
 #ifdef SPECSERVE_INT_DOT_VNNI
-template <int R, bool W4>
-inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* scales, const float* offsets,
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <int R, bool W4, typename S>
+inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < a.nb; ++b) {
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    // two sums a row, added at the block's end: one row's vpdpbusd would otherwise wait on the one before
+    // (a chain of 8 a block); integer sums, so the order changes nothing
+    __m512i dot[R], dot2[R];
+    for (int r = 0; r < R; ++r) dot[r] = dot2[r] = _mm512_setzero_si512();
     const int8_t* xb = a.codes + r0 * a.k + b * kQ8Block;
     if constexpr (W4) {
       for (int q = 0; q < 4; ++q) {
@@ -94,10 +122,11 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
         for (int r = 0; r < R; ++r) {
           const int8_t* x = xb + r * a.k + q * 8;
           dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(four_codes(x)));
-          dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(four_codes(x + 4)));
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], hi, _mm512_set1_epi32(four_codes(x + 4)));
         }
       }
-      const __m512 s = _mm512_loadu_ps(scales + b * kQ8Tile), o = _mm512_loadu_ps(offsets + b * kQ8Tile);
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
+      const __m512 s = load16(scales + b * kQ8Tile), o = load16(offsets + b * kQ8Tile);
       for (int r = 0; r < R; ++r) {
         const int64_t blk = (r0 + r) * a.nb + b;
         const __m512 sd = rounded(_mm512_mul_ps(s, _mm512_cvtepi32_ps(dot[r])));
@@ -106,11 +135,15 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
         acc[r] = _mm512_add_ps(acc[r], rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), t)));
       }
     } else {
-      for (int q = 0; q < 8; ++q) {
+      for (int q = 0; q < 8; q += 2) {
         const __m512i v = _mm512_loadu_si512(w + (b * 8 + q) * 64);
-        for (int r = 0; r < R; ++r)
+        const __m512i v2 = _mm512_loadu_si512(w + (b * 8 + q + 1) * 64);
+        for (int r = 0; r < R; ++r) {
           dot[r] = _mm512_dpbusd_epi32(dot[r], v, _mm512_set1_epi32(four_codes(xb + r * a.k + q * 4)));
+          dot2[r] = _mm512_dpbusd_epi32(dot2[r], v2, _mm512_set1_epi32(four_codes(xb + r * a.k + q * 4 + 4)));
+        }
       }
+      for (int r = 0; r < R; ++r) dot[r] = _mm512_add_epi32(dot[r], dot2[r]);
       for (int r = 0; r < R; ++r) {
         const int64_t blk = (r0 + r) * a.nb + b;
         // the codes were stored + 128: take 128 times the block's activation sum back off
@@ -121,14 +154,18 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
     }
   }
   for (int r = 0; r < R; ++r) {
-    if constexpr (!W4) acc[r] = _mm512_mul_ps(acc[r], _mm512_loadu_ps(scales));
+    if constexpr (!W4) acc[r] = _mm512_mul_ps(acc[r], load16(scales));
     _mm512_storeu_ps(res[r], acc[r]);
   }
 }
 #elif defined(SPECSERVE_INT_DOT_PATH)
 // AVX2: the tile's two halves of 8 outputs in turn (bytes [0, 32) and [32, 64) of each 64-byte group).
-template <int R, bool W4>
-inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* scales, const float* offsets,
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <int R, bool W4, typename S>
+inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   for (int h = 0; h < 2; ++h) {
@@ -150,8 +187,8 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
             dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
           }
         }
-        const __m256 s = _mm256_loadu_ps(scales + b * kQ8Tile + h * 8);
-        const __m256 o = _mm256_loadu_ps(offsets + b * kQ8Tile + h * 8);
+        const __m256 s = load8(scales + b * kQ8Tile + h * 8);
+        const __m256 o = load8(offsets + b * kQ8Tile + h * 8);
         for (int r = 0; r < R; ++r) {
           const int64_t blk = (r0 + r) * a.nb + b;
           const __m256 sd = rounded(_mm256_mul_ps(s, _mm256_cvtepi32_ps(dot[r])));
@@ -178,14 +215,14 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
       }
     }
     for (int r = 0; r < R; ++r) {
-      if constexpr (!W4) acc[r] = _mm256_mul_ps(acc[r], _mm256_loadu_ps(scales + h * 8));
+      if constexpr (!W4) acc[r] = _mm256_mul_ps(acc[r], load8(scales + h * 8));
       _mm256_storeu_ps(res[r] + h * 8, acc[r]);
     }
   }
 }
 #else
-template <int R, bool W4>
-inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* scales, const float* offsets,
+template <int R, bool W4, typename S>
+inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
   float acc[R][kQ8Tile] = {};
   for (int64_t b = 0; b < a.nb; ++b)
@@ -205,8 +242,8 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
           dot += c * x[i];
         }
         if constexpr (W4) {
-          const float sd = rounded(scales[b * kQ8Tile + j] * static_cast<float>(dot));
-          const float os = rounded(offsets[b * kQ8Tile + j] * static_cast<float>(a.sums[blk]));
+          const float sd = rounded(scalar(scales, b * kQ8Tile + j) * static_cast<float>(dot));
+          const float os = rounded(scalar(offsets, b * kQ8Tile + j) * static_cast<float>(a.sums[blk]));
           acc[r][j] = acc[r][j] + rounded(a.scales[blk] * (sd + os));
         } else {
           acc[r][j] = acc[r][j] + rounded(a.scales[blk] * static_cast<float>(dot));
@@ -219,9 +256,9 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const float* 
 #endif
 
 // x [rows, k] (row stride xs) times the tiled matrix -> out [rows, n] (row stride os), in T.
-template <bool W4, typename T>
-int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
-              const float* offsets, int64_t n, int64_t k, T* out, int64_t os, int num_threads) {
+template <bool W4, typename T, typename S = float>
+int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const S* scales, const S* offsets,
+              int64_t n, int64_t k, T* out, int64_t os, int num_threads) {
   if (rows < 1 || n < kQ8Tile || n % kQ8Tile != 0 || k < kQ8Block || k % kQ8Block != 0) return kBadArguments;
   const int64_t nb = k / kQ8Block;
   std::vector<int8_t> codes(rows * k);
@@ -233,18 +270,20 @@ int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const 
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
   for (int64_t t = 0; t < n / kQ8Tile; ++t) {
     const uint8_t* w = tiles + t * tile_bytes;
-    const float* s = W4 ? scales + t * nb * kQ8Tile : scales + t * kQ8Tile;
-    const float* o = W4 ? offsets + t * nb * kQ8Tile : nullptr;
+    const S* s = W4 ? scales + t * nb * kQ8Tile : scales + t * kQ8Tile;
+    const S* o = W4 ? offsets + t * nb * kQ8Tile : nullptr;
     float res[kQ8Rows][kQ8Tile];
     for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
       const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
-      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, W4>(a, r0, w, s, o, res); });
+      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, W4, S>(a, r0, w, s, o, res); });
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t j = 0; j < kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
     }
   }
   return kOk;
 }
+
+constexpr const float* kNoOffsets = nullptr;  // w8a8's: typed, so that q8_matmul's S is float
 
 }  // namespace
 
@@ -263,13 +302,13 @@ extern "C" int specserve_quantize_q8(const void* x, int64_t xs, int64_t rows, in
 extern "C" int specserve_w8a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                      const float* scales, int64_t n, int64_t k, float* out, int64_t os,
                                      int num_threads) {
-  return q8_matmul<false>(x, xs, rows, tiles, scales, nullptr, n, k, out, os, num_threads);
+  return q8_matmul<false>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w8a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                           const float* scales, int64_t n, int64_t k, uint16_t* out, int64_t os,
                                           int num_threads) {
-  return q8_matmul<false>(x, xs, rows, tiles, scales, nullptr, n, k, out, os, num_threads);
+  return q8_matmul<false>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
@@ -281,5 +320,17 @@ extern "C" int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, c
 extern "C" int specserve_w4a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                           const float* scales, const float* offsets, int64_t n, int64_t k,
                                           uint16_t* out, int64_t os, int num_threads) {
+  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w4a8h_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                      const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
+                                      float* out, int64_t os, int num_threads) {
+  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w4a8h_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                           const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
+                                           uint16_t* out, int64_t os, int num_threads) {
   return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
 }
