@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_OUT, cpu_line  # noqa: E402
+from common import DEFAULT_OUT, concurrency_levels, cpu_line  # noqa: E402
 
 MODULES = (
     "json", "textwrap", "argparse", "collections", "functools", "itertools", "pathlib", "shutil",
@@ -195,10 +195,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="default: the demo model")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    args.requests = [int(x) for x in args.requests.split(",")]
-    if len(args.requests) != len(args.concurrency):
-        p.error("--requests needs one count per --concurrency level")
+    concurrency_levels(p, args)
     return args
 
 

@@ -7,6 +7,7 @@ the same way (slices of the Python stdlib, outputs of 32 / 128 / 512 tokens) for
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -361,3 +362,11 @@ QUESTIONS = (
     "What changed in recent versions?",
     "How do I test code that uses it?",
 )
+
+
+def concurrency_levels(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--concurrency and --requests as lists of ints, one request count per level."""
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.requests = [int(x) for x in args.requests.split(",")]
+    if len(args.requests) != len(args.concurrency):
+        p.error("--requests needs one count per --concurrency level")

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_traffic import ChatRequest, Run, run_closed_loop  # noqa: E402
 from chat_traffic import build_traffic as chat_traffic  # noqa: E402
-from common import DEFAULT_OUT, cpu_line  # noqa: E402
+from common import DEFAULT_OUT, concurrency_levels, cpu_line  # noqa: E402
 from suffix_fleet import TEMPLATES  # noqa: E402
 from suffix_traffic import build_traffic as agent_traffic  # noqa: E402
 
@@ -105,10 +105,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", help="default: the demo model")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    args.requests = [int(x) for x in args.requests.split(",")]
-    if len(args.requests) != len(args.concurrency):
-        p.error("--requests needs one count per --concurrency level")
+    concurrency_levels(p, args)
     return args
 
 

@@ -62,11 +62,17 @@ def _shape(tree: SuffixTree | RequestTree) -> dict[tuple[int, ...], tuple[int, i
 
 def _counted(tokens: list[int], depth: int) -> dict[tuple[int, ...], tuple[int, int | None]]:
     """_shape of a tree over `tokens`, by counting every substring of at most `depth` tokens."""
-    counts = Counter(
-        tuple(tokens[i : i + n])
-        for i in range(len(tokens))
-        for n in range(1, min(depth, len(tokens) - i) + 1)
+    return _with_best(
+        Counter(
+            tuple(tokens[i : i + n])
+            for i in range(len(tokens))
+            for n in range(1, min(depth, len(tokens) - i) + 1)
+        )
     )
+
+
+def _with_best(counts: Counter[tuple[int, ...]]) -> dict[tuple[int, ...], tuple[int, int | None]]:
+    """Each counted path's count and its most frequent next token (the lowest token on a tie), as _shape."""
     best: dict[tuple[int, ...], tuple[int, int]] = {}
     for path, count in counts.items():
         parent = path[:-1]

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 
 import pytest
-from test_suffix import _draft, _finish, _seq, _shape
+from test_suffix import _draft, _finish, _seq, _shape, _with_best
 
 from specserve.spec.suffix import FLEET_REFRESH, GlobalTree, RequestTree, SuffixProposer, SuffixTree
 
@@ -27,13 +27,7 @@ def _substrings(texts: list[list[int]], depth: int) -> Counter[tuple[int, ...]]:
 
 
 def _oracle_shape(texts: list[list[int]], depth: int) -> dict[tuple[int, ...], tuple[int, int | None]]:
-    counts = _substrings(texts, depth)
-    best: dict[tuple[int, ...], tuple[int, int]] = {}
-    for path, count in counts.items():
-        parent = path[:-1]
-        if parent not in best or (count, -path[-1]) > (best[parent][0], -best[parent][1]):
-            best[parent] = (count, path[-1])
-    return {path: (count, best[path][1] if path in best else None) for path, count in counts.items()}
+    return _with_best(_substrings(texts, depth))
 
 
 @pytest.mark.parametrize("seed", range(8))
