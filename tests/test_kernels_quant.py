@@ -229,11 +229,13 @@ def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
 def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypatch, rows) -> None:
     """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). q4_bf16_row
     takes each code as 1 + code / 16 (exact in bf16) and its group's x sum off again, so the float32 error
-    bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight; the AMX
-    tiles take the codes themselves (exact) and are within the same bound."""
+    bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight. The AMX
+    tiles (3..32 rows where they run) take each weight as code * scale + offset in float32 rounded to bf16,
+    the values a bf16 model holds, and sum those products in float32."""
     cpu = _variant(monkeypatch, "native")
     if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
+    on_tiles = cpu.build.int4_rows_amx() and rows > cpu.matmul.INT4_ROWS_BF16_BELOW_AMX
     # SmolLM2's shapes, an odd number of groups (7: the last one alone), a single group
     for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 224), (16, 32), (48, 64)]):
         torch.manual_seed(10 * rows + i)
@@ -245,8 +247,13 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         group = torch.arange(k) // quant.GROUP
         s, o = scales.double()[:, group], offsets.double()[:, group]
-        exact = x.double() @ (w.codes.double() * s + o).t()
-        terms = x.double().abs() @ (s.abs() * (16 + w.codes.double()) + (o - 16 * s).abs()).t()
+        if on_tiles:  # one rounding to float32 (the FMA), one to bf16
+            weights = (w.codes.double() * s + o).float().to(torch.bfloat16).double()
+            exact = x.double() @ weights.t()
+            terms = x.double().abs() @ weights.abs().t()
+        else:
+            exact = x.double() @ (w.codes.double() * s + o).t()
+            terms = x.double().abs() @ (s.abs() * (16 + w.codes.double()) + (o - 16 * s).abs()).t()
         bound = exact.abs() * 2.0**-8 + terms * (k + 2) * torch.finfo(torch.float32).eps
         assert ((got.double() - exact).abs() <= bound).all(), (n, k)
 

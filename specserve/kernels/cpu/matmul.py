@@ -236,7 +236,8 @@ def int4_matmul(
 # The most rows int4_rows_bf16 takes (csrc/matmul.cpp's kInt4RowsMax: a verify step of 1 + 31 drafts); the
 # rows of q4_bf16_row (AVX512-BF16), which sums each of its 1..8 rows as a one-row call does; and the most
 # rows a call runs on it where AMX tiles run the rest (csrc's kInt4AmxFromRows - 1): the tiles' sums come
-# in another order, so only calls of up to that many rows sum each row as a one-row call.
+# in another order, of the weights rounded to bf16, so only calls of up to that many rows sum each row as a
+# one-row call.
 INT4_ROWS_BF16_MAX = 32
 INT4_ROWS_BF16_AVX512 = 8
 INT4_ROWS_BF16_BELOW_AMX = 2
@@ -244,8 +245,9 @@ INT4_ROWS_BF16_BELOW_AMX = 2
 
 def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
     """bind_int4's matrix times x [rows, k] bfloat16 (1..INT4_ROWS_BF16_MAX rows) -> [rows, n] bfloat16: codes
-    exact in bf16 products on vdpbf16ps (3 or more rows on AMX's tdpbf16ps where build.int4_rows_amx()), sums
-    in float32, rounded once. Needs build.quant_bf16_fast()."""
+    exact in bf16 products on vdpbf16ps (3 or more rows on AMX's tdpbf16ps where build.int4_rows_amx(), each
+    weight rounded to bf16 as a bf16 model holds it), sums in float32, rounded once. Needs
+    build.quant_bf16_fast()."""
     n, k = _check_int4(packed, scales, offsets)
     return Product("int4_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, packed, scales, offsets)
 

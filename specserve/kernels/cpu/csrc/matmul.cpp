@@ -124,8 +124,8 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 }
 
 // x [rows, k] bf16 (row stride xs), 1..32 rows, times the int4 matrix of specserve_int4_matmul (pack_int4's
-// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), products exact and sums in
-// float32, rounded once. For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode,
+// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32, rounded once:
+// products of the codes exact in q4_bf16_row, of the weights rounded to bf16 on the AMX tiles. For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode,
 // verify steps): the library's own, so a layer chain runs them, where torch's int4 kernel had to be called
 // from Python. 1..2 rows run q4_bf16_row; 3..32 the AMX tiles where the build and the kernel allow them
 // (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.

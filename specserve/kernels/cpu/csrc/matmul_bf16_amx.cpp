@@ -1,12 +1,15 @@
 // The int4 few-row product (pack_int4's nibbles, w = code * scale + offset per group of 32 inputs) on AMX
 // tiles (specserve_paths() bit 64), for the 3..32 bf16 rows of a verify step. q4_bf16_row (AVX512-BF16)
 // pays its unpacking, two vdpbf16ps and its epilogue again for every row, so its cost grows with the rows;
-// here each group of 16 outputs x 32 inputs is widened once, to its exact codes in bf16, into a tile buffer
-// in L1, and one tdpbf16ps runs it against every row (rows past 16 take a second tile against the same
-// buffer). Products are exact and sums float32, as in q4_bf16_row: each group's tile of sums is stored and
-// scaled in registers (y = sum_g scale_g D_g + offset_g xsum_g), in another order than q4_bf16_row's (see
-// cpu.matmul.INT4_ROWS_BF16_BELOW_AMX). Widening the weights with their scales into bf16 instead would
-// save the per-group stores and scaling but round every weight to bf16.
+// here each group of 16 outputs x 32 inputs is widened once, to its weights rounded to bf16 (the values a
+// bf16 model holds), into a tile buffer in L1, and one tdpbf16ps runs it against every row (rows past 16
+// take a second tile against the same buffer), its sums staying in the C tiles over all groups.
+// Keeping the codes exact instead (scales applied to each group's tile of sums in float32) stored and
+// rescaled a tile of sums every group; with the weights' prefetch spread over the group loop and B and C
+// only as wide as the step's rows, SmolLM2's 30 layers at 3 / 5 / 9 / 16 rows went from 1.89 / 1.93 /
+// 1.97 / 2.12x one row to 1.42 / 1.49 / 1.56 / 1.77x (random codes from memory, two threads, both builds
+// alternated in one process; 2-core Sapphire Rapids). Sums come in another order than q4_bf16_row's (see
+// cpu.matmul.INT4_ROWS_BF16_BELOW_AMX).
 #if defined(SPECSERVE_QUANT_BF16_PATH) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SPECSERVE_INT4_AMX_PATH 1
 #include <sys/syscall.h>
@@ -31,112 +34,118 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0 and 3 the weights (A, groups in turn), 1 and 2 the rows' activations (B, rows 0-15 and 16-31), 4
-// to 7 the sums (C: groups in turn, and row blocks).
-inline void amx_configure() {
+// Tiles: 0 and 3 the weights (A: 16 outputs x 32 inputs), 1, 2, 6 and 7 the rows' activations (B: 16 input
+// pairs x the rows of a row block), 4 to 6 the sums (C: 16 outputs x the rows of a row block). B and C are
+// as wide as the step's rows, so a verify step of 3 rows loads and multiplies 3 columns, not 16.
+inline void amx_configure(int nr0, int nr1) {
   TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16;
+  cfg.colsb[0] = cfg.colsb[3] = 64;
+  cfg.colsb[1] = cfg.colsb[6] = cfg.colsb[4] = static_cast<uint16_t>(4 * nr0);
+  if (nr1 > 0) {  // two row blocks: 2, 7 and 5 the second's
+    cfg.colsb[2] = cfg.colsb[7] = cfg.colsb[5] = static_cast<uint16_t>(4 * nr1);
+  } else {  // one: 2 the odd groups' B, 6 their C
+    cfg.colsb[2] = cfg.colsb[6] = static_cast<uint16_t>(4 * nr0);
+    cfg.rows[5] = cfg.rows[7] = 0;
+  }
   _tile_loadconfig(&cfg);
 }
 
-// One output's codes of groups g and g + 1 (32 bytes; 16 where g is the last) -> each group's 32 codes as
-// exact bf16 in input order (the low nibbles are inputs 0-15, the high ones 16-31).
-inline void widen_two_groups(const uint8_t* p, bool pair, __m512i table, uint16_t* a0, uint16_t* a1) {
+// One output's codes of groups g and g + 1 (32 bytes; 16 where g is the last) -> each group's 32 weights
+// code * scale + offset rounded to bf16, in input order (the low nibbles are inputs 0-15, the high ones 16-31).
+// The 16 values a group's codes can take are one table (g's in lanes 0-15, g + 1's in 16-31) that vpermw
+// indexes, so a weight costs no conversion of its own.
+inline void widen_two_groups(const uint8_t* p, bool pair, const float* s, const float* o, __m512 codes,
+                             __m512i upper, uint16_t* a0, uint16_t* a1) {
+  const __m512 t0 = _mm512_fmadd_ps(codes, _mm512_set1_ps(s[0]), _mm512_set1_ps(o[0]));
+  const __m512 t1 = pair ? _mm512_fmadd_ps(codes, _mm512_set1_ps(s[1]), _mm512_set1_ps(o[1])) : t0;
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
   const __m256i bytes = pair ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                              : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i w = _mm512_cvtepu8_epi16(bytes);
-  const __m512i lo = _mm512_permutexvar_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x0F)), table);
-  const __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), table);
+  const __m512i lo = _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0F), upper, 0xEA),
+                                              table);  // (w & 0x0F) | upper
+  const __m512i hi = _mm512_permutexvar_epi16(_mm512_or_si512(_mm512_srli_epi16(w, 4), upper), table);
   _mm512_store_si512(a0, _mm512_shuffle_i64x2(lo, hi, 0x44));  // lo's and hi's low halves: group g
   if (pair) _mm512_store_si512(a1, _mm512_shuffle_i64x2(lo, hi, 0xEE));
 }
 
-// Group g's codes (widened in abuf) against the B tiles of group g on A tile TA, its sums left in
-// cbuf: [NRB][16 outputs][16 rows] float32. The intrinsics take tile numbers as literals (they spell the
-// register), hence the branches.
-template <int TA, int NRB>
-inline void q4_amx_group(const uint16_t* bt, int64_t g, const uint16_t* abuf, float* cbuf) {
-  constexpr int TC = TA == 0 ? 4 : 6;  // C tiles: 4 and 5 beside A tile 0, 6 and 7 beside 3
-  if constexpr (TA == 0) _tile_loadd(0, abuf, 64);
-  else _tile_loadd(3, abuf, 64);
-  _tile_loadd(1, bt + (g * NRB) * 512, 64);
-  if constexpr (TC == 4) {
-    _tile_zero(4);
-    _tile_dpbf16ps(4, 0, 1);
-    _tile_stored(4, cbuf, 64);
-  } else {
-    _tile_zero(6);
-    _tile_dpbf16ps(6, 3, 1);
-    _tile_stored(6, cbuf, 64);
-  }
-  if constexpr (NRB == 2) {
-    _tile_loadd(2, bt + (g * NRB + 1) * 512, 64);
-    if constexpr (TC == 4) {
-      _tile_zero(5);
-      _tile_dpbf16ps(5, 0, 2);
-      _tile_stored(5, cbuf + 256, 64);
-    } else {
-      _tile_zero(7);
-      _tile_dpbf16ps(7, 3, 2);
-      _tile_stored(7, cbuf + 256, 64);
-    }
-  }
+// Spreads a prefetch of [p, p + bytes) over `parts` calls (part = 0 .. parts - 1): a block's loop prefetches
+// the next block's weights a slice per group pair, never more lines at once than the core can have in flight.
+inline void prefetch_part(const void* p, int64_t bytes, int64_t part, int64_t parts) {
+  const int64_t lines = (bytes + 63) / 64, per = (lines + parts - 1) / parts;
+  for (int64_t l = part * per; l < std::min(lines, (part + 1) * per); ++l)
+    __builtin_prefetch(static_cast<const char*>(p) + l * 64, 0, 3);
 }
 
-// acc += group g's sums (cbuf) times each output's scale, plus the rows' group sums times its offset.
+// Rows [0, 16 * NRB) of the B tiles (bt: [groups][NRB][16 pairs][16 rows][2] bf16, zero past the rows)
+// against the outputs [j0, j0 + 16). Each group's widened weights (A tile 0 for even groups, 3 for odd ones)
+// run against its B tiles (1, 2 even; 6, 7 odd with two row blocks, else 2 odd) into C tiles that hold the
+// sums over all groups: 4 (and 5 for the second row block), and 6 for the odd groups of a single row block,
+// so that two chains of tdpbf16ps run while the next pair is widened.
 template <int NRB>
-inline void q4_amx_scale(__m512 (&acc)[NRB][16], const float* cbuf, const float* xsum, const float* s,
-                         const float* o, int64_t groups, int64_t g) {
-#pragma GCC unroll 2
-  for (int rb = 0; rb < NRB; ++rb) {
-    const __m512 xs = _mm512_loadu_ps(xsum + g * 32 + rb * 16);
-#pragma GCC unroll 16
-    for (int n = 0; n < 16; ++n) {
-      acc[rb][n] = _mm512_fmadd_ps(_mm512_load_ps(cbuf + rb * 256 + n * 16), _mm512_set1_ps(s[n * groups + g]),
-                                   acc[rb][n]);
-      acc[rb][n] = _mm512_fmadd_ps(xs, _mm512_set1_ps(o[n * groups + g]), acc[rb][n]);
-    }
-  }
-}
-
-// Rows [0, 16 * NRB) of the B tiles (bt: [groups][NRB][16 pairs][16 rows][2] bf16, zero past the rows; xsum
-// [groups][32]) against the outputs [j0, j0 + 16). Groups go in pairs, each on its own A and C tiles, and a
-// pair's sums are scaled while the next pair's products run: a tile's sums are ready only some tens of
-// cycles after its tdpbf16ps, which one C tile scaled group after group would wait for each time.
-template <int NRB>
-void q4_amx_block(const uint16_t* bt, const float* xsum, const uint8_t* packed, const float* scales,
-                  const float* offsets, int64_t groups, int64_t j0, int64_t rows, uint16_t* out, int64_t os,
-                  uint16_t* abuf, float* cbuf, __m512i table) {
+void q4_amx_block(const uint16_t* bt, const uint8_t* packed, const float* scales, const float* offsets,
+                  int64_t groups, int64_t j0, int64_t next, int64_t rows, uint16_t* out, int64_t os,
+                  uint16_t* abuf, float* cbuf) {
   const uint8_t* codes = packed + j0 * groups * 16;
+  const int nr0 = static_cast<int>(std::min<int64_t>(rows, 16)), nr1 = static_cast<int>(rows - nr0);
   const float* s = scales + j0 * groups;
   const float* o = offsets + j0 * groups;
-  __m512 acc[NRB][16];
-  for (int rb = 0; rb < NRB; ++rb)
-    for (int n = 0; n < 16; ++n) acc[rb][n] = _mm512_setzero_ps();
-  constexpr int64_t kSlot = NRB * 256;  // cbuf floats a group: slots 0, 1 one pair, 2, 3 the other
+  const __m512 values = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i upper = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+  const int64_t pairs = (groups + 1) / 2;
+  _tile_zero(4);
+  if constexpr (NRB == 2) _tile_zero(5);
+  else _tile_zero(6);
+  // the pair widened last runs on the tiles after the next one is widened: a tile load right after the
+  // stores that wrote its buffer waits for them
+  auto run = [&](int64_t g, const uint16_t* a) {
+    _tile_loadd(0, a, 64);
+    _tile_loadd(1, bt + (g * NRB) * 512, 4 * nr0);
+    _tile_dpbf16ps(4, 0, 1);
+    if constexpr (NRB == 2) {
+      _tile_loadd(2, bt + (g * NRB + 1) * 512, 4 * nr1);
+      _tile_dpbf16ps(5, 0, 2);
+    }
+    if (g + 1 >= groups) return;
+    _tile_loadd(3, a + 512, 64);
+    if constexpr (NRB == 2) {
+      _tile_loadd(6, bt + ((g + 1) * NRB) * 512, 4 * nr0);
+      _tile_dpbf16ps(4, 3, 6);
+      _tile_loadd(7, bt + ((g + 1) * NRB + 1) * 512, 4 * nr1);
+      _tile_dpbf16ps(5, 3, 7);
+    } else {
+      _tile_loadd(2, bt + (g + 1) * 512, 4 * nr0);
+      _tile_dpbf16ps(6, 3, 2);
+    }
+  };
   for (int64_t g = 0; g < groups; g += 2) {
     const bool pair = g + 1 < groups;
-    float* c = cbuf + (g / 2 % 2) * 2 * kSlot;
-#pragma GCC unroll 16
-    for (int n = 0; n < 16; ++n) widen_two_groups(codes + (n * groups + g) * 16, pair, table, abuf + n * 32,
-                                                  abuf + 512 + n * 32);
-    q4_amx_group<0, NRB>(bt, g, abuf, c);
-    if (pair) q4_amx_group<3, NRB>(bt, g + 1, abuf + 512, c + kSlot);
-    if (g >= 2) {  // the pair before
-      float* before = cbuf + ((g / 2 + 1) % 2) * 2 * kSlot;
-      q4_amx_scale<NRB>(acc, before, xsum, s, o, groups, g - 2);
-      q4_amx_scale<NRB>(acc, before + kSlot, xsum, s, o, groups, g - 1);
+    if (next >= 0) {  // the next block's codes, scales and offsets
+      prefetch_part(packed + next * groups * 16, 16 * groups * 16, g / 2, pairs);
+      prefetch_part(scales + next * groups, 16 * groups * 4, g / 2, pairs);
+      prefetch_part(offsets + next * groups, 16 * groups * 4, g / 2, pairs);
     }
+    uint16_t* a = abuf + (g / 2 % 2) * 1024;  // two buffers: one widened while the other runs
+#pragma GCC unroll 16
+    for (int n = 0; n < 16; ++n)
+      widen_two_groups(codes + (n * groups + g) * 16, pair, s + n * groups + g, o + n * groups + g, values, upper,
+                       a + n * 32, a + 512 + n * 32);
+    if (g >= 2) run(g - 2, abuf + ((g / 2 + 1) % 2) * 1024);
   }
-  const int64_t last = (groups - 1) / 2 * 2;  // the last pair's first group
-  float* c = cbuf + (last / 2 % 2) * 2 * kSlot;
-  q4_amx_scale<NRB>(acc, c, xsum, s, o, groups, last);
-  if (last + 1 < groups) q4_amx_scale<NRB>(acc, c + kSlot, xsum, s, o, groups, last + 1);
-  // acc[rb][n] holds output j0 + n of rows 16 rb + lane: through cbuf into rows of 16 outputs
+  const int64_t last = (groups - 1) / 2 * 2;
+  run(last, abuf + (last / 2 % 2) * 1024);
+  // C [16 outputs][16 rows] a row block -> rows of 16 outputs
+  _tile_stored(4, cbuf, 64);
+  if constexpr (NRB == 2) {
+    _tile_stored(5, cbuf + 256, 64);
+  } else {
+    _tile_stored(6, cbuf + 256, 64);
+    for (int n = 0; n < 16; ++n)
+      _mm512_store_ps(cbuf + n * 16, _mm512_add_ps(_mm512_load_ps(cbuf + n * 16), _mm512_load_ps(cbuf + 256 + n * 16)));
+  }
   const __m512i column = _mm512_mullo_epi32(
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
-  for (int rb = 0; rb < NRB; ++rb)
-    for (int n = 0; n < 16; ++n) _mm512_store_ps(cbuf + rb * 256 + n * 16, acc[rb][n]);
   for (int64_t r = 0; r < rows; ++r) {
     const __m512i at = _mm512_add_epi32(column, _mm512_set1_epi32(static_cast<int>((r / 16) * 256 + r % 16)));
     const __m512 y = _mm512_i32gather_ps(at, cbuf, 4);
@@ -148,35 +157,29 @@ void q4_amx_block(const uint16_t* bt, const float* xsum, const uint8_t* packed, 
 void q4_bf16_amx(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed, const float* scales,
                  const float* offsets, int64_t n, int64_t k, uint16_t* out, int64_t os, int num_threads) {
   const int64_t groups = k / 32, nrb = (rows + kAmxRows - 1) / kAmxRows;
-  // B tiles: pair p of group g for row r is x[r, 32g + 2p], x[r, 32g + 2p + 1]; zero past the rows
-  std::vector<uint32_t> bt(groups * nrb * 256, 0);
-  std::vector<float> xsum(groups * 32, 0.f);
+  // B tiles, a slot of 256 pairs each group and row block: pair p of group g for row r of a block of nr
+  // rows is x[r, 32g + 2p], x[r, 32g + 2p + 1], at p * nr + r
+  std::vector<uint32_t> bt(groups * nrb * 256);
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t rb = r / kAmxRows, rr = r % kAmxRows;
-    for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rb = r / kAmxRows, rr = r % kAmxRows, nr = std::min(kAmxRows, rows - rb * kAmxRows);
+    for (int64_t g = 0; g < groups; ++g)
       for (int p = 0; p < 16; ++p)
-        std::memcpy(&bt[(g * nrb + rb) * 256 + p * 16 + rr], x + r * xs + g * 32 + 2 * p, 4);
-      float t = 0.f;
-      for (int i = 0; i < 32; ++i) t += load(x + r * xs, g * 32 + i);  // as group_sums
-      xsum[g * 32 + r] = t;
-    }
+        std::memcpy(&bt[(g * nrb + rb) * 256 + p * nr + rr], x + r * xs + g * 32 + 2 * p, 4);
   }
-  const float* xsp = xsum.data();
-  const __m512i table = nibble_table();
   const uint16_t* btp = reinterpret_cast<const uint16_t*>(bt.data());
   const int64_t blocks = n / 16;
 #pragma omp parallel num_threads(num_threads) if (n * k >= (int64_t{1} << 16))
   {
-    amx_configure();
-    alignas(64) uint16_t abuf[2 * 512];
-    alignas(64) float cbuf[4 * 2 * 256];
+    amx_configure(static_cast<int>(std::min(rows, kAmxRows)), static_cast<int>(std::max<int64_t>(rows - kAmxRows, 0)));
+    alignas(64) uint16_t abuf[2 * 1024];
+    alignas(64) float cbuf[2 * 256] = {};
 #pragma omp for schedule(dynamic, 2)
     for (int64_t b = 0; b < blocks; ++b) {
-      if (b + 1 < blocks) prefetch(packed + (b + 1) * 16 * groups * 16, 16 * groups * 16);
+      const int64_t next = b + 1 < blocks ? 16 * (b + 1) : -1;
       if (nrb == 1)
-        q4_amx_block<1>(btp, xsp, packed, scales, offsets, groups, 16 * b, rows, out, os, abuf, cbuf, table);
+        q4_amx_block<1>(btp, packed, scales, offsets, groups, 16 * b, next, rows, out, os, abuf, cbuf);
       else
-        q4_amx_block<2>(btp, xsp, packed, scales, offsets, groups, 16 * b, rows, out, os, abuf, cbuf, table);
+        q4_amx_block<2>(btp, packed, scales, offsets, groups, 16 * b, next, rows, out, os, abuf, cbuf);
     }
     _tile_release();
   }
