@@ -230,7 +230,7 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
     """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). q4_bf16_row
     takes each code as 1 + code / 16 (exact in bf16) and its group's x sum off again, so the float32 error
     bound counts those larger terms: |x| (|scale| (16 + code) + |offset - 16 scale|) per weight. The AMX
-    tiles (3..32 rows where they run) take each weight as code * scale + offset in float32 rounded to bf16,
+    tiles (2..32 rows where they run) take each weight as code * scale + offset in float32 rounded to bf16,
     the values a bf16 model holds, and sum those products in float32."""
     cpu = _variant(monkeypatch, "native")
     if not cpu.build.quant_bf16_fast():
@@ -260,7 +260,7 @@ def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypat
 
 def test_bf16_int4_rows_sums_a_row_alike_within_each_form(monkeypatch) -> None:
     """What batch-invariant plans rely on (linear.OwnInt4RowsBf16.invariant_rows): a row's result does not
-    depend on the rows beside it within q4_bf16_row's 1..8 rows, nor within the AMX tiles' 3..32, and calls
+    depend on the rows beside it within q4_bf16_row's 1..8 rows, nor within the AMX tiles' 2..32, and calls
     of up to INT4_ROWS_BF16_BELOW_AMX rows sum a row as a one-row call does where the tiles run."""
     cpu = _variant(monkeypatch, "native")
     if not cpu.build.quant_bf16_fast():
@@ -277,9 +277,10 @@ def test_bf16_int4_rows_sums_a_row_alike_within_each_form(monkeypatch) -> None:
     for rows in range(1, below + 1):
         assert torch.equal(product(x[:rows])[:1], one), rows
     if amx:
-        three = product(x[:3])
-        for rows in range(3, cpu.matmul.INT4_ROWS_BF16_MAX + 1):
-            assert torch.equal(product(x[:rows])[:3], three), rows
+        first = below + 1  # the fewest rows on the tiles
+        tiles = product(x[:first])
+        for rows in range(first, cpu.matmul.INT4_ROWS_BF16_MAX + 1):
+            assert torch.equal(product(x[:rows])[:first], tiles), rows
         # the second B tile's rows as the first tile's
         assert torch.equal(product(x[16:19]), product(x[:19])[16:])
 

@@ -161,7 +161,7 @@ def test_bf16_auto_chains_verify_steps_on_the_amx_int4_product():
     """The demo's Q4_1 under auto in bf16 where the int4 few-row product runs AMX tiles: a verify step of up
     to 17 rows stays on it and in the chain (not on the dense copy through torch), bit for bit the loop's."""
     if not (cpu.build.load() is not None and cpu.build.int4_rows_amx()):
-        pytest.skip("the int4 product runs 3..32 rows on AMX tiles only")
+        pytest.skip("the int4 product runs 2..32 rows on AMX tiles only")
     llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
     model = llm.engine.model
     most = linear.OwnInt4RowsBf16.AMX_BESIDE_COPY_MAX_ROWS

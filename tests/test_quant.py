@@ -415,7 +415,7 @@ def test_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypa
 def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_tiles_run_them(amx):
     """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 2 rows on our few-row
     product and the copy past them, or up to a 16-draft verify step's 17 rows where the library runs the
-    product's 3..32 rows on AMX tiles; batch-invariant passes only as many rows as sum a row alike."""
+    product's 2..32 rows on AMX tiles; batch-invariant passes only as many rows as sum a row alike."""
     isa = linear.Isa(
         cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True, int4_rows_amx=amx
     )
@@ -426,4 +426,4 @@ def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_til
     alone = linear.Matrix(linear.INT4, (576, 1536))
     assert linear.plan(alone, torch.bfloat16, isa)[1] == (32 if amx else 8)
     invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
-    assert linear.plan(copy, torch.bfloat16, invariant) == (few, 2 if amx else 8, few)
+    assert linear.plan(copy, torch.bfloat16, invariant) == (few, 1 if amx else 8, few)

@@ -68,7 +68,7 @@ class Isa:
     # not what the machine runs but how it must run it: one form a matrix, whatever a step's rows
     batch_invariant: bool = False
     int_dot: bool = False  # the library's w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
-    int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 3..32 rows on AMX tiles
+    int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 2..32 rows on AMX tiles
 
     @classmethod
     def here(cls, device: torch.device, onednn_bf16: bool = False, batch_invariant: bool = False) -> Isa:
@@ -227,7 +227,7 @@ class TorchInt8(Form):
 
 
 class OwnInt4RowsBf16(Form):
-    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16), 3..32 rows on AMX tiles where
+    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16), 2..32 rows on AMX tiles where
     the library runs them (Isa.int4_rows_amx): a layer chain can call it."""
 
     name = "ours int4 rows bf16"

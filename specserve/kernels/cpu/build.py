@@ -212,7 +212,7 @@ def int_dot_vnni() -> bool:
 
 
 def int4_rows_amx() -> bool:
-    """Whether the int4 few-row bf16 product runs its 3..32-row steps on AMX tiles."""
+    """Whether the int4 few-row bf16 product runs its 2..32-row steps on AMX tiles."""
     return bool(_paths & PATH_INT4_AMX)
 
 

@@ -240,12 +240,12 @@ def int4_matmul(
 # one-row call.
 INT4_ROWS_BF16_MAX = 32
 INT4_ROWS_BF16_AVX512 = 8
-INT4_ROWS_BF16_BELOW_AMX = 2
+INT4_ROWS_BF16_BELOW_AMX = 1
 
 
 def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
     """bind_int4's matrix times x [rows, k] bfloat16 (1..INT4_ROWS_BF16_MAX rows) -> [rows, n] bfloat16: codes
-    exact in bf16 products on vdpbf16ps (3 or more rows on AMX's tdpbf16ps where build.int4_rows_amx(), each
+    exact in bf16 products on vdpbf16ps (2 or more rows on AMX's tdpbf16ps where build.int4_rows_amx(), each
     weight rounded to bf16 as a bf16 model holds it), sums in float32, rounded once. Needs
     build.quant_bf16_fast()."""
     n, k = _check_int4(packed, scales, offsets)

@@ -13,7 +13,7 @@ constexpr int64_t kWidenFromRows = 16;
 // below them q4_bf16_row, whose one- and two-row steps cost little more than reading the codes, and whose
 // one-row sums batch-invariant plans keep (cpu.matmul.INT4_ROWS_BF16_BELOW_AMX).
 constexpr int64_t kInt4RowsMax = 32;
-constexpr int64_t kInt4AmxFromRows = 3;
+constexpr int64_t kInt4AmxFromRows = 2;
 
 // Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
 // out[r, j] for r < rows (vectorised: 1..8 rows, and more where n % 8 == 0 on widened panels), j < n.
@@ -127,7 +127,7 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 // nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32, rounded once:
 // products of the codes exact in q4_bf16_row, of the weights rounded to bf16 on the AMX tiles. For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode,
 // verify steps): the library's own, so a layer chain runs them, where torch's int4 kernel had to be called
-// from Python. 1..2 rows run q4_bf16_row; 3..32 the AMX tiles where the build and the kernel allow them
+// from Python. One row runs q4_bf16_row; 2..32 the AMX tiles where the build and the kernel allow them
 // (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
 // Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
 extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,

@@ -1,5 +1,5 @@
 // The int4 few-row product (pack_int4's nibbles, w = code * scale + offset per group of 32 inputs) on AMX
-// tiles (specserve_paths() bit 64), for the 3..32 bf16 rows of a verify step. q4_bf16_row (AVX512-BF16)
+// tiles (specserve_paths() bit 64), for the 2..32 bf16 rows of a verify step. q4_bf16_row (AVX512-BF16)
 // pays its unpacking, two vdpbf16ps and its epilogue again for every row, so its cost grows with the rows;
 // here each group of 16 outputs x 32 inputs is widened once, to its weights rounded to bf16 (the values a
 // bf16 model holds), into a tile buffer in L1, and one tdpbf16ps runs it against every row (rows past 16
@@ -8,8 +8,9 @@
 // rescaled a tile of sums every group; with the weights' prefetch spread over the group loop and B and C
 // only as wide as the step's rows, SmolLM2's 30 layers at 3 / 5 / 9 / 16 rows went from 1.89 / 1.93 /
 // 1.97 / 2.12x one row to 1.42 / 1.49 / 1.56 / 1.77x (random codes from memory, two threads, both builds
-// alternated in one process; 2-core Sapphire Rapids). Sums come in another order than q4_bf16_row's (see
-// cpu.matmul.INT4_ROWS_BF16_BELOW_AMX).
+// alternated in one process; 2-core Sapphire Rapids), and with longer claims (below) to 1.07-1.38x. Sums
+// come in another order than q4_bf16_row's (see cpu.matmul.INT4_ROWS_BF16_BELOW_AMX), so batch-invariant
+// plans keep to its one-row calls.
 #if defined(SPECSERVE_QUANT_BF16_PATH) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define SPECSERVE_INT4_AMX_PATH 1
 #include <sys/syscall.h>
@@ -168,12 +169,17 @@ void q4_bf16_amx(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* pac
   }
   const uint16_t* btp = reinterpret_cast<const uint16_t*>(bt.data());
   const int64_t blocks = n / 16;
+  // claims of several blocks, about four a thread: a block prefetches the one after it, which a claim of
+  // two left to the other thread half the time (its first block then waited on memory). SmolLM2's layers
+  // at 3 / 5 / 9 rows: 1.07 / 1.15 / 1.22x one row against 1.35 / 1.47 / 1.59x in claims of two (A/B in one
+  // process, two threads, 2-core Sapphire Rapids)
+  const int64_t chunk = std::max<int64_t>(2, blocks / (4 * num_threads));
 #pragma omp parallel num_threads(num_threads) if (n * k >= (int64_t{1} << 16))
   {
     amx_configure(static_cast<int>(std::min(rows, kAmxRows)), static_cast<int>(std::max<int64_t>(rows - kAmxRows, 0)));
     alignas(64) uint16_t abuf[2 * 1024];
     alignas(64) float cbuf[2 * 256] = {};
-#pragma omp for schedule(dynamic, 2)
+#pragma omp for schedule(dynamic, chunk)
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t next = b + 1 < blocks ? 16 * (b + 1) : -1;
       if (nrb == 1)
