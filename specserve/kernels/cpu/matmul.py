@@ -274,7 +274,8 @@ def bind_int8_grouped_rows_bf16(codes: torch.Tensor, scales: torch.Tensor) -> Pr
     if k % INT4_GROUP or k == 0:
         raise ValueError(f"int8_grouped_rows_bf16: codes' inputs ({k}) must be a multiple of {INT4_GROUP}")
     if scales.shape != (n, k // INT4_GROUP):
-        raise ValueError(f"int8_grouped_rows_bf16: scales must be [{n}, {k // INT4_GROUP}], not {list(scales.shape)}")
+        want = [n, k // INT4_GROUP]
+        raise ValueError(f"int8_grouped_rows_bf16: scales must be {want}, not {list(scales.shape)}")
     return Product("int8_grouped_rows_bf16", torch.bfloat16, torch.float32, n, k, codes, scales)
 
 
