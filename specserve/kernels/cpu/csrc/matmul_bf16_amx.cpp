@@ -87,8 +87,9 @@ inline void prefetch_part(const void* p, int64_t bytes, int64_t part, int64_t pa
 // [0, 16 * NRB) of the B tiles (bt: [groups][NRB][16 pairs][16 rows][2] bf16, zero past the rows) into C tiles
 // that hold the sums over all groups: 4 (and 5 for the second row block), and 6 for the odd groups of a
 // single row block, so that two chains of tdpbf16ps run while the next pair is widened. Groups' B tiles: 1, 2
-// even; 6, 7 odd with two row blocks, else 2 odd.
-template <int NRB>
+// even; 6, 7 odd with two row blocks, else 2 odd. OneChain: a single row block's odd groups into tile 4 too,
+// so that every row sums its groups in one order whatever the rows of the call (float32 out shows it).
+template <int NRB, bool OneChain = false>
 inline void amx_run_pair(const uint16_t* bt, int64_t g, int64_t groups, const uint16_t* a, int nr0, int nr1) {
   _tile_loadd(0, a, 64);
   _tile_loadd(1, bt + (g * NRB) * 512, 4 * nr0);
@@ -106,7 +107,8 @@ inline void amx_run_pair(const uint16_t* bt, int64_t g, int64_t groups, const ui
     _tile_dpbf16ps(5, 3, 7);
   } else {
     _tile_loadd(2, bt + (g + 1) * 512, 4 * nr0);
-    _tile_dpbf16ps(6, 3, 2);
+    if constexpr (OneChain) _tile_dpbf16ps(4, 3, 2);
+    else _tile_dpbf16ps(6, 3, 2);
   }
 }
 
@@ -122,13 +124,13 @@ inline void store_row(uint16_t* dst, __m512 y) {
 }
 inline void store_row(float* dst, __m512 y) { _mm512_storeu_ps(dst, y); }
 
-template <int NRB, typename Out>
+template <int NRB, bool OneChain = false, typename Out>
 inline void amx_store_sums(int64_t rows, Out* out, int64_t os, int64_t j0, float* cbuf) {
   // C [16 outputs][16 rows] a row block -> rows of 16 outputs
   _tile_stored(4, cbuf, 64);
   if constexpr (NRB == 2) {
     _tile_stored(5, cbuf + 256, 64);
-  } else {
+  } else if constexpr (!OneChain) {
     _tile_stored(6, cbuf + 256, 64);
     for (int n = 0; n < 16; ++n)
       _mm512_store_ps(cbuf + n * 16, _mm512_add_ps(_mm512_load_ps(cbuf + n * 16), _mm512_load_ps(cbuf + 256 + n * 16)));
@@ -188,7 +190,8 @@ inline void widen_q8_group(const int8_t* p, float scale, uint16_t* a) {
 }
 
 // Rows [0, 16 * NRB) of the B tiles against the Q8_0 outputs [j0, j0 + 16) (codes [n, k], scales
-// [n, k / 32]; amx_run_pair's tiles) -> float32 sums.
+// [n, k / 32]; amx_run_pair's tiles) -> float32 sums, in one chain a row block: a row's logits do not depend
+// on the rows beside it (3..32), where two chains for one block and one for two summed 16 rows and 17 apart.
 template <int NRB>
 void q8g_amx_block(const uint16_t* bt, const int8_t* codes, const float* scales, int64_t groups, int64_t j0,
                    int64_t next, int64_t rows, float* out, int64_t os, uint16_t* abuf, float* cbuf) {
@@ -210,11 +213,11 @@ void q8g_amx_block(const uint16_t* bt, const int8_t* codes, const float* scales,
       widen_q8_group(c + n * k + g * 32, s[n * groups + g], a + n * 32);
       if (pair) widen_q8_group(c + n * k + g * 32 + 32, s[n * groups + g + 1], a + 512 + n * 32);
     }
-    if (g >= 2) amx_run_pair<NRB>(bt, g - 2, groups, abuf + ((g / 2 + 1) % 2) * 1024, nr0, nr1);
+    if (g >= 2) amx_run_pair<NRB, true>(bt, g - 2, groups, abuf + ((g / 2 + 1) % 2) * 1024, nr0, nr1);
   }
   const int64_t last = (groups - 1) / 2 * 2;
-  amx_run_pair<NRB>(bt, last, groups, abuf + (last / 2 % 2) * 1024, nr0, nr1);
-  amx_store_sums<NRB>(rows, out, os, j0, cbuf);
+  amx_run_pair<NRB, true>(bt, last, groups, abuf + (last / 2 % 2) * 1024, nr0, nr1);
+  amx_store_sums<NRB, true>(rows, out, os, j0, cbuf);
 }
 
 // The rows as B tiles, a slot of 256 pairs each group and row block: pair p of group g for row r of a block
@@ -233,17 +236,20 @@ inline std::vector<uint32_t> amx_row_tiles(const uint16_t* x, int64_t xs, int64_
 
 // block(b, next, two_row_blocks, abuf, cbuf) for every block b of 16 outputs on the threads, each with its
 // tiles configured for the rows and its own A and C buffers; next: the following block's first output (-1
-// for the last), whose weights the block prefetches.
+// for the last), whose weights the block prefetches. Threads claim `claim` blocks at a time: the prefetch of
+// the next block is for the same thread only within a claim.
 template <typename Block>
-void over_amx_blocks(int64_t rows, int64_t n, int64_t k, int num_threads, Block block) {
+void over_amx_blocks(int64_t rows, int64_t n, int64_t k, int64_t claim, int num_threads, Block block) {
   const int64_t blocks = n / 16;
 #pragma omp parallel num_threads(num_threads) if (n * k >= (int64_t{1} << 16))
   {
     amx_configure(static_cast<int>(std::min(rows, kAmxRows)), static_cast<int>(std::max<int64_t>(rows - kAmxRows, 0)));
     alignas(64) uint16_t abuf[2 * 1024];
     alignas(64) float cbuf[2 * 256] = {};
-#pragma omp for schedule(dynamic, 2)
-    for (int64_t b = 0; b < blocks; ++b) block(b, b + 1 < blocks ? 16 * (b + 1) : -1, rows > kAmxRows, abuf, cbuf);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t c = 0; c < (blocks + claim - 1) / claim; ++c)
+      for (int64_t b = c * claim; b < std::min(blocks, (c + 1) * claim); ++b)
+        block(b, b + 1 < blocks ? 16 * (b + 1) : -1, rows > kAmxRows, abuf, cbuf);
     _tile_release();
   }
 }
@@ -254,11 +260,17 @@ void q4_bf16_amx(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* pac
   const int64_t groups = k / 32;
   const std::vector<uint32_t> bt = amx_row_tiles(x, xs, rows, groups);
   const uint16_t* btp = reinterpret_cast<const uint16_t*>(bt.data());
-  over_amx_blocks(rows, n, k, num_threads, [&](int64_t b, int64_t next, bool two, uint16_t* abuf, float* cbuf) {
+  over_amx_blocks(rows, n, k, 2, num_threads, [&](int64_t b, int64_t next, bool two, uint16_t* abuf, float* cbuf) {
     if (two) q4_amx_block<2>(btp, packed, scales, offsets, groups, 16 * b, next, rows, out, os, abuf, cbuf);
     else q4_amx_block<1>(btp, packed, scales, offsets, groups, 16 * b, next, rows, out, os, abuf, cbuf);
   });
 }
+
+// The Q8_0 head's blocks a thread claims at a time: the int4 layers' two made every other block's prefetch
+// the other thread's (SmolLM2's 49,152 x 576 head at 3 / 9 / 17 rows, two threads: 3.37 / 3.35 / ~3.6 ms
+// against 2.16 / 2.36 / 2.83 in claims of 16; /tmp A/B of both builds alternated in one process, loaded
+// 2-core Sapphire Rapids). 3,072 blocks of ~1 us leave the claims small against a thread descheduled.
+constexpr int64_t kQ8AmxClaim = 16;
 
 // x [rows, k] bf16 (1..32 rows) times the Q8_0 matrix (codes [n, k], scales [n, k / 32]), n % 16 == 0 ->
 // out [rows, n] float32.
@@ -267,7 +279,8 @@ void q8g_bf16_amx(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* cod
   const int64_t groups = k / 32;
   const std::vector<uint32_t> bt = amx_row_tiles(x, xs, rows, groups);
   const uint16_t* btp = reinterpret_cast<const uint16_t*>(bt.data());
-  over_amx_blocks(rows, n, k, num_threads, [&](int64_t b, int64_t next, bool two, uint16_t* abuf, float* cbuf) {
+  over_amx_blocks(rows, n, k, kQ8AmxClaim, num_threads,
+                  [&](int64_t b, int64_t next, bool two, uint16_t* abuf, float* cbuf) {
     if (two) q8g_amx_block<2>(btp, codes, scales, groups, 16 * b, next, rows, out, os, abuf, cbuf);
     else q8g_amx_block<1>(btp, codes, scales, groups, 16 * b, next, rows, out, os, abuf, cbuf);
   });
