@@ -319,13 +319,12 @@ def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
-# 1..2: q8g_rows on the rows widened to float32; 3..32: AMX tiles, one B tile to 16 rows, two past them
+# 1: q8g_rows on the row widened to float32; 2..32: AMX tiles, one B tile to 16 rows, two past them
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 31, 32])
 def test_q8_0_rows_bf16_is_the_product_of_the_weights_rounded_to_bf16(monkeypatch, rows) -> None:
     """Few bf16 rows on a Q8_0 matrix, float32 out. On the AMX tiles each weight is bf16(code * scale), the
     dense bf16 head's value, and the products of those sum in float32: within float32's rounding of k terms
-    of the float64 product of the same weights. One and two rows are the float32 product's (the weights
-    exact)."""
+    of the float64 product of the same weights. One row is the float32 product's (the weights exact)."""
     cpu = _grouped_rows_amx(monkeypatch)
     # a single tile and group, three tiles and two groups, SmolLM2's head width (18 groups), 7 groups
     for i, (n, k) in enumerate([(16, 32), (48, 64), (960, 576), (48, 224), (16, 576)]):
@@ -343,9 +342,10 @@ def test_q8_0_rows_bf16_is_the_product_of_the_weights_rounded_to_bf16(monkeypatc
 
 
 def test_q8_0_rows_bf16_sums_a_row_alike_within_each_form(monkeypatch) -> None:
-    """What batch-invariant plans rely on (linear.OwnInt8GroupedRowsAmx.invariant_rows): one- and two-row
-    calls sum a row as the float32 product's one-row call does, and within the AMX tiles' 3..32 rows a row's
-    result does not depend on the rows beside it (nor on the B tile it falls in)."""
+    """What batch-invariant plans rely on (linear.OwnInt8GroupedRowsAmx.invariant_rows): calls of up to
+    INT8_GROUPED_ROWS_BF16_BELOW_AMX rows sum a row as the float32 product's one-row call does, and within
+    the AMX tiles' rows (up to 32) a row's result does not depend on the rows beside it (nor on the B tile
+    it falls in)."""
     cpu = _grouped_rows_amx(monkeypatch)
     n, k = 96, 224  # 6 tiles of 16 outputs, 7 groups (the last one alone)
     codes, scales = _q8_0(n, k, 3)
@@ -354,9 +354,10 @@ def test_q8_0_rows_bf16_sums_a_row_alike_within_each_form(monkeypatch) -> None:
     one = cpu.matmul.bind_int8(codes, scales)(x[:1].float())
     for rows in range(1, cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX + 1):
         assert torch.equal(product(x[:rows])[:1], one), rows
-    three = product(x[:3])
-    for rows in range(3, cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX + 1):
-        assert torch.equal(product(x[:rows])[:3], three), rows
+    first = cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX + 1  # the tiles' fewest rows
+    tiles = product(x[:first])
+    for rows in range(first, cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX + 1):
+        assert torch.equal(product(x[:rows])[:first], tiles), rows
     assert torch.equal(product(x[16:19]), product(x[:19])[16:])
     assert torch.equal(product(x[13:16]), product(x)[13:16])
 

@@ -128,7 +128,7 @@ def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
     """bf16 auto on the demo: steps of up to BF16_GROUPED_KERNEL_MAX_ROWS rows read the head's Q8_0 blocks on
     our float32 kernel (float32 logits of the file's own weights), larger ones the dense bf16 head. Where the
     library runs the Q8_0 rows product on AMX tiles, up to BF16_GROUPED_AMX_MAX_ROWS rows read the blocks
-    there: 1..2 rows as the float32 kernel does, more with each weight rounded to bf16 (the dense head's
+    there: one row as the float32 kernel does, more with each weight rounded to bf16 (the dense head's
     values), float32 logits still."""
     if not quant.kernels_fast(torch.device("cpu"), torch.float32):
         pytest.skip("our float32 kernels are not built here")

@@ -69,7 +69,7 @@ class Isa:
     batch_invariant: bool = False
     int_dot: bool = False  # the library's w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
     int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 3..32 rows on AMX tiles
-    int8_grouped_rows_amx: bool = False  # ... and its Q8_0 few-row bf16 product (AMX tiles from 3 rows)
+    int8_grouped_rows_amx: bool = False  # ... and its Q8_0 few-row bf16 product (AMX tiles from 2 rows)
 
     @classmethod
     def here(cls, device: torch.device, onednn_bf16: bool = False, batch_invariant: bool = False) -> Isa:
@@ -197,7 +197,7 @@ class OwnInt8F32(Form):
 
 class OwnInt8GroupedRowsAmx(Form):
     """A bf16 model's Q8_0 head on our few-row product for bf16 rows (cpu.matmul.bind_int8_grouped_rows_bf16),
-    float32 logits out: 1..2 rows as OwnInt8F32OnBf16 runs them, 3..32 on AMX tiles, each weight rounded to
+    float32 logits out: one row as OwnInt8F32OnBf16 runs it, 2..32 on AMX tiles, each weight rounded to
     bf16 as the dense bf16 head holds it. A verify step's rows on AMX cost little more than one row, where
     the float32 product's grow with them and the dense copy reads twice the bytes."""
 
@@ -216,7 +216,7 @@ class OwnInt8GroupedRowsAmx(Form):
         if m.out % cpu.matmul.INT8_TILE or m.inner % cpu.matmul.INT4_GROUP:
             return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or inputs not in groups"
         if isa.batch_invariant:
-            # passes of invariant_rows would run 2 rows a call where OwnInt8F32OnBf16 runs 8 alike
+            # passes of invariant_rows would run 1 row a call where OwnInt8F32OnBf16 runs 8 alike
             return "batch-invariant: the float32 product sums more rows a call alike"
         return None
 
@@ -224,7 +224,7 @@ class OwnInt8GroupedRowsAmx(Form):
         return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX
 
     def invariant_rows(self, m: Matrix, isa: Isa) -> float:
-        # the AMX tiles round the weights to bf16 and sum in another order than the one- and two-row calls
+        # the AMX tiles round the weights to bf16 and sum in another order than the one-row calls
         return cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX
 
 

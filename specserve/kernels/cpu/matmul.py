@@ -253,10 +253,10 @@ def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: tor
 
 
 # The most rows int8_grouped_rows_bf16 takes (csrc/matmul.cpp's kInt8GroupedRowsMax), and the most a call
-# runs as the float32 product does (kInt8GroupedAmxFromRows - 1): each row summed as a one-row call sums it.
+# runs as the float32 product does (kInt8GroupedAmxFromRows - 1): the row summed as a one-row call sums it.
 # Past them the AMX tiles, whose sums of the weights rounded to bf16 come in another order.
 INT8_GROUPED_ROWS_BF16_MAX = 32
-INT8_GROUPED_ROWS_BF16_BELOW_AMX = 2
+INT8_GROUPED_ROWS_BF16_BELOW_AMX = 1
 
 
 def bind_int8_grouped_rows_bf16(codes: torch.Tensor, scales: torch.Tensor) -> Product:

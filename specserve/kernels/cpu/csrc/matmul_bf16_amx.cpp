@@ -191,7 +191,7 @@ inline void widen_q8_group(const int8_t* p, float scale, uint16_t* a) {
 
 // Rows [0, 16 * NRB) of the B tiles against the Q8_0 outputs [j0, j0 + 16) (codes [n, k], scales
 // [n, k / 32]; amx_run_pair's tiles) -> float32 sums, in one chain a row block: a row's logits do not depend
-// on the rows beside it (3..32), where two chains for one block and one for two summed 16 rows and 17 apart.
+// on the rows beside it (2..32), where two chains for one block and one for two summed 16 rows and 17 apart.
 template <int NRB>
 void q8g_amx_block(const uint16_t* bt, const int8_t* codes, const float* scales, int64_t groups, int64_t j0,
                    int64_t next, int64_t rows, float* out, int64_t os, uint16_t* abuf, float* cbuf) {
@@ -267,9 +267,10 @@ void q4_bf16_amx(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* pac
 }
 
 // The Q8_0 head's blocks a thread claims at a time: the int4 layers' two made every other block's prefetch
-// the other thread's (SmolLM2's 49,152 x 576 head at 3 / 9 / 17 rows, two threads: 3.37 / 3.35 / ~3.6 ms
-// against 2.16 / 2.36 / 2.83 in claims of 16; /tmp A/B of both builds alternated in one process, loaded
-// 2-core Sapphire Rapids). 3,072 blocks of ~1 us leave the claims small against a thread descheduled.
+// the other thread's (SmolLM2's 49,152 x 576 head at 3 / 9 / 17 rows, two threads: 3.75 / 3.47 / 3.62 ms in
+// claims of 2 against 2.75 / 2.55 / 2.66 in claims of 16; `python bench/head_rows.py --rows 3,9,17
+// --other-csrc DIR`, loaded 2-core Sapphire Rapids). 3,072 blocks of ~1.5 us keep the claims small against
+// a thread descheduled.
 constexpr int64_t kQ8AmxClaim = 16;
 
 // x [rows, k] bf16 (1..32 rows) times the Q8_0 matrix (codes [n, k], scales [n, k / 32]), n % 16 == 0 ->
