@@ -362,6 +362,19 @@ def test_q8_0_rows_bf16_sums_a_row_alike_within_each_form(monkeypatch) -> None:
     assert torch.equal(product(x[13:16]), product(x)[13:16])
 
 
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_builds_without_amx_tiles_refuse_the_q8_0_rows_product(monkeypatch, isa) -> None:
+    """No AVX-512 (so no AMX tiles): the path bit is clear, and the call is refused (code 2) rather than run
+    some other way, so the form table's refusal (OwnInt8GroupedRowsAmx) is the only route past it."""
+    cpu = _variant(monkeypatch, isa)
+    assert not cpu.build.int8_grouped_rows_amx()
+    codes, scales = _q8_0(32, 64, 7)
+    product = cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales)
+    for rows in (1, 5):
+        with pytest.raises(ValueError, match="code 2"):
+            product(torch.randn(rows, 64).to(torch.bfloat16))
+
+
 def test_q8_0_rows_bf16_refuses_what_it_cannot_take(monkeypatch) -> None:
     cpu = _variant(monkeypatch, "native")
     codes, scales = _q8_0(32, 64, 4)
