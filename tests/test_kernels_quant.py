@@ -304,6 +304,112 @@ def test_bf16_int4_rows_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), w.scales.bfloat16(), w.zeros)
 
 
+def _grouped_rows_amx(monkeypatch):
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.int8_grouped_rows_amx():
+        pytest.skip("the Q8_0 rows product needs AMX tiles (build and kernel)")
+    return cpu
+
+
+def _q8_0(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random Q8_0 blocks: int8 codes [n, k] over the whole range, float32 scales [n, k / 32] of a head's
+    magnitude, a few outputs larger than the rest."""
+    torch.manual_seed(seed)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scales = (torch.rand(n, k // quant.GROUP) * 0.02 * (1 + 9 * (torch.rand(n, 1) > 0.9))).contiguous()
+    return codes, scales
+
+
+# 1: q8g_rows on the row widened to float32; 2..32: AMX tiles, one B tile to 16 rows, two past them
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 24, 31, 32])
+def test_q8_0_rows_bf16_is_the_product_of_the_weights_rounded_to_bf16(monkeypatch, rows) -> None:
+    """Few bf16 rows on a Q8_0 matrix, float32 out. On the AMX tiles each weight is bf16(code * scale), the
+    dense bf16 head's value, and the products of those sum in float32: within float32's rounding of k terms
+    of the float64 product of the same weights. One row is the float32 product's (the weights exact)."""
+    cpu = _grouped_rows_amx(monkeypatch)
+    # a single tile and group, three tiles and two groups, SmolLM2's head width (18 groups), 7 groups
+    for i, (n, k) in enumerate([(16, 32), (48, 64), (960, 576), (48, 224), (16, 576)]):
+        codes, scales = _q8_0(n, k, 10 * rows + i)
+        wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
+        x = wide[:, :k]
+        got = cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales)(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        weights = codes.float() * scales.repeat_interleave(quant.GROUP, dim=1)
+        if rows > cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX:
+            weights = weights.to(torch.bfloat16)
+        exact = x.double() @ weights.double().t()
+        terms = x.double().abs() @ weights.double().abs().t()
+        assert ((got.double() - exact).abs() <= terms * k * torch.finfo(torch.float32).eps).all(), (n, k)
+
+
+def test_q8_0_rows_bf16_sums_a_row_alike_within_each_form(monkeypatch) -> None:
+    """What batch-invariant plans rely on (linear.OwnInt8GroupedRowsAmx.invariant_rows): calls of up to
+    INT8_GROUPED_ROWS_BF16_BELOW_AMX rows sum a row as the float32 product's one-row call does, and within
+    the AMX tiles' rows (up to 32) a row's result does not depend on the rows beside it (nor on the B tile
+    it falls in)."""
+    cpu = _grouped_rows_amx(monkeypatch)
+    n, k = 96, 224  # 6 tiles of 16 outputs, 7 groups (the last one alone)
+    codes, scales = _q8_0(n, k, 3)
+    product = cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales)
+    x = torch.randn(cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX, k).to(torch.bfloat16)
+    one = cpu.matmul.bind_int8(codes, scales)(x[:1].float())
+    for rows in range(1, cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX + 1):
+        assert torch.equal(product(x[:rows])[:1], one), rows
+    first = cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX + 1  # the tiles' fewest rows
+    tiles = product(x[:first])
+    for rows in range(first, cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX + 1):
+        assert torch.equal(product(x[:rows])[:first], tiles), rows
+    assert torch.equal(product(x[16:19]), product(x[:19])[16:])
+    assert torch.equal(product(x[13:16]), product(x)[13:16])
+
+
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_builds_without_amx_tiles_refuse_the_q8_0_rows_product(monkeypatch, isa) -> None:
+    """No AVX-512 (so no AMX tiles): the path bit is clear, and the call is refused (code 2) rather than run
+    some other way, so the form table's refusal (OwnInt8GroupedRowsAmx) is the only route past it."""
+    cpu = _variant(monkeypatch, isa)
+    assert not cpu.build.int8_grouped_rows_amx()
+    codes, scales = _q8_0(32, 64, 7)
+    product = cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales)
+    for rows in (1, 5):
+        with pytest.raises(ValueError, match="code 2"):
+            product(torch.randn(rows, 64).to(torch.bfloat16))
+
+
+def test_q8_0_rows_bf16_refuses_what_it_cannot_take(monkeypatch) -> None:
+    cpu = _variant(monkeypatch, "native")
+    codes, scales = _q8_0(32, 64, 4)
+    product = cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales)
+    x = torch.randn(cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX + 1, 64).to(torch.bfloat16)
+    if not cpu.build.int8_grouped_rows_amx():  # a build or kernel without AMX tiles refuses every call
+        with pytest.raises(ValueError, match="code 2"):
+            product(x[:3])
+        return
+    assert product(x[:0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="code 1"):  # past a verify step's rows
+        product(x)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        product(x[:3].float())
+    with pytest.raises(ValueError, match="outputs \\(40\\) must be a multiple of 16"):  # no whole tiles
+        cpu.matmul.bind_int8_grouped_rows_bf16(*_q8_0(40, 64, 5))
+    with pytest.raises(ValueError, match="inputs \\(48\\)"):
+        cpu.matmul.bind_int8_grouped_rows_bf16(torch.zeros(32, 48, dtype=torch.int8), torch.ones(32, 1))
+    with pytest.raises(ValueError, match="scales must be contiguous torch.float32"):
+        cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales.bfloat16())
+    with pytest.raises(ValueError, match="codes must be contiguous torch.int8"):
+        cpu.matmul.bind_int8_grouped_rows_bf16(codes.t(), scales)
+    with pytest.raises(ValueError, match=r"scales must be \[32, 2\]"):
+        cpu.matmul.bind_int8_grouped_rows_bf16(codes, scales[:, :1].contiguous())
+    # the library's own checks, past the binding's: n not in whole tiles
+    out = torch.empty(3, 40)
+    x40 = x[:3].contiguous()
+    codes40, scales40 = _q8_0(40, 64, 6)
+    rc = cpu.build._lib.specserve_int8_grouped_rows_bf16(
+        x40.data_ptr(), 64, 3, codes40.data_ptr(), scales40.data_ptr(), 40, 64, out.data_ptr(), 40, 1
+    )
+    assert rc == 1
+
+
 def _panels_variant(monkeypatch, isa: str, dtype: torch.dtype):
     cpu = _variant(monkeypatch, isa)
     built = cpu.build.quant_fast() if dtype == torch.float32 else cpu.build.quant_bf16_fast()

@@ -126,25 +126,34 @@ def test_a_bf16_quantized_model_keeps_the_gguf_q8_0_head_as_its_blocks():
 
 def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
     """bf16 auto on the demo: steps of up to BF16_GROUPED_KERNEL_MAX_ROWS rows read the head's Q8_0 blocks on
-    our float32 kernel (float32 logits of the file's own weights), larger ones the dense bf16 head."""
+    our float32 kernel (float32 logits of the file's own weights), larger ones the dense bf16 head. Where the
+    library runs the Q8_0 rows product on AMX tiles, up to BF16_GROUPED_AMX_MAX_ROWS rows read the blocks
+    there: one row as the float32 kernel does, more with each weight rounded to bf16 (the dense head's
+    values), float32 logits still."""
     if not quant.kernels_fast(torch.device("cpu"), torch.float32):
         pytest.skip("our float32 kernels are not built here")
     # the forms a step's rows pick (a batch-invariant plan runs the blocks for every step, in passes)
     llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
     model = llm.engine.model
     head = model.lm_head
-    assert isinstance(head, quant.PackedInt8) and head.float32_rows
-    assert head.kernel_max_rows == quant.BF16_GROUPED_KERNEL_MAX_ROWS
-    assert head.library_products()[0] == (quant.BF16_GROUPED_KERNEL_MAX_ROWS, None)  # not a bf16 product
+    amx = cpu_build.int8_grouped_rows_amx()
+    most = quant.BF16_GROUPED_AMX_MAX_ROWS if amx else quant.BF16_GROUPED_KERNEL_MAX_ROWS
+    assert isinstance(head, quant.PackedInt8) and (head.grouped_rows_amx if amx else head.float32_rows)
+    assert head.kernel_max_rows == most
+    assert head.library_products()[0] == (most, None)  # not a bf16 product
     dense = load_checkpoint(demo_model_path(), torch.float32, "none").state_dict
     weights = dense["model.embed_tokens.weight"]
     torch.manual_seed(6)
-    for rows in (1, quant.BF16_GROUPED_KERNEL_MAX_ROWS):
+    for rows in sorted({1, 2, quant.BF16_GROUPED_KERNEL_MAX_ROWS, most}):
         x = torch.randn(rows, weights.shape[1]).to(torch.bfloat16)
         got = model.linear(x, head)
         assert got.dtype == torch.float32
-        torch.testing.assert_close(got, F.linear(x.float(), weights), rtol=1e-5, atol=1e-4)
-    x = torch.randn(quant.BF16_GROUPED_KERNEL_MAX_ROWS + 1, weights.shape[1]).to(torch.bfloat16)
+        if amx and rows > matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX:
+            want = (x.double() @ weights.to(torch.bfloat16).double().t()).float()
+        else:
+            want = F.linear(x.float(), weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    x = torch.randn(most + 1, weights.shape[1]).to(torch.bfloat16)
     assert model.linear(x, head).dtype == torch.bfloat16  # the dense head's panels
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(llm.generate([[1, 2, 3, 4]], params)[0].token_ids) == 8
@@ -409,6 +418,40 @@ def test_dense_weights_run_on_our_panels_where_they_pay(tiny_model_dir, monkeypa
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     prepacked = LLM(str(tiny_model_dir), dtype="bfloat16", quantization="none", num_kv_blocks=128)
     assert isinstance(prepacked.engine.model.layers[0].qkv, torch.Tensor)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_a_bf16_q8_0_head_runs_verify_steps_on_amx_tiles_where_the_library_has_them(amx):
+    """The form table's plan for a bf16 model's Q8_0 head beside its dense copy: with the library's Q8_0 rows
+    product on AMX tiles, steps of up to a 16-draft verify step's 17 rows (a 5-row step among them) on it
+    and the copy past them; without, the float32 product's 3 rows. Batch-invariant plans keep the float32
+    product (its 8 rows a pass sum each row as one-row calls do; the tiles sum in another order), as do
+    float32 models, and a head whose outputs are not whole tiles of 16."""
+    isa = linear.Isa(
+        cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True,
+        int4_rows_amx=amx, int8_grouped_rows_amx=amx,
+    )  # fmt: skip
+    head = linear.Matrix(linear.INT8_GROUPED, (49152, 576), dense_copy=True)
+    few, most, many = linear.plan(head, torch.bfloat16, isa)
+    assert many is linear.DENSE_COPY
+    if amx:
+        assert few is linear.OWN_INT8_GROUPED_ROWS_AMX and most == 17
+        assert linear.choose(head, 5, torch.bfloat16, isa) is linear.OWN_INT8_GROUPED_ROWS_AMX
+        assert linear.choose(head, 18, torch.bfloat16, isa) is linear.DENSE_COPY
+    else:
+        assert few is linear.OWN_INT8_F32_ON_BF16 and most == 3
+    invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
+    assert linear.plan(head, torch.bfloat16, invariant) == (
+        linear.OWN_INT8_F32_ON_BF16,
+        8,
+        linear.OWN_INT8_F32_ON_BF16,
+    )
+    assert linear.choose(head, 5, torch.float32, isa) is linear.OWN_INT8_F32
+    ragged = linear.Matrix(linear.INT8_GROUPED, (49160, 576), dense_copy=True)
+    assert linear.choose(ragged, 5, torch.bfloat16, isa) is not linear.OWN_INT8_GROUPED_ROWS_AMX
+    assert linear.OWN_INT8_GROUPED_ROWS_AMX.can_run(ragged, 5, torch.bfloat16, isa) == (
+        "outputs not in tiles of 16 or inputs not in groups" if amx else "the library runs no AMX tiles here"
+    )
 
 
 @pytest.mark.parametrize("amx", [False, True])

@@ -69,6 +69,7 @@ class Isa:
     batch_invariant: bool = False
     int_dot: bool = False  # the library's w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
     int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 2..32 rows on AMX tiles
+    int8_grouped_rows_amx: bool = False  # ... and its Q8_0 few-row bf16 product (AMX tiles from 2 rows)
 
     @classmethod
     def here(cls, device: torch.device, onednn_bf16: bool = False, batch_invariant: bool = False) -> Isa:
@@ -83,6 +84,7 @@ class Isa:
             batch_invariant=batch_invariant,
             int_dot=library and cpu.build.int_dot_fast(),
             int4_rows_amx=library and cpu.build.int4_rows_amx(),
+            int8_grouped_rows_amx=library and cpu.build.int8_grouped_rows_amx(),
         )
 
 
@@ -191,6 +193,39 @@ class OwnInt8F32(Form):
     def copy_pays(self, isa: Isa) -> bool:
         # its panels run as fast as dense float32 (`bench/quant.py --in-flight`, 2-core Zen 4)
         return False
+
+
+class OwnInt8GroupedRowsAmx(Form):
+    """A bf16 model's Q8_0 head on our few-row product for bf16 rows (cpu.matmul.bind_int8_grouped_rows_bf16),
+    float32 logits out: one row as OwnInt8F32OnBf16 runs it, 2..32 on AMX tiles, each weight rounded to
+    bf16 as the dense bf16 head holds it. A verify step's rows on AMX cost little more than one row, where
+    the float32 product's grow with them and the dense copy reads twice the bytes."""
+
+    name = "ours Q8_0 rows on AMX"
+    kinds = (INT8_GROUPED,)
+    kernel = True
+    # up to a 16-draft verify step's 17 rows beside the dense copy (`python bench/head_rows.py`, loaded
+    # 2-core Sapphire Rapids); past them the copy's oneDNN tiles, which run prefill-sized steps
+    BESIDE_COPY_MAX_ROWS = 17
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if dtype != torch.bfloat16:
+            return f"{torch.bfloat16} only"
+        if not isa.int8_grouped_rows_amx:
+            return "the library runs no AMX tiles here"
+        if m.out % cpu.matmul.INT8_TILE or m.inner % cpu.matmul.INT4_GROUP:
+            return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or inputs not in groups"
+        if isa.batch_invariant:
+            # passes of invariant_rows would run 1 row a call where OwnInt8F32OnBf16 runs 8 alike
+            return "batch-invariant: the float32 product sums more rows a call alike"
+        return None
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT8_GROUPED_ROWS_BF16_MAX
+
+    def invariant_rows(self, m: Matrix, isa: Isa) -> float:
+        # the AMX tiles round the weights to bf16 and sum in another order than the one-row calls
+        return cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX
 
 
 class OwnInt8F32OnBf16(Form):
@@ -420,6 +455,7 @@ def _own_panels(m: Matrix) -> bool:
 
 OWN_INT8_BF16 = OwnInt8Bf16()
 OWN_INT8_F32 = OwnInt8F32()
+OWN_INT8_GROUPED_ROWS_AMX = OwnInt8GroupedRowsAmx()
 OWN_INT8_F32_ON_BF16 = OwnInt8F32OnBf16()
 TORCH_INT8 = TorchInt8()
 OWN_INT4_ROWS_BF16 = OwnInt4RowsBf16()
@@ -439,6 +475,7 @@ TORCH_A8 = TorchA8()
 FORMS: tuple[Form, ...] = (
     OWN_INT8_BF16,
     OWN_INT8_F32,
+    OWN_INT8_GROUPED_ROWS_AMX,
     OWN_INT8_F32_ON_BF16,
     TORCH_INT8,
     OWN_INT4_ROWS_BF16,

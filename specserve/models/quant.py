@@ -217,6 +217,7 @@ GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32.GROUPED_MAX_ROWS
 BF16_INT4_KERNEL_MAX_ROWS = linear.TorchInt4.BESIDE_COPY_MAX_ROWS
 BF16_OWN_INT4_MAX_ROWS = linear.OwnInt4RowsBf16.BESIDE_COPY_MAX_ROWS
 BF16_GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32OnBf16.MAX_ROWS
+BF16_GROUPED_AMX_MAX_ROWS = linear.OwnInt8GroupedRowsAmx.BESIDE_COPY_MAX_ROWS
 
 
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
@@ -366,8 +367,10 @@ class PackedInt8(_Packed):
         # a matrix with a scale per group in bf16 (only a Q8_0 head is one: head_form): our float32 kernel on
         # the rows widened to float32, float32 logits out
         self.float32_rows = self.few is linear.OWN_INT8_F32_ON_BF16
+        # ... or our product of bf16 rows (AMX tiles from 3 rows), float32 logits out likewise
+        self.grouped_rows_amx = self.few is linear.OWN_INT8_GROUPED_ROWS_AMX
         self.own_widening = self.many is linear.LIBRARY_WIDEN
-        kept = torch.float32 if self.float32_rows else dtype
+        kept = torch.float32 if self.float32_rows or self.grouped_rows_amx else dtype
         self.scales = w.scales.to(device=device, dtype=kept).contiguous()
         if self.own_bf16:
             self.tiles = cpu.matmul.int8_tiles(w.codes.to(device))
@@ -379,12 +382,16 @@ class PackedInt8(_Packed):
                 self._product = cpu.matmul.bind_int8(self.codes, self.scales)
             elif self.float32_rows:  # not _product: a layer chain in bf16 cannot call a float32 product
                 self._float32_product = cpu.matmul.bind_int8(self.codes, self.scales)
+            elif self.grouped_rows_amx:  # float32 out: not a layer chain's product either
+                self._float32_product = cpu.matmul.bind_int8_grouped_rows_bf16(self.codes, self.scales)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_bf16 or self.own:
             return self._product(x)
         if self.float32_rows:
             return self._float32_product(x.float())
+        if self.grouped_rows_amx:
+            return self._float32_product(x)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
     def widened_mm(self, x: torch.Tensor) -> torch.Tensor:

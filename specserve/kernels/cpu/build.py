@@ -48,6 +48,8 @@ PATH_F32, PATH_BF16, PATH_QUANT_F32, PATH_QUANT_BF16 = 1, 2, 4, 8
 PATH_INT_DOT, PATH_INT_DOT_VNNI = 16, 32
 # and the int4 few-row bf16 product on AMX tiles (built for an AMX CPU, the tile state granted by the kernel)
 PATH_INT4_AMX = 64
+# and the Q8_0 head's few-row bf16 product on AMX tiles (likewise)
+PATH_INT8_GROUPED_AMX = 128
 
 # Every entry point of csrc/api.h by its arguments: p pointer, i int64, f float, c int (each returns an int
 # status: 0 done, 1 refused arguments, 2 a dtype or path not in this build).
@@ -64,6 +66,7 @@ _SIGNATURES = {
     "specserve_int4_matmul_bf16": "p i i p p p i i p i c",
     "specserve_int4_widen": "p p p i i p c",
     "specserve_int4_rows_bf16": "p i i p p p i i p i c",
+    "specserve_int8_grouped_rows_bf16": "p i i p p i i p i c",
     "specserve_bf16_matmul": "p i i p i i p i c",
     "specserve_f32_matmul": "p i i p i i p i c",
     "specserve_quantize_q8": "p i i i p p p c c",
@@ -214,6 +217,11 @@ def int_dot_vnni() -> bool:
 def int4_rows_amx() -> bool:
     """Whether the int4 few-row bf16 product runs its 2..32-row steps on AMX tiles."""
     return bool(_paths & PATH_INT4_AMX)
+
+
+def int8_grouped_rows_amx() -> bool:
+    """Whether the library has the Q8_0 head's few-row bf16 product (int8_grouped_rows_bf16: AMX tiles)."""
+    return bool(_paths & PATH_INT8_GROUPED_AMX)
 
 
 def check(rc: int, name: str) -> None:

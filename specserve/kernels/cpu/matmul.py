@@ -252,6 +252,33 @@ def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: tor
     return Product("int4_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, packed, scales, offsets)
 
 
+# The most rows int8_grouped_rows_bf16 takes (csrc/matmul.cpp's kInt8GroupedRowsMax), and the most a call
+# runs as the float32 product does (kInt8GroupedAmxFromRows - 1): the row summed as a one-row call sums it.
+# Past them the AMX tiles, whose sums of the weights rounded to bf16 come in another order.
+INT8_GROUPED_ROWS_BF16_MAX = 32
+INT8_GROUPED_ROWS_BF16_BELOW_AMX = 1
+
+
+def bind_int8_grouped_rows_bf16(codes: torch.Tensor, scales: torch.Tensor) -> Product:
+    """A Q8_0 matrix (int8 codes [n, k], float32 scales [n, k // 32], n a multiple of 16) times x [rows, k]
+    bfloat16 (1..INT8_GROUPED_ROWS_BF16_MAX rows) -> [rows, n] float32: up to INT8_GROUPED_ROWS_BF16_BELOW_AMX
+    rows as bind_int8 on the rows widened to float32, more on AMX tiles with each weight rounded to bf16 (the
+    dense bf16 copy's values), sums in float32. Needs build.int8_grouped_rows_amx(); other builds refuse the
+    call (code 2)."""
+    for name, t, dtype in (("codes", codes, torch.int8), ("scales", scales, torch.float32)):
+        if t.dtype != dtype or t.dim() != 2 or not t.is_contiguous():
+            raise ValueError(f"int8_grouped_rows_bf16: {name} must be contiguous {dtype} [n, ...]")
+    n, k = codes.shape
+    if n % INT8_TILE or n == 0:
+        raise ValueError(f"int8_grouped_rows_bf16: codes' outputs ({n}) must be a multiple of {INT8_TILE}")
+    if k % INT4_GROUP or k == 0:
+        raise ValueError(f"int8_grouped_rows_bf16: codes' inputs ({k}) must be a multiple of {INT4_GROUP}")
+    if scales.shape != (n, k // INT4_GROUP):
+        want = [n, k // INT4_GROUP]
+        raise ValueError(f"int8_grouped_rows_bf16: scales must be {want}, not {list(scales.shape)}")
+    return Product("int8_grouped_rows_bf16", torch.bfloat16, torch.float32, n, k, codes, scales)
+
+
 def int8_widen(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """codes [n, k] int8 * scales [n] -> [n, k] float32, on every thread."""
     if codes.dtype != torch.int8 or scales.dtype != torch.float32 or scales.numel() != codes.shape[0]:

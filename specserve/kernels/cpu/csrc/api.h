@@ -22,6 +22,7 @@ constexpr int kPathQuantBf16 = 8;      // int8 / int4 / dense panel products for
 constexpr int kPathIntDot = 16;        // w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
 constexpr int kPathIntDotVnni = 32;    // ... on AVX512-VNNI's vpdpbusd
 constexpr int kPathInt4Amx = 64;       // the int4 few-row bf16 product on AMX tiles, the kernel permitting
+constexpr int kPathInt8GroupedAmx = 128;  // the Q8_0 head's few-row bf16 product on AMX tiles, likewise
 
 extern "C" {
 
@@ -81,6 +82,9 @@ int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, cons
 int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
                              const float* scales, const float* offsets, int64_t n, int64_t k, uint16_t* out,
                              int64_t os, int num_threads);
+int specserve_int8_grouped_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* codes,
+                                     const float* scales, int64_t n, int64_t k, float* out, int64_t os,
+                                     int num_threads);
 int specserve_bf16_matmul(const uint16_t* x, int64_t xs, int64_t rows, const uint16_t* panels, int64_t n,
                           int64_t k, uint16_t* out, int64_t os, int num_threads);
 

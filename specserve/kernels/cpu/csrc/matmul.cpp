@@ -15,6 +15,14 @@ constexpr int64_t kWidenFromRows = 16;
 constexpr int64_t kInt4RowsMax = 32;
 constexpr int64_t kInt4AmxFromRows = 2;
 
+// specserve_int8_grouped_rows_bf16's most rows (as kInt4RowsMax), and the fewest it runs on AMX tiles: below
+// them q8g_rows on the row widened to float32, what the float32 head runs at one row (the file's own
+// weights at batch-1 decode, as fast there). Two rows on the tiles: 1.99 / 2.49 ms against 2.30 / 2.68 on
+// q8g_rows<2> (SmolLM2's 49,152 x 576 head, `python bench/head_rows.py --rows 2,1,2 --other-csrc DIR`,
+// loaded 2-core Sapphire Rapids).
+constexpr int64_t kInt8GroupedRowsMax = 32;
+constexpr int64_t kInt8GroupedAmxFromRows = 2;
+
 // Vectorised where specserve_paths() has bit 4 (AVX2 + FMA builds), generic loops elsewhere.
 // out[r, j] for r < rows (vectorised: 1..8 rows, and more where n % 8 == 0 on widened panels), j < n.
 extern "C" int specserve_int8_matmul(const float* x, int64_t x_stride, int64_t rows, const int8_t* codes,
@@ -156,6 +164,32 @@ extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t r
   return kOk;
 #else
   (void)x, (void)xs, (void)packed, (void)scales, (void)offsets, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs), 1..32 rows, times the Q8_0 matrix of specserve_int8_grouped_matmul (int8
+// codes [n, k], float32 scales [n, k / 32]) -> out [rows, n] float32 (row stride os): a bf16 model's Q8_0
+// head for the few-row steps of decode and verification, its logits in float32. One row: q8g_rows on the
+// row widened to float32 (exact), the float32 head's own sums; 2..32 AMX tiles on each weight rounded to
+// bf16 as the dense bf16 head copy holds it, sums in float32. n % 16 != 0 is refused (code 1: outputs come in
+// whole tiles), as are more rows. Returns 2 where the build or the kernel do not run AMX tiles
+// (specserve_paths() bit 128 clear).
+extern "C" int specserve_int8_grouped_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* codes,
+                                                const float* scales, int64_t n, int64_t k, float* out, int64_t os,
+                                                int num_threads) {
+  if (rows < 1 || rows > kInt8GroupedRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0)
+    return kBadArguments;
+#if defined(SPECSERVE_INT8_GROUPED_AMX_PATH) && defined(SPECSERVE_QUANT_PATH)
+  if (!amx_permitted()) return kNotInBuild;
+  if (rows >= kInt8GroupedAmxFromRows)
+    return q8g_bf16_amx(x, xs, rows, codes, scales, n, k, out, os, num_threads), kOk;
+  std::vector<float> wide(rows * k);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < k; ++i) wide[r * k + i] = load(x + r * xs, i);
+  return specserve_int8_grouped_matmul(wide.data(), k, rows, codes, scales, n, k, out, os, num_threads);
+#else
+  (void)x, (void)xs, (void)codes, (void)scales, (void)out, (void)os, (void)num_threads;
   return kNotInBuild;
 #endif
 }

@@ -27,5 +27,8 @@ extern "C" int specserve_paths() {
 #ifdef SPECSERVE_INT4_AMX_PATH
   if (amx_permitted()) paths |= kPathInt4Amx;
 #endif
+#if defined(SPECSERVE_INT8_GROUPED_AMX_PATH) && defined(SPECSERVE_QUANT_PATH)
+  if (amx_permitted()) paths |= kPathInt8GroupedAmx;
+#endif
   return paths;
 }
