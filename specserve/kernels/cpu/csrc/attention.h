@@ -142,6 +142,13 @@ struct Args {
   bool invariant;
 };
 
+// Steps of fewer tasks than this many a thread split each short query's keys into parts of whole blocks,
+// each a task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three
+// KV heads are three tasks on two threads, and one thread waited a third of the step. Never in a
+// batch-invariant step (Args::invariant): the parts a sequence gets depend on the step's tasks.
+constexpr int64_t kSplitBelowTasksPerThread = 2;
+constexpr int64_t kMaxParts = 64;
+
 // First position row `limit` (one past its own position) sees.
 inline int64_t window_start(const Args& a, int64_t limit) {
   return a.window > 0 && limit > a.window ? limit - a.window : 0;

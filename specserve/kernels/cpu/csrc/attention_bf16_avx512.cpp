@@ -46,7 +46,29 @@ struct Task {
   int64_t seq;       // index into seq_ids
   int64_t h0, h1;    // KV heads [h0, h1)
   int64_t i0, i1;    // query tokens [i0, i1) of the sequence
+  int64_t p0 = 0, p1 = INT64_MAX;  // key positions [p0, p1): a part of a split sequence, else all
+  int64_t part = -1;               // its rows' slot in the parts' buffer (-1: written to out directly)
 };
+
+// A split (sequence, head): its parts are tasks [first, first + count), merged into out by their statistics.
+struct Merge {
+  int64_t first, count;
+};
+
+constexpr int64_t kMinPartTokens = 64;
+
+// Parts per split task: at least enough for two tasks a thread, then the fewest (up to twice that) whose
+// total divides evenly among the threads (3 heads on 2 threads: 2 parts, 6 tasks, 3 a thread, where 3 parts
+// would leave one thread a part behind), then no more than the keys hold parts of kMinPartTokens.
+inline int64_t parts_for(int64_t tasks, int64_t threads, int64_t keys) {
+  int64_t parts = (2 * threads + tasks - 1) / tasks;
+  for (int64_t p = parts; p < 2 * parts; ++p)
+    if (tasks * p % threads == 0) {
+      parts = p;
+      break;
+    }
+  return std::max<int64_t>(1, std::min({parts, keys / kMinPartTokens, kMaxParts}));
+}
 
 template <int HD>
 void run_bf16(const Args& a, int num_threads) {
@@ -64,14 +86,35 @@ void run_bf16(const Args& a, int num_threads) {
   // threads busy (the first head prefetches whole blocks, which the others then find in cache). Long
   // queries: a task per head and query tile. Tiles ending later read more keys: they go first.
   std::vector<Task> tasks;
+  std::vector<Merge> merges;
   const bool all_heads = a.num_seqs >= 4 * num_threads;
+  int64_t whole_tasks = 0;
+  for (int64_t n = 0; n < a.num_seqs; ++n) {
+    const int64_t s = a.seq_ids[n];
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    whole_tasks += q_len <= kQueryTile ? (all_heads ? 1 : KVH) : (q_len + kQueryTile - 1) / kQueryTile * KVH;
+  }
+  // which parts a sequence gets depends on the step's tasks, so a batch-invariant step never splits
+  const bool split = !a.invariant && num_threads > 1 && whole_tasks < kSplitBelowTasksPerThread * num_threads;
+  int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTile) {
+      // the parts share the blocks the task reads: from the one holding its first row's window start
+      const int64_t len = a.seq_lens[s], b_lo = window_start(a, len - q_len + 1) / BS;
+      const int64_t blocks = (len + BS - 1) / BS - b_lo;
+      const int64_t parts = split ? parts_for(whole_tasks, num_threads, len - b_lo * BS) : 1;
       if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
-      else
+      else if (parts <= 1)
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
+      else
+        for (int64_t h = 0; h < KVH; ++h) {
+          merges.push_back({static_cast<int64_t>(tasks.size()), parts});
+          for (int64_t c = 0; c < parts; ++c, part_rows += q_len * group)
+            tasks.push_back({n, h, h + 1, 0, q_len, (b_lo + c * blocks / parts) * BS,
+                             c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows});
+        }
       continue;
     }
     for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTile)
@@ -79,6 +122,9 @@ void run_bf16(const Args& a, int num_threads) {
         tasks.push_back({n, h, h + 1, i1 > kQueryTile ? i1 - kQueryTile : 0, i1});
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+  // each part's rows: HD outputs (normalized over the part, in float32) and the part's max and sum of exps
+  std::vector<float> parts(part_rows * (HD + 2));
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -95,7 +141,8 @@ void run_bf16(const Args& a, int num_threads) {
       const int64_t len = a.seq_lens[s];
       const int32_t* table = a.block_tables + s * a.table_stride;
       const int64_t R = (task.i1 - task.i0) * group;  // row (i - i0) * group + g: query token i, head g
-      const int64_t end = len - q_len + task.i1;      // the last row sees positions before this
+      // the last row sees positions before len - q_len + i1; a part, those before its p1 too
+      const int64_t end = std::min(len - q_len + task.i1, task.p1);
       const int64_t num_tiles = (end + 15) / 16;
       const int64_t stride = num_tiles * 16;
       const int64_t H = task.h1 - task.h0;
@@ -128,7 +175,8 @@ void run_bf16(const Args& a, int num_threads) {
       // anywhere in the cache, so K is asked for kPrefetchAhead blocks early and V, needed after the
       // softmax, a block behind it.
       const int64_t num_blocks = (end + BS - 1) / BS;
-      const int64_t b0 = window_start(a, limit[0]) / BS;  // blocks before it are outside every window
+      // blocks before it are outside every window (or before the part)
+      const int64_t b0 = std::max(window_start(a, limit[0]), task.p0) / BS;
       for (int64_t b = b0; b < b0 + kPrefetchAhead && b < num_blocks; ++b) prefetch_block(kp, b);
       const __m512 scale = _mm512_set1_ps(a.scale);
       // A task of every head reads a tile's 16 whole token rows of K, one 64-byte line a load: beside each
@@ -201,11 +249,14 @@ void run_bf16(const Args& a, int num_threads) {
         // 128-bit lane of the interleaved vectors holds dims 8L..8L+3 (lo) or 8L+4..8L+7 (hi).
         for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
           const int64_t nr = R - r0 < kRowTile ? R - r0 : kRowTile;
-          const int64_t n_pad = limit[r0 + nr - 1];
+          const int64_t n_pad = std::min(limit[r0 + nr - 1], end);
           const int64_t z0 = b0 * BS;
           for (int64_t r = r0; r < r0 + nr; ++r) {
             float* sr = sh + r * stride;
-            softmax_row(sr, z0, window_start(a, limit[r]), limit[r], n_pad, a.softcap);
+            // a part's row may see none of its keys (a window starting past it): sum 0, weight 0 in the merge
+            const int64_t lo = std::min(std::max(window_start(a, limit[r]), z0), n_pad);
+            softmax_row(sr, z0, lo, std::max(std::min(limit[r], end), lo), n_pad, a.softcap,
+                        task.part < 0 ? nullptr : parts.data() + (task.part + r) * (HD + 2) + HD);
             uint16_t* pr = pairs.data() + (r - r0) * stride;
             int64_t i = z0;
             for (; i + 32 <= n_pad; i += 32)
@@ -255,14 +306,53 @@ void run_bf16(const Args& a, int num_threads) {
           }
           for (int64_t rr = 0; rr < nr; ++rr) {
             const int64_t r = r0 + rr, i = task.i0 + r / group, g = r % group;
-            uint16_t* dst = op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head;
             alignas(64) float tmp[HD];
             for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(tmp + 16 * c, acc[rr][c]);
-            for (int d = 0; d < HD; ++d) {  // undo the interleaving's order of dims
+            const auto dim = [&](int d) {  // undo the interleaving's order of dims
               const int c = d / 32, lane = (d % 32) / 8, w = d % 8;
-              store(dst, d, tmp[16 * (2 * c + (w >= 4)) + 4 * lane + (w % 4)]);
+              return tmp[16 * (2 * c + (w >= 4)) + 4 * lane + (w % 4)];
+            };
+            if (task.part >= 0) {
+              float* dst = parts.data() + (task.part + r) * (HD + 2);
+              for (int d = 0; d < HD; ++d) dst[d] = dim(d);
+              continue;
             }
+            uint16_t* dst = op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head;
+            for (int d = 0; d < HD; ++d) store(dst, d, dim(d));
           }
+        }
+      }
+    }
+
+    // a split sequence's head: its parts' rows, each weighted by its share of the row's exponentials, summed
+    // in float32 and rounded to bf16 once; steps with nothing split skip the second barrier
+    if (num_merges > 0) {
+#pragma omp for schedule(static)
+      for (int64_t mi = 0; mi < num_merges; ++mi) {
+        const Merge& m = merges[mi];
+        const Task& first = tasks[m.first];
+        const int64_t s = a.seq_ids[first.seq], h = first.h0;
+        const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
+        for (int64_t r = 0; r < R; ++r) {
+          float mx = -3.0e38f;
+          for (int64_t t = m.first; t < m.first + m.count; ++t) {
+            const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
+            if (st[1] > 0.f) mx = std::max(mx, st[0]);
+          }
+          float weight[kMaxParts], total = 0.f;
+          for (int64_t c = 0; c < m.count; ++c) {
+            const float* st = parts.data() + (tasks[m.first + c].part + r) * (HD + 2) + HD;
+            weight[c] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
+            total += weight[c];
+          }
+          alignas(64) float o[HD] = {};
+          for (int64_t c = 0; c < m.count; ++c) {
+            const float w = weight[c] / total;
+            const float* part = parts.data() + (tasks[m.first + c].part + r) * (HD + 2);
+            for (int d = 0; d < HD; ++d) o[d] += w * part[d];
+          }
+          uint16_t* dst = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
+          for (int d = 0; d < HD; ++d) store(dst, d, o[d]);
         }
       }
     }

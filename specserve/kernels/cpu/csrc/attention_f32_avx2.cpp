@@ -139,12 +139,10 @@ struct TaskF32 {
   int64_t part = -1;               // its rows' slot in the parts' buffer (-1: written to out directly)
 };
 
-// Fewer (sequence, head) tasks than this many a thread split their keys into parts of whole blocks, each a
-// task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three KV
-// heads left one of two threads idle a third of the time. One sequence of 546 / 2,000 tokens, SmolLM2's
-// heads, 30 layers from L3 (2-core Zen 4): 3.11 / 9.1 ms split against 3.35 / 11.9 whole.
-constexpr int64_t kSplitBelowTasksPerThread = 2;
-constexpr int64_t kMinPartBlocks = 4, kMaxParts = 64;
+// Fewer (sequence, head) tasks than kSplitBelowTasksPerThread a thread split their keys into parts of whole
+// blocks (attention.h). One sequence of 546 / 2,000 tokens, SmolLM2's heads, 30 layers from L3 (2-core
+// Zen 4): 3.11 / 9.1 ms split against 3.35 / 11.9 whole.
+constexpr int64_t kMinPartBlocks = 4;
 
 template <int HD>
 void run_f32(const Args& a, int num_threads) {
