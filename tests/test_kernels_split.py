@@ -1,8 +1,8 @@
-"""The C++ kernels' split of a few sequences' keys into parts (flash-decoding): steps of fewer (sequence, head)
-tasks than two a thread give each short query's head several tasks, one per run of blocks, merged after by
-their softmax statistics. Each case is one or two sequences over long contexts at four threads, so the split
-runs; its output is held to float64 dense attention and to the unsplit kernel's (the batch-invariant form,
-which never splits), with causal limits, sliding windows, soft-capping and GQA groups."""
+"""The C++ kernels' split of a few sequences' keys into parts (flash-decoding): steps of fewer (sequence,
+head) tasks than two a thread give each short query's head several tasks, one per run of blocks, merged after
+by their softmax statistics. Each case is one or two sequences over long contexts at four threads, so the
+split runs; its output is held to float64 dense attention and to the unsplit kernel's (the batch-invariant
+form, which never splits), with causal limits, sliding windows, soft-capping and GQA groups."""
 
 from __future__ import annotations
 
