@@ -147,7 +147,20 @@ struct Args {
 // KV heads are three tasks on two threads, and one thread waited a third of the step. Never in a
 // batch-invariant step (Args::invariant): the parts a sequence gets depend on the step's tasks.
 constexpr int64_t kSplitBelowTasksPerThread = 2;
-constexpr int64_t kMaxParts = 64;
+constexpr int64_t kMaxParts = 64, kMinPartTokens = 64;
+
+// Parts per split task: at least enough for two tasks a thread, then the fewest (up to twice that) whose
+// total divides evenly among the threads (3 heads on 2 threads: 2 parts, 6 tasks, 3 a thread, where 3 parts
+// would leave one thread a part behind), then no more than the keys hold parts of kMinPartTokens.
+inline int64_t parts_for(int64_t tasks, int64_t threads, int64_t keys) {
+  int64_t parts = (2 * threads + tasks - 1) / tasks;
+  for (int64_t p = parts; p < 2 * parts; ++p)
+    if (tasks * p % threads == 0) {
+      parts = p;
+      break;
+    }
+  return std::max<int64_t>(1, std::min({parts, keys / kMinPartTokens, kMaxParts}));
+}
 
 // First position row `limit` (one past its own position) sees.
 inline int64_t window_start(const Args& a, int64_t limit) {

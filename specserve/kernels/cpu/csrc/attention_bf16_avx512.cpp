@@ -55,21 +55,6 @@ struct Merge {
   int64_t first, count;
 };
 
-constexpr int64_t kMinPartTokens = 64;
-
-// Parts per split task: at least enough for two tasks a thread, then the fewest (up to twice that) whose
-// total divides evenly among the threads (3 heads on 2 threads: 2 parts, 6 tasks, 3 a thread, where 3 parts
-// would leave one thread a part behind), then no more than the keys hold parts of kMinPartTokens.
-inline int64_t parts_for(int64_t tasks, int64_t threads, int64_t keys) {
-  int64_t parts = (2 * threads + tasks - 1) / tasks;
-  for (int64_t p = parts; p < 2 * parts; ++p)
-    if (tasks * p % threads == 0) {
-      parts = p;
-      break;
-    }
-  return std::max<int64_t>(1, std::min({parts, keys / kMinPartTokens, kMaxParts}));
-}
-
 template <int HD>
 void run_bf16(const Args& a, int num_threads) {
   static_assert(HD % 32 == 0, "whole 16-lane vectors of pairs");

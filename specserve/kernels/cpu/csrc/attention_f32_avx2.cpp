@@ -142,7 +142,6 @@ struct TaskF32 {
 // Fewer (sequence, head) tasks than kSplitBelowTasksPerThread a thread split their keys into parts of whole
 // blocks (attention.h). One sequence of 546 / 2,000 tokens, SmolLM2's heads, 30 layers from L3 (2-core
 // Zen 4): 3.11 / 9.1 ms split against 3.35 / 11.9 whole.
-constexpr int64_t kMinPartBlocks = 4;
 
 template <int HD>
 void run_f32(const Args& a, int num_threads) {
@@ -159,19 +158,15 @@ void run_f32(const Args& a, int num_threads) {
   // sequences, else per head; long ones per head and query tile, latest tiles (the most keys) first.
   std::vector<TaskF32> tasks;
   const bool all_heads = a.num_seqs >= 4 * num_threads;
-  const bool split =
-      !a.invariant && a.window == 0 && a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
+  const bool split = !a.invariant && a.window == 0 && num_threads > 1 &&
+                     a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTileF32) {
       const int64_t blocks = (a.seq_lens[s] + BS - 1) / BS;
-      // parts enough for twice the threshold's tasks a thread, of kMinPartBlocks blocks at least
-      int64_t parts = split ? (2 * kSplitBelowTasksPerThread * num_threads + a.num_seqs * KVH - 1) /
-                                  (a.num_seqs * KVH)
-                            : 1;
-      parts = std::min({parts, blocks / kMinPartBlocks, kMaxParts});
+      const int64_t parts = split ? parts_for(a.num_seqs * KVH, num_threads, blocks * BS) : 1;
       if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
       else if (parts <= 1)
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
