@@ -2,6 +2,8 @@
 // attention_generic.cpp; attention.cpp picks one).
 //
 // One task per (sequence, KV head): the group's query heads times the sequence's new tokens form R rows.
+// A step of too few such tasks for the threads splits each short query's keys into parts (see
+// kSplitBelowTasksPerThread), each part a task of its own, merged per row after by its max and sum of exps.
 // Scores are computed a block at a time against a transposed float copy of the block's K, so the inner
 // loop runs across the block's tokens (one vector register for 16 tokens) with no horizontal sums; a
 // two-pass softmax then weights V rows. Every cached row is read once. Causal masking is done by loop
