@@ -48,11 +48,7 @@ struct Task {
   int64_t i0, i1;    // query tokens [i0, i1) of the sequence
   int64_t p0 = 0, p1 = INT64_MAX;  // key positions [p0, p1): a part of a split sequence, else all
   int64_t part = -1;               // its rows' slot in the parts' buffer (-1: written to out directly)
-};
-
-// A split (sequence, head): its parts are tasks [first, first + count), merged into out by their statistics.
-struct Merge {
-  int64_t first, count;
+  int64_t merge = -1;              // a part's index in merges
 };
 
 template <int HD>
@@ -95,10 +91,12 @@ void run_bf16(const Args& a, int num_threads) {
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
       else
         for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t merge = static_cast<int64_t>(merges.size());
           merges.push_back({static_cast<int64_t>(tasks.size()), parts});
           for (int64_t c = 0; c < parts; ++c, part_rows += q_len * group)
             tasks.push_back({n, h, h + 1, 0, q_len, (b_lo + c * blocks / parts) * BS,
-                             c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows});
+                             c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows,
+                             merge});
         }
       continue;
     }
@@ -110,6 +108,10 @@ void run_bf16(const Args& a, int num_threads) {
   const int64_t num_merges = static_cast<int64_t>(merges.size());
   // each part's rows: HD outputs (normalized over the part, in float32) and the part's max and sum of exps
   std::vector<float> parts(part_rows * (HD + 2));
+  // parts of each merge not yet done: the task that finishes the last one merges them, so no thread waits
+  // on a barrier between the parts and the merges (on a busy machine each barrier can cost a thread's wakeup)
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[num_merges]);
+  for (int64_t mi = 0; mi < num_merges; ++mi) remaining[mi].store(merges[mi].count, std::memory_order_relaxed);
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -118,7 +120,7 @@ void run_bf16(const Args& a, int num_threads) {
     std::vector<uint32_t> qpairs;
     std::vector<int64_t> limit;
     alignas(64) __m512i kt[HD / 2];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t ti = 0; ti < num_tasks; ++ti) {
       const Task& task = tasks[ti];
       const int64_t s = a.seq_ids[task.seq];
@@ -307,39 +309,9 @@ void run_bf16(const Args& a, int num_threads) {
           }
         }
       }
-    }
-
-    // a split sequence's head: its parts' rows, each weighted by its share of the row's exponentials, summed
-    // in float32 and rounded to bf16 once; steps with nothing split skip the second barrier
-    if (num_merges > 0) {
-#pragma omp for schedule(static)
-      for (int64_t mi = 0; mi < num_merges; ++mi) {
-        const Merge& m = merges[mi];
-        const Task& first = tasks[m.first];
-        const int64_t s = a.seq_ids[first.seq], h = first.h0;
-        const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
-        for (int64_t r = 0; r < R; ++r) {
-          float mx = -3.0e38f;
-          for (int64_t t = m.first; t < m.first + m.count; ++t) {
-            const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
-            if (st[1] > 0.f) mx = std::max(mx, st[0]);
-          }
-          float weight[kMaxParts], total = 0.f;
-          for (int64_t c = 0; c < m.count; ++c) {
-            const float* st = parts.data() + (tasks[m.first + c].part + r) * (HD + 2) + HD;
-            weight[c] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
-            total += weight[c];
-          }
-          alignas(64) float o[HD] = {};
-          for (int64_t c = 0; c < m.count; ++c) {
-            const float w = weight[c] / total;
-            const float* part = parts.data() + (tasks[m.first + c].part + r) * (HD + 2);
-            for (int d = 0; d < HD; ++d) o[d] += w * part[d];
-          }
-          uint16_t* dst = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
-          for (int d = 0; d < HD; ++d) store(dst, d, o[d]);
-        }
-      }
+      // acq_rel: the last part's thread sees every other part's rows before it merges them
+      if (task.merge >= 0 && remaining[task.merge].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_parts<HD>(a, tasks.data(), merges[task.merge], parts.data(), op);
     }
   }
 }
