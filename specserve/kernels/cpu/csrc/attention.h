@@ -2,6 +2,8 @@
 // attention_generic.cpp; attention.cpp picks one).
 //
 // One task per (sequence, KV head): the group's query heads times the sequence's new tokens form R rows.
+// A step of too few such tasks for the threads splits each short query's keys into parts (see
+// kSplitBelowTasksPerThread), each part a task of its own, merged per row after by its max and sum of exps.
 // Scores are computed a block at a time against a transposed float copy of the block's K, so the inner
 // loop runs across the block's tokens (one vector register for 16 tokens) with no horizontal sums; a
 // two-pass softmax then weights V rows. Every cached row is read once. Causal masking is done by loop
@@ -11,6 +13,8 @@
 // earliest row's first one, so blocks wholly before the window are never read. Score soft-capping
 // (cap * tanh(s / cap), Gemma 2 style) is applied in the softmax, shared by every path.
 #pragma once
+
+#include <atomic>
 
 #include "common.h"
 
@@ -141,6 +145,62 @@ struct Args {
   // chunked): one score form for every row count and no key split, which depends on the step's tasks.
   bool invariant;
 };
+
+// Steps of fewer tasks than this many a thread split each short query's keys into parts of whole blocks,
+// each a task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three
+// KV heads are three tasks on two threads, and one thread waited a third of the step. Never in a
+// batch-invariant step (Args::invariant): the parts a sequence gets depend on the step's tasks.
+constexpr int64_t kSplitBelowTasksPerThread = 2;
+constexpr int64_t kMaxParts = 64, kMinPartTokens = 64;
+
+// Parts per split task: at least enough for two tasks a thread, then the fewest (up to twice that) whose
+// total divides evenly among the threads (3 heads on 2 threads: 2 parts, 6 tasks, 3 a thread, where 3 parts
+// would leave one thread a part behind), then no more than the keys hold parts of kMinPartTokens.
+inline int64_t parts_for(int64_t tasks, int64_t threads, int64_t keys) {
+  int64_t parts = (2 * threads + tasks - 1) / tasks;
+  for (int64_t p = parts; p < 2 * parts; ++p)
+    if (tasks * p % threads == 0) {
+      parts = p;
+      break;
+    }
+  return std::max<int64_t>(1, std::min({parts, keys / kMinPartTokens, kMaxParts}));
+}
+
+// A split (sequence, head): its parts are tasks [first, first + count), merged into out by their statistics.
+struct Merge {
+  int64_t first, count;
+};
+
+// A split head's rows from its parts' (each HD outputs normalized over the part, then the part's max and sum
+// of exps, at parts[task.part + r]): each weighted by its share of the row's exponentials, summed in float32
+// and stored in T once. A part that saw none of a row's keys has sum 0 and weight 0.
+template <int HD, typename T, typename TaskT>
+inline void merge_parts(const Args& a, const TaskT* tasks, const Merge& m, const float* parts, T* op) {
+  const TaskT& first = tasks[m.first];
+  const int64_t group = a.num_heads / a.num_kv_heads, s = a.seq_ids[first.seq], h = first.h0;
+  const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
+  for (int64_t r = 0; r < R; ++r) {
+    float mx = -3.0e38f;
+    for (int64_t c = 0; c < m.count; ++c) {
+      const float* st = parts + (tasks[m.first + c].part + r) * (HD + 2) + HD;
+      if (st[1] > 0.f) mx = std::max(mx, st[0]);
+    }
+    float weight[kMaxParts], total = 0.f;
+    for (int64_t c = 0; c < m.count; ++c) {
+      const float* st = parts + (tasks[m.first + c].part + r) * (HD + 2) + HD;
+      weight[c] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
+      total += weight[c];
+    }
+    alignas(64) float o[HD] = {};
+    for (int64_t c = 0; c < m.count; ++c) {
+      const float w = weight[c] / total;
+      const float* part = parts + (tasks[m.first + c].part + r) * (HD + 2);
+      for (int d = 0; d < HD; ++d) o[d] += w * part[d];
+    }
+    T* dst = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
+    for (int d = 0; d < HD; ++d) store(dst, d, o[d]);
+  }
+}
 
 // First position row `limit` (one past its own position) sees.
 inline int64_t window_start(const Args& a, int64_t limit) {

@@ -46,6 +46,9 @@ struct Task {
   int64_t seq;       // index into seq_ids
   int64_t h0, h1;    // KV heads [h0, h1)
   int64_t i0, i1;    // query tokens [i0, i1) of the sequence
+  int64_t p0 = 0, p1 = INT64_MAX;  // key positions [p0, p1): a part of a split sequence, else all
+  int64_t part = -1;               // its rows' slot in the parts' buffer (-1: written to out directly)
+  int64_t merge = -1;              // a part's index in merges
 };
 
 template <int HD>
@@ -64,14 +67,37 @@ void run_bf16(const Args& a, int num_threads) {
   // threads busy (the first head prefetches whole blocks, which the others then find in cache). Long
   // queries: a task per head and query tile. Tiles ending later read more keys: they go first.
   std::vector<Task> tasks;
+  std::vector<Merge> merges;
   const bool all_heads = a.num_seqs >= 4 * num_threads;
+  int64_t whole_tasks = 0;
+  for (int64_t n = 0; n < a.num_seqs; ++n) {
+    const int64_t s = a.seq_ids[n];
+    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    whole_tasks += q_len <= kQueryTile ? (all_heads ? 1 : KVH) : (q_len + kQueryTile - 1) / kQueryTile * KVH;
+  }
+  // which parts a sequence gets depends on the step's tasks, so a batch-invariant step never splits
+  const bool split = !a.invariant && num_threads > 1 && whole_tasks < kSplitBelowTasksPerThread * num_threads;
+  int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTile) {
+      // the parts share the blocks the task reads: from the one holding its first row's window start
+      const int64_t len = a.seq_lens[s], b_lo = window_start(a, len - q_len + 1) / BS;
+      const int64_t blocks = (len + BS - 1) / BS - b_lo;
+      const int64_t parts = split ? parts_for(whole_tasks, num_threads, len - b_lo * BS) : 1;
       if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
-      else
+      else if (parts <= 1)
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
+      else
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t merge = static_cast<int64_t>(merges.size());
+          merges.push_back({static_cast<int64_t>(tasks.size()), parts});
+          for (int64_t c = 0; c < parts; ++c, part_rows += q_len * group)
+            tasks.push_back({n, h, h + 1, 0, q_len, (b_lo + c * blocks / parts) * BS,
+                             c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows,
+                             merge});
+        }
       continue;
     }
     for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTile)
@@ -79,6 +105,13 @@ void run_bf16(const Args& a, int num_threads) {
         tasks.push_back({n, h, h + 1, i1 > kQueryTile ? i1 - kQueryTile : 0, i1});
   }
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+  // each part's rows: HD outputs (normalized over the part, in float32) and the part's max and sum of exps
+  std::vector<float> parts(part_rows * (HD + 2));
+  // parts of each merge not yet done: the task that finishes the last one merges them, so no thread waits
+  // on a barrier between the parts and the merges (on a busy machine each barrier can cost a thread's wakeup)
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[num_merges]);
+  for (int64_t mi = 0; mi < num_merges; ++mi) remaining[mi].store(merges[mi].count, std::memory_order_relaxed);
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -87,7 +120,7 @@ void run_bf16(const Args& a, int num_threads) {
     std::vector<uint32_t> qpairs;
     std::vector<int64_t> limit;
     alignas(64) __m512i kt[HD / 2];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t ti = 0; ti < num_tasks; ++ti) {
       const Task& task = tasks[ti];
       const int64_t s = a.seq_ids[task.seq];
@@ -95,7 +128,8 @@ void run_bf16(const Args& a, int num_threads) {
       const int64_t len = a.seq_lens[s];
       const int32_t* table = a.block_tables + s * a.table_stride;
       const int64_t R = (task.i1 - task.i0) * group;  // row (i - i0) * group + g: query token i, head g
-      const int64_t end = len - q_len + task.i1;      // the last row sees positions before this
+      // the last row sees positions before len - q_len + i1; a part, those before its p1 too
+      const int64_t end = std::min(len - q_len + task.i1, task.p1);
       const int64_t num_tiles = (end + 15) / 16;
       const int64_t stride = num_tiles * 16;
       const int64_t H = task.h1 - task.h0;
@@ -128,7 +162,8 @@ void run_bf16(const Args& a, int num_threads) {
       // anywhere in the cache, so K is asked for kPrefetchAhead blocks early and V, needed after the
       // softmax, a block behind it.
       const int64_t num_blocks = (end + BS - 1) / BS;
-      const int64_t b0 = window_start(a, limit[0]) / BS;  // blocks before it are outside every window
+      // blocks before it are outside every window (or before the part)
+      const int64_t b0 = std::max(window_start(a, limit[0]), task.p0) / BS;
       for (int64_t b = b0; b < b0 + kPrefetchAhead && b < num_blocks; ++b) prefetch_block(kp, b);
       const __m512 scale = _mm512_set1_ps(a.scale);
       // A task of every head reads a tile's 16 whole token rows of K, one 64-byte line a load: beside each
@@ -201,11 +236,14 @@ void run_bf16(const Args& a, int num_threads) {
         // 128-bit lane of the interleaved vectors holds dims 8L..8L+3 (lo) or 8L+4..8L+7 (hi).
         for (int64_t r0 = 0; r0 < R; r0 += kRowTile) {
           const int64_t nr = R - r0 < kRowTile ? R - r0 : kRowTile;
-          const int64_t n_pad = limit[r0 + nr - 1];
+          const int64_t n_pad = std::min(limit[r0 + nr - 1], end);
           const int64_t z0 = b0 * BS;
           for (int64_t r = r0; r < r0 + nr; ++r) {
             float* sr = sh + r * stride;
-            softmax_row(sr, z0, window_start(a, limit[r]), limit[r], n_pad, a.softcap);
+            // a part's row may see none of its keys (a window starting past it): sum 0, weight 0 in the merge
+            const int64_t lo = std::min(std::max(window_start(a, limit[r]), z0), n_pad);
+            softmax_row(sr, z0, lo, std::max(std::min(limit[r], end), lo), n_pad, a.softcap,
+                        task.part < 0 ? nullptr : parts.data() + (task.part + r) * (HD + 2) + HD);
             uint16_t* pr = pairs.data() + (r - r0) * stride;
             int64_t i = z0;
             for (; i + 32 <= n_pad; i += 32)
@@ -255,16 +293,25 @@ void run_bf16(const Args& a, int num_threads) {
           }
           for (int64_t rr = 0; rr < nr; ++rr) {
             const int64_t r = r0 + rr, i = task.i0 + r / group, g = r % group;
-            uint16_t* dst = op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head;
             alignas(64) float tmp[HD];
             for (int c = 0; c < HD / 16; ++c) _mm512_storeu_ps(tmp + 16 * c, acc[rr][c]);
-            for (int d = 0; d < HD; ++d) {  // undo the interleaving's order of dims
+            const auto dim = [&](int d) {  // undo the interleaving's order of dims
               const int c = d / 32, lane = (d % 32) / 8, w = d % 8;
-              store(dst, d, tmp[16 * (2 * c + (w >= 4)) + 4 * lane + (w % 4)]);
+              return tmp[16 * (2 * c + (w >= 4)) + 4 * lane + (w % 4)];
+            };
+            if (task.part >= 0) {
+              float* dst = parts.data() + (task.part + r) * (HD + 2);
+              for (int d = 0; d < HD; ++d) dst[d] = dim(d);
+              continue;
             }
+            uint16_t* dst = op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head;
+            for (int d = 0; d < HD; ++d) store(dst, d, dim(d));
           }
         }
       }
+      // acq_rel: the last part's thread sees every other part's rows before it merges them
+      if (task.merge >= 0 && remaining[task.merge].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_parts<HD>(a, tasks.data(), merges[task.merge], parts.data(), op);
     }
   }
 }

@@ -137,14 +137,12 @@ struct TaskF32 {
   int64_t i0, i1;  // query tokens [i0, i1) of the sequence
   int64_t p0 = 0, p1 = INT64_MAX;  // key positions [p0, p1): a part of a split sequence, else all
   int64_t part = -1;               // its rows' slot in the parts' buffer (-1: written to out directly)
+  int64_t merge = -1;              // a part's index in merges
 };
 
-// Fewer (sequence, head) tasks than this many a thread split their keys into parts of whole blocks, each a
-// task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three KV
-// heads left one of two threads idle a third of the time. One sequence of 546 / 2,000 tokens, SmolLM2's
-// heads, 30 layers from L3 (2-core Zen 4): 3.11 / 9.1 ms split against 3.35 / 11.9 whole.
-constexpr int64_t kSplitBelowTasksPerThread = 2;
-constexpr int64_t kMinPartBlocks = 4, kMaxParts = 64;
+// Fewer (sequence, head) tasks than kSplitBelowTasksPerThread a thread split their keys into parts of whole
+// blocks (attention.h). One sequence of 546 / 2,000 tokens, SmolLM2's heads, 30 layers from L3 (2-core
+// Zen 4): 3.11 / 9.1 ms split against 3.35 / 11.9 whole.
 
 template <int HD>
 void run_f32(const Args& a, int num_threads) {
@@ -160,28 +158,28 @@ void run_f32(const Args& a, int num_threads) {
   // Short queries one task per sequence (all heads, one pass over whole blocks) when there are enough
   // sequences, else per head; long ones per head and query tile, latest tiles (the most keys) first.
   std::vector<TaskF32> tasks;
+  std::vector<Merge> merges;
   const bool all_heads = a.num_seqs >= 4 * num_threads;
-  const bool split =
-      !a.invariant && a.window == 0 && a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
+  const bool split = !a.invariant && a.window == 0 && num_threads > 1 &&
+                     a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTileF32) {
       const int64_t blocks = (a.seq_lens[s] + BS - 1) / BS;
-      // parts enough for twice the threshold's tasks a thread, of kMinPartBlocks blocks at least
-      int64_t parts = split ? (2 * kSplitBelowTasksPerThread * num_threads + a.num_seqs * KVH - 1) /
-                                  (a.num_seqs * KVH)
-                            : 1;
-      parts = std::min({parts, blocks / kMinPartBlocks, kMaxParts});
+      const int64_t parts = split ? parts_for(a.num_seqs * KVH, num_threads, blocks * BS) : 1;
       if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
       else if (parts <= 1)
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
       else
-        for (int64_t h = 0; h < KVH; ++h)
+        for (int64_t h = 0; h < KVH; ++h) {
+          const int64_t merge = static_cast<int64_t>(merges.size());
+          merges.push_back({static_cast<int64_t>(tasks.size()), parts});
           for (int64_t c = 0; c < parts; ++c, part_rows += q_len * group)
             tasks.push_back({n, h, h + 1, 0, q_len, c * blocks / parts * BS,
-                             c + 1 < parts ? (c + 1) * blocks / parts * BS : INT64_MAX, part_rows});
+                             c + 1 < parts ? (c + 1) * blocks / parts * BS : INT64_MAX, part_rows, merge});
+        }
       continue;
     }
     for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTileF32)
@@ -192,6 +190,10 @@ void run_f32(const Args& a, int num_threads) {
 
   // each part's rows: HD outputs (normalized over the part) and the part's max and sum of exponentials
   std::vector<float> parts(part_rows * (HD + 2));
+  // parts of each merge not yet done: the task that finishes the last one merges them (as in run_bf16)
+  const int64_t num_merges = static_cast<int64_t>(merges.size());
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[num_merges]);
+  for (int64_t mi = 0; mi < num_merges; ++mi) remaining[mi].store(merges[mi].count, std::memory_order_relaxed);
 
 #pragma omp parallel num_threads(num_threads)
   {
@@ -199,7 +201,7 @@ void run_f32(const Args& a, int num_threads) {
     std::vector<int64_t> limit;
     std::vector<float*> dst;
     alignas(32) __m256 kt[HD], kt2[HD];
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t ti = 0; ti < num_tasks; ++ti) {
       const TaskF32& task = tasks[ti];
       const int64_t s = a.seq_ids[task.seq];
@@ -358,40 +360,9 @@ void run_f32(const Args& a, int num_threads) {
           else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);
           else pv_rows_f32<1, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);
         }
-    }
-
-    // a split sequence's head: its parts (consecutive tasks, the first at p0 = 0) merged by their statistics;
-    // part_rows is the same on every thread, and steps with nothing split skip the second barrier
-    if (part_rows > 0) {
-#pragma omp for schedule(static)
-      for (int64_t ti = 0; ti < num_tasks; ++ti) {
-        const TaskF32& first = tasks[ti];
-        if (first.part < 0 || first.p0 != 0) continue;
-        int64_t last = ti;
-        while (tasks[last].p1 != INT64_MAX) ++last;
-        const int64_t s = a.seq_ids[first.seq], h = first.h0;
-        const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
-        for (int64_t r = 0; r < R; ++r) {
-          float mx = -3.0e38f;
-          for (int64_t t = ti; t <= last; ++t) {
-            const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
-            if (st[1] > 0.f) mx = std::max(mx, st[0]);
-          }
-          float weight[kMaxParts], total = 0.f;
-          for (int64_t t = ti; t <= last; ++t) {
-            const float* st = parts.data() + (tasks[t].part + r) * (HD + 2) + HD;
-            weight[t - ti] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
-            total += weight[t - ti];
-          }
-          float* o = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
-          for (int d = 0; d < HD; ++d) o[d] = 0.f;
-          for (int64_t t = ti; t <= last; ++t) {
-            const float w = weight[t - ti] / total;
-            const float* part = parts.data() + (tasks[t].part + r) * (HD + 2);
-            for (int d = 0; d < HD; ++d) o[d] += w * part[d];
-          }
-        }
-      }
+      // acq_rel: the last part's thread sees every other part's rows before it merges them
+      if (task.merge >= 0 && remaining[task.merge].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_parts<HD>(a, tasks.data(), merges[task.merge], parts.data(), op);
     }
   }
 }
