@@ -457,7 +457,7 @@ def test_a_bf16_q8_0_head_runs_verify_steps_on_amx_tiles_where_the_library_has_t
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_tiles_run_them(amx):
     """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 2 rows on our few-row
-    product and the copy past them, or up to a 16-draft verify step's 17 rows where the library runs the
+    product and the copy past them, or up to the 32 rows the tiles take where the library runs the
     product's 2..32 rows on AMX tiles; batch-invariant passes only as many rows as sum a row alike."""
     isa = linear.Isa(
         cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True, int4_rows_amx=amx
@@ -465,7 +465,7 @@ def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_til
     copy = linear.Matrix(linear.INT4, (576, 1536), dense_copy=True)
     few, most, many = linear.plan(copy, torch.bfloat16, isa)
     assert few is linear.OWN_INT4_ROWS_BF16 and many is linear.DENSE_COPY
-    assert most == (17 if amx else 2)
+    assert most == (32 if amx else 2)
     alone = linear.Matrix(linear.INT4, (576, 1536))
     assert linear.plan(alone, torch.bfloat16, isa)[1] == (32 if amx else 8)
     invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})

@@ -270,9 +270,10 @@ class OwnInt4RowsBf16(Form):
     kernel = True
     # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 2
-    # on AMX tiles a step of up to a verify step's 17 rows (`bench/verify_cost.py --dtype bfloat16`, 2-core
-    # Sapphire Rapids); past them the dense copy's oneDNN tiles, which run 64 rows at 1.5x one
-    AMX_BESIDE_COPY_MAX_ROWS = 17
+    # on AMX tiles every step the tiles take (32 rows): a step of 25 / 32 rows 47.6 / 54.1 ms against 80.2 /
+    # 86.4 on the dense copy's oneDNN tiles (`bench/verify_cost.py --dtype bfloat16 --rows 1,25,32
+    # --int4-rows-beside-copy 32`, the whole step, 2-core Sapphire Rapids)
+    AMX_BESIDE_COPY_MAX_ROWS = 32
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
