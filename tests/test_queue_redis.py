@@ -304,6 +304,39 @@ def test_output_reader_follows_many_streams_on_one_connection(valkey):
     run(main())
 
 
+def test_a_reader_that_starts_while_the_server_is_away_gets_its_output_once_it_is_back(tmp_path):
+    server = EmbeddedValkey(tmp_path / "data").start()
+    try:
+
+        async def main():
+            r = connect(server.url)
+            conns = Connections(r)
+            reader = OutputReader(conns, KEYS, block_ms=200)
+            task = asyncio.create_task(reader.run())
+            await asyncio.to_thread(server.stop)  # a master killed, or a failover under way
+
+            async def follow() -> list[int]:
+                got = []
+                async with aclosing(reader.follow("away")) as entries:
+                    async for _, e in entries:
+                        got += e.token_ids
+                return got
+
+            follower = asyncio.create_task(follow())
+            await asyncio.sleep(0.3)  # its wake-up found no server
+            assert not follower.done()
+            await asyncio.to_thread(server.start)
+            await r.xadd(KEYS.out("away"), OutputEntry(1, 0, 0, [7], "x", "stop", "finished").to_fields())
+            assert await asyncio.wait_for(follower, timeout=30) == [7]
+            await reader.close(task)
+            await conns.aclose()
+            await r.aclose()
+
+        run(main())
+    finally:
+        server.stop()
+
+
 def test_queue_stats_report_depth_pending_and_lag(valkey):
     async def main():
         r = connect(valkey.url)

@@ -63,7 +63,9 @@ class OutputReader:
         sub = Subscription(self.keys.out(request_id), after)
         self._subs.setdefault(sub.key, []).append(sub)
         try:
-            with contextlib.suppress(OutOfMemoryError):  # a full server: the next XREAD (<= block_ms) sees it
+            # The wake-up only hurries the blocking read: a full server, or one away mid-failover, leaves the
+            # subscription to its next XREAD (<= block_ms, retried until the server is back).
+            with contextlib.suppress(OutOfMemoryError, *TRANSIENT_ERRORS):
                 await self._wake()
             while True:
                 eid, entry = await sub.queue.get()
