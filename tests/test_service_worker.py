@@ -4,6 +4,7 @@ fails with a reason, cancellation, deadlines, dead letters, draining, a Redis re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from contextlib import aclosing
 
 import orjson
@@ -13,6 +14,7 @@ from valkey_helpers import run, service_stack, wait_for
 from specserve import SamplingParams
 from specserve.queue.consumer import ConsumerConfig, StreamConsumer
 from specserve.queue.keys import Keys
+from specserve.queue.wire import RequestEntry
 from specserve.service.telemetry import Telemetry
 
 pytest_plugins = ("valkey_fixtures",)
@@ -184,6 +186,39 @@ def test_requests_started_before_their_claim_stop_when_it_says_no(valkey, tiny_m
     assert gone.status == "cancelled" and gone.token_ids == []
     assert twice.status == "finished" and twice.token_ids == ref.token_ids and info["run"] == "1"
     assert stats.kv_blocks_used == 0 and stats.num_running == stats.num_waiting == 0
+
+
+def test_an_entry_delivered_again_while_its_claim_is_retried_runs_once(valkey, tiny_model_dir, tiny_engines):
+    """A failover to a replica that missed the read delivers the same entry again while this worker's claim of
+    it is still being retried: the second delivery waits on that claim instead of starting the request twice
+    (the engine refused the second start, and the request failed)."""
+    ref = _reference(tiny_engines, tiny_model_dir, [PROMPTS[2]], **GREEDY)[0]
+
+    async def main():
+        async with service_stack(valkey.url, tiny_model_dir) as (worker, client):
+            claim, claiming, again = worker.consumer.claim, asyncio.Event(), asyncio.Event()
+
+            async def slow_claim(pairs):  # the first claim waits out a failover (or the second delivery)
+                if claiming.is_set():
+                    again.set()
+                else:
+                    claiming.set()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(again.wait(), timeout=1.0)
+                return await claim(pairs)
+
+            worker.consumer.claim = slow_claim
+            await client.enqueue({"prompt": PROMPTS[2], **GREEDY}, "again")
+            await asyncio.wait_for(claiming.wait(), timeout=30)
+            (entry_id, fields), *_ = await client.r.xrange(KEYS.requests)
+            await worker._admit([RequestEntry.from_fields(entry_id, fields)], fresh=True)
+            result = await client.wait("again")
+            await wait_for(lambda: _true(not worker.inflight))
+            return result, await client.info("again")
+
+    result, info = run(main())
+    assert result.status == "finished" and result.token_ids == ref.token_ids
+    assert info["run"] == "1"  # claimed once
 
 
 def test_a_poison_request_goes_to_the_dead_letter_stream(valkey, tiny_model_dir):

@@ -124,6 +124,9 @@ class Worker:
             self.suffix_fleet = SuffixFleet(self.conns, key, name, tree, engine.vocab_size)
         self.inflight: dict[str, RequestState] = {}  # claimed here and not yet concluded
         self._admitting = 0  # entries read and not yet claimed
+        # request id -> entry id of those whose claim is in flight: a failover to a replica that missed the
+        # read delivers the same entries again while the first claim is still retried
+        self._claiming: dict[str, str] = {}
         # The workers of the other shards this process serves over the same engine (ShardedWorker): room is
         # the engine's, so what each of them has taken counts against it.
         self.siblings: list[Worker] = [self]
@@ -425,6 +428,7 @@ class Worker:
         if self.draining:
             return  # read as the drain began: they stay pending here and are handed back
         self._admitting += len(entries)
+        claiming: list[tuple[str, str]] = []  # (request id, entry id) this call registered
         try:
             batch: list[tuple[RequestEntry, RequestBody | WireError]] = []
             for e in entries:
@@ -434,6 +438,8 @@ class Worker:
                 running = self.inflight.get(e.request_id)
                 if running is not None and running.entry.entry_id == e.entry_id:
                     continue  # our own entry came back through XAUTOCLAIM; it is still running here
+                if self._claiming.get(e.request_id) == e.entry_id:
+                    continue  # delivered again while this worker's claim of it is retried: that claim decides
                 batch.append((e, refusals.get(e.entry_id) or self._decode(e)))
             route_keys = self.routing.keys_of(batch) if self.routing is not None else {}
             if route_keys and fresh and route and self.routing is not None:
@@ -444,6 +450,10 @@ class Worker:
                 batch = [(e, b) for e, b in batch if e.entry_id not in passed]
             if not batch:
                 return
+            for e, _ in batch:
+                assert e.request_id is not None
+                claiming.append((e.request_id, e.entry_id))
+                self._claiming[e.request_id] = e.entry_id
             pairs = [(e, b.deadline if isinstance(b, RequestBody) else None) for e, b in batch]
             claiming = asyncio.ensure_future(retry_forever(lambda: self.consumer.claim(pairs), what="claim"))
             early: dict[str, Started] = {}
@@ -475,6 +485,9 @@ class Worker:
                 self._detach(retry_forever(lambda: routing.started(started_keys), what="advertise"))
         finally:
             self._admitting -= len(entries)
+            for rid, entry_id in claiming:
+                if self._claiming.get(rid) == entry_id:
+                    del self._claiming[rid]
 
     def _decode(self, e: RequestEntry) -> RequestBody | WireError:
         try:
