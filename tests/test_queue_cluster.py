@@ -193,8 +193,15 @@ def _audit_under_load(
         ):
             ids = list(ref)
             first, later = ids[: len(ids) // 2], ids[len(ids) // 2 :]
-            for rid in first:
-                await client.enqueue({"prompt": prompts[ids.index(rid)], **body}, rid)
+            # Accepted before the disruption means held by a replica too (WAIT): without it a failover may
+            # promote a replica that never saw the stream, and the request is gone with it (Durability's
+            # contract). The later ones are enqueued while the promoted master has no replica to wait for.
+            durable = QueueClient(await open_redis(cluster.url), keys, durable=Durability(replicas=1))
+            try:
+                for rid in first:
+                    await durable.enqueue({"prompt": prompts[ids.index(rid)], **body}, rid)
+            finally:
+                await durable.aclose()
             readers = {rid: asyncio.create_task(read(client, rid)) for rid in ids}
             while not worker.inflight:
                 await asyncio.sleep(0.01)

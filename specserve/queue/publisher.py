@@ -218,12 +218,22 @@ class Publisher:
                 raise r
         for rid in deltas:
             self._expiring.add(rid)
-        for r in results:
-            if isinstance(r, Exception):
+        finals_at = len(results) - len(finals)
+        for i, r in enumerate(results):
+            if not isinstance(r, Exception):
+                continue
+            if i >= finals_at and "NOGROUP" in str(r):
+                # The request stream is gone from the server (a replica promoted before it had the stream,
+                # or a restart without persistence): nothing records this request any more.
+                log.error(
+                    "request %s could not be finished: the server no longer holds its request stream (%s); "
+                    "enqueue with durability (replicas >= 1) to keep accepted requests through a failover",
+                    finals[i - finals_at].request_id,
+                    r,
+                )
+            else:
                 log.error("output write failed: %s", r)
-        return (
-            [r if isinstance(r, int) else 0 for r in results[len(results) - len(finals) :]] if finals else []
-        )
+        return [r if isinstance(r, int) else 0 for r in results[finals_at:]] if finals else []
 
 
 def _reply_refused(f: _Final) -> _Final:
