@@ -34,6 +34,10 @@ class Request:
     prompt: str
     max_tokens: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    # sampling, for the peers that take it per request (vLLM); temperature 0 is greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass
@@ -231,9 +235,7 @@ def run_vllm(
         "ttft": ttft,
         "structured_outputs": structured_outputs,
         "return_outputs": return_outputs,
-        "requests": [
-            {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload.requests
-        ],
+        "requests": [_peer_request(r) for r in workload.requests],
     }
     if ignore_eos is not None:
         spec["ignore_eos"] = ignore_eos
@@ -278,6 +280,13 @@ def run_vllm(
             if os.path.exists(f):
                 os.unlink(f)
     return PeerResult(result["runs"], result["load_seconds"], log)
+
+
+def _peer_request(r: Request) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
+    if r.temperature:
+        out.update(temperature=r.temperature, top_p=r.top_p, seed=r.seed)
+    return out
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
