@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_W1 = REPO.parent / "shared" / "bench" / "workload.py"
 DEFAULT_OUT = REPO / "bench" / "out"
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+# vLLM's n-gram proposer set as ours is by default (specserve/spec/config.py), k given per run
+VLLM_NGRAM: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 STEP_KEYS = ("schedule", "propose", "forward", "sample", "update")
 
 
@@ -287,6 +290,73 @@ def _peer_request(r: Request) -> dict[str, Any]:
     if r.temperature:
         out.update(temperature=r.temperature, top_p=r.top_p, seed=r.seed)
     return out
+
+
+def vllm_systems(
+    python_flag: str | None,
+    model_dir: Path,
+    workload: Workload,
+    out_dir: Path,
+    label: str,
+    specs: dict[str, dict[str, Any] | None],
+    k: int,
+    **kwargs: Any,
+) -> dict[str, dict[str, Any]]:
+    """Each of `specs` (name -> vLLM speculative_config less num_speculative_tokens, which is k; None for
+    speculation off) in its own vLLM process, in order, over `workload` (kwargs go to run_vllm).
+
+    {name: its first run with tok_s, acceptance (accepted / proposed draft tokens), acceptance_per_position
+    (accepted through draft position j per verify step with drafts) and mean_acceptance_length (tokens per
+    such step, the bonus token included) where vLLM counted them, or {"failed": the error's line, "log": the
+    log's end}}: a method the build cannot run is said, and the others stand."""
+    try:
+        python = vllm_python(python_flag)
+    except FileNotFoundError as e:
+        return {name: {"failed": str(e)} for name in specs}
+    if python is None:
+        return {
+            name: {"failed": "no vLLM interpreter (--vllm-python, $SPECSERVE_VLLM_PYTHON)"} for name in specs
+        }
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in specs.items():
+        config = None if spec is None else {**spec, "num_speculative_tokens": k}
+        try:
+            peer = run_vllm(
+                python, model_dir, workload, out_dir, f"{label}-{name}", speculative_config=config, **kwargs
+            )
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, ValueError) as e:
+            log = out_dir / f"vllm-{label}-{name}.log"
+            out[name] = {"failed": log_error(log) or str(e), "log": log_tail(log)}
+            print(f"  vllm {name}: failed: {out[name]['failed']}", flush=True)
+            continue
+        r = peer.runs[0]
+        result = {**r, "tok_s": r["output_tokens"] / r["seconds"], "load_seconds": peer.load_seconds}
+        result["acceptance"] = round(r["accepted"] / r["proposed"], 3) if r.get("proposed") else None
+        drafts = r.get("drafts")
+        if drafts:
+            result["acceptance_per_position"] = [round(n / drafts, 3) for n in r["accepted_per_position"]]
+            result["mean_acceptance_length"] = round(1 + r["accepted"] / drafts, 3)
+        out[name] = result
+        extra = f", per position {result['acceptance_per_position']}" if drafts else ""
+        print(
+            f"  vllm {name}: {result['tok_s']:.1f} tok/s (acceptance {result['acceptance']}{extra})",
+            flush=True,
+        )
+    return out
+
+
+# A traceback's last line, `SomeError: why`, in vLLM's log where a process's tag may lead it.
+_ERROR_LINE = re.compile(r"^(\(\S+ pid=\d+\) )?\s*(?P<error>(\w+\.)*\w*(Error|Exception): .*)$")
+
+
+def log_error(path: Path) -> str:
+    """The first exception a failed peer's log names ('' if none): the root cause, where the later ones
+    (the engine's "initialization failed" and the like) only report that it happened."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((m["error"] for m in map(_ERROR_LINE.match, lines) if m), "")
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
