@@ -219,6 +219,7 @@ def run_vllm(
     wrap: list[str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
     ignore_eos: bool | None = None,
+    iomp: bool = False,
 ) -> PeerResult:
     """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir.
 
@@ -226,7 +227,9 @@ def run_vllm(
     return_outputs: each run also carries "outputs", [{token_ids, text}] in request order; ignore_eos: None
     for vllm_peer's default (true unless a schema is given); wrap: a command
     prefix (e.g. systemd-run's) and preexec_fn: run in the child before it execs (e.g. joining a cgroup), both
-    for constraining the peer as our engine is constrained."""
+    for constraining the peer as our engine is constrained; iomp: preload Intel OpenMP from vLLM's venv
+    (where it has one), as vLLM's CPU install guide asks: its speculative decoding warns of a large loss
+    without it."""
     spec = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -247,6 +250,9 @@ def run_vllm(
     env = dict(os.environ)
     if bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    iomp_lib = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp and iomp_lib.is_file():
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp_lib), env.get("LD_PRELOAD")]))
     if emulating_avx2():  # every process vLLM starts sees an AVX2-only CPU (sitecustomize runs in each)
         site = Path(tempfile.mkdtemp(prefix="avx2-site-"))
         (site / "sitecustomize.py").write_text(_AVX2_SITECUSTOMIZE)
@@ -345,18 +351,29 @@ def vllm_systems(
     return out
 
 
-# A traceback's last line, `SomeError: why`, in vLLM's log where a process's tag may lead it.
-_ERROR_LINE = re.compile(r"^(\(\S+ pid=\d+\) )?\s*(?P<error>(\w+\.)*\w*(Error|Exception): .*)$")
+# vLLM's processes tag their lines, "(EngineCore pid=12) ..."
+_PROCESS_TAG = re.compile(r"^\(\S+ pid=\d+\) ")
+# A traceback's last line, `SomeError: why`
+_ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception): ")
 
 
 def log_error(path: Path) -> str:
     """The first exception a failed peer's log names ('' if none): the root cause, where the later ones
-    (the engine's "initialization failed" and the like) only report that it happened."""
+    (the engine's "initialization failed" and the like) only report that it happened. Indented lines right
+    after it are its message too (pydantic puts the reason there) and are joined to it."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        lines = [_PROCESS_TAG.sub("", ln) for ln in path.read_text(errors="replace").splitlines()]
     except OSError:
         return ""
-    return next((m["error"] for m in map(_ERROR_LINE.match, lines) if m), "")
+    at = next((i for i, ln in enumerate(lines) if _ERROR_LINE.match(ln)), None)
+    if at is None:
+        return ""
+    found = [lines[at].strip()]
+    for ln in lines[at + 1 : at + 4]:
+        if not ln.startswith((" ", "\t")) or ln.strip().startswith(("File ", "For further information")):
+            break
+        found.append(ln.strip())
+    return " | ".join(found)
 
 
 def log_tail(path: Path, lines: int = 12) -> str:
