@@ -55,6 +55,11 @@ class ChatRequest:
     temperature: float
     seed: int
 
+    @property
+    def top_p(self) -> float:
+        """Sampled requests draw from the top 95 %; greedy ones need no cut."""
+        return 0.95 if self.temperature else 1.0
+
 
 def _functions(rng: random.Random) -> list[str]:
     import difflib
@@ -161,7 +166,7 @@ def run_closed_loop(llm, prompts: list[list[int]], traffic: list[ChatRequest], c
             params = SamplingParams(
                 max_tokens=r.max_tokens,
                 temperature=r.temperature,
-                top_p=0.95 if r.temperature else 1.0,
+                top_p=r.top_p,
                 seed=r.seed,
             )
             engine.add_request(rid, prompts[i], params, stream=False)

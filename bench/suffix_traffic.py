@@ -43,13 +43,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     DEFAULT_OUT,
+    VLLM_NGRAM,
     Request,
     Workload,
     cpu_line,
     ensure_target_dir,
-    log_tail,
-    run_vllm,
-    vllm_python,
+    vllm_systems,
 )
 
 KINDS = ("agent", "edit", "records")
@@ -261,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # suffix first: where its build cannot run it, that shows before the other two runs
 VLLM_SPECS: dict[str, dict | None] = {
     "suffix": {"method": "suffix"},
-    "ngram": {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1},
+    "ngram": VLLM_NGRAM,
     "off": None,
 }
 
@@ -271,43 +270,25 @@ def run_vllm_systems(args: argparse.Namespace, traffic: list[AgentRequest]) -> d
     request as on our engine; {system: its run, or {"failed": why}}."""
     from specserve import LLM
 
-    python = vllm_python(args.vllm_python)
-    if python is None:
-        return {
-            s: {"failed": "no vLLM interpreter (--vllm-python, $SPECSERVE_VLLM_PYTHON)"} for s in VLLM_SPECS
-        }
     tokenizer = LLM(args.model, dtype=args.dtype, max_num_seqs=1).engine  # the same prompt ids as ours
     workload = Workload(
         "agentic", [Request("", r.max_tokens, tokenizer.encode_chat(r.messages)) for r in traffic]
     )
     del tokenizer
     gc.collect()
-    target = ensure_target_dir(args.target_dir)
-    out: dict[str, dict] = {}
-    for system, spec in VLLM_SPECS.items():
-        config = None if spec is None else {**spec, "num_speculative_tokens": args.k}
-        try:
-            peer = run_vllm(
-                python,
-                target,
-                workload,
-                args.out_dir,
-                f"suffix-traffic-{system}",
-                dtype=args.dtype,
-                max_num_seqs=1,
-                speculative_config=config,
-                batches=[[i] for i in range(len(traffic))],
-                ignore_eos=False,
-            )
-        except Exception as e:  # a method its build cannot run: said, and the others stand
-            log = args.out_dir / f"vllm-suffix-traffic-{system}.log"
-            out[system] = {"failed": f"{e}\n{log_tail(log)}"}
-            print(f"  vllm {system}: failed ({e})", flush=True)
-            continue
-        r = peer.runs[0]
-        acc = round(r["accepted"] / r["proposed"], 3) if r.get("proposed") else None
-        out[system] = {**r, "tok_s": r["output_tokens"] / r["seconds"], "acceptance": acc}
-        print(f"  vllm {system}: {out[system]['tok_s']:.1f} tok/s (acceptance {acc})", flush=True)
+    out = vllm_systems(
+        args.vllm_python,
+        ensure_target_dir(args.target_dir),
+        workload,
+        args.out_dir,
+        "suffix-traffic",
+        VLLM_SPECS,
+        args.k,
+        dtype=args.dtype,
+        max_num_seqs=1,
+        batches=[[i] for i in range(len(traffic))],
+        ignore_eos=False,
+    )
     for a, b in (("suffix", "off"), ("ngram", "off"), ("suffix", "ngram")):
         if "tok_s" in out[a] and "tok_s" in out[b]:
             print(f"vllm {a}/{b} tok/s: {out[a]['tok_s'] / out[b]['tok_s']:.2f}")
