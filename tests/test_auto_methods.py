@@ -1,6 +1,8 @@
 """`auto` across proposers: a request drafts with the method that makes it the most tokens per second, its
 acceptance priced by the target's measured step cost and each proposer's measured cost per draft step
-(AdaptivePolicy.method_rate), by acceptance alone while the costs are not yet measured."""
+(AdaptivePolicy.method_rate), by acceptance alone while the costs are not yet measured; a method it has
+not drafted with is judged at that method's workload acceptance scaled by how the request fares with its
+current one."""
 
 from __future__ import annotations
 
@@ -75,6 +77,78 @@ def test_auto_takes_the_method_with_the_best_rate(
     assert spec._state[0].method == chosen
     expected = {"suffix": _rate(suffix_a, suffix_s), "ngram": _rate(ngram_a, ngram_s)}
     assert max(expected, key=expected.__getitem__) == chosen  # the table agrees with the formula
+
+
+def _decoder() -> SpeculativeDecoder:
+    return SpeculativeDecoder(
+        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+    )
+
+
+def _decoding(seq_id: int = 0) -> Sequence:
+    seq = Sequence(seq_id, f"r{seq_id}", [1, 2, 3], SamplingParams(), detokenizer=None, arrival_time=0.0)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    return seq
+
+
+# (the workload's suffix and n-gram acceptance, the request's on suffix, its estimate for n-gram untried)
+UNTRIED = [
+    (0.6, 0.5, 0.6, 0.5),  # no evidence yet (a fresh request is at the workload's): n-gram's workload
+    (0.6, 0.5, 0.3, 0.25),  # half the workload's with suffix: half n-gram's
+    (0.6, 0.5, 0.9, 0.75),
+    (0.4, 0.8, 0.8, 0.999),  # capped below 1 (expected_tokens' bound)
+    (0.0, 0.5, 0.0, 0.5),  # a workload at 0 tells nothing: n-gram's own
+]
+
+
+@pytest.mark.parametrize(("suffix_w", "ngram_w", "own", "estimate"), UNTRIED)
+def test_an_untried_methods_estimate_carries_how_the_request_fares_with_its_current_one(
+    suffix_w: float, ngram_w: float, own: float, estimate: float
+) -> None:
+    spec = _decoder()
+    spec.workload_acceptance.update(suffix=suffix_w, ngram=ngram_w)
+    seq = _decoding()
+    state = spec._seq_state(seq)
+    state.acceptance = own
+    assert spec._untried(state, "ngram") == pytest.approx(estimate)
+
+
+def test_a_request_that_copies_badly_does_not_switch_to_the_workloads_mean() -> None:
+    """Suffix's workload 0.6, n-gram's 0.5: a request at 0.2 with suffix is judged at 0.5 x 0.2 / 0.6 with
+    n-gram, not 0.5, stays on suffix (at equal costs), and drafts no more than suffix alone would."""
+    spec = _decoder()
+    _measured(spec.policy, {"suffix": 0.0, "ngram": 0.0})
+    spec.workload_acceptance.update(suffix=0.6, ngram=0.5)
+    seq = _decoding()
+    spec._seq_state(seq).acceptance = 0.2
+    ks = spec.lookahead([seq])
+    state = spec._state[0]
+    assert (state.method, state.acceptance, state.shelved) == ("suffix", 0.2, {})
+    alone = SpeculativeDecoder(SuffixProposer(4), 4, 1000, method="suffix")
+    _measured(alone.policy, {})
+    alone._seq_state(seq).acceptance = 0.2
+    assert ks == alone.lookahead([seq])
+
+
+def test_a_switch_to_an_untried_method_takes_the_carried_estimate() -> None:
+    spec = _decoder()
+    _measured(spec.policy, {"suffix": 0.0, "ngram": 0.0})
+    spec.workload_acceptance.update(suffix=0.4, ngram=0.8)
+    seq = _decoding()
+    spec._seq_state(seq).acceptance = 0.3
+    spec.lookahead([seq])
+    state = spec._state[0]
+    assert (state.method, state.acceptance) == ("ngram", pytest.approx(0.6))
+    assert state.shelved["suffix"].acceptance == 0.3
+
+
+def test_method_costs_are_the_steps_seconds_for_each_k() -> None:
+    policy = AdaptivePolicy(4)
+    assert policy.method_costs("m") is None  # warm-up
+    _measured(policy, {"m": 0.002})
+    costs = policy.method_costs("m")
+    assert costs == pytest.approx([BASE + PER_TOKEN * (1 + k) + k * 0.002 for k in range(5)], rel=1e-6)
+    assert policy.method_rate(0.6, "m", costs) == policy.method_rate(0.6, "m")
 
 
 def test_proposing_measures_each_methods_draft_cost() -> None:

@@ -116,44 +116,62 @@ class SpeculativeDecoder:
             state = self._state[seq.seq_id] = _SeqState(self.workload_acceptance[first], method=first)
         return state
 
-    def _pick(self, seq: Sequence) -> None:
+    def _pick(self, seq: Sequence, costs: dict[str, list[float] | None]) -> None:
         """The proposer to draft for an "auto" request: the one it names, else the one that makes it the most
-        tokens per second at its acceptance for it (an untried one's is the workload's for that method) and
-        its measured cost per draft step (AdaptivePolicy.method_rate); by acceptance alone until the target's
-        cost is measured."""
+        tokens per second at its acceptance for it (AdaptivePolicy.method_rate, `costs` read once this step);
+        by acceptance alone until the target's cost is measured. A method the request has not drafted with
+        is judged at `_untried`'s estimate, one it has at its own estimate for it."""
         state = self._seq_state(seq)
         named = seq.params.speculation
         if named in self.proposers:
             best = named
         else:
-            best, best_value = state.method, self._value(state.acceptance, state.method)
+            best, best_value = state.method, self._value(state.acceptance, state.method, costs)
             for method in self.methods:
+                if method == state.method:
+                    continue
                 shelved = state.shelved.get(method)
-                acceptance = self.workload_acceptance[method] if shelved is None else shelved.acceptance
-                value = self._value(acceptance, method)
-                if method != state.method and value > best_value:
+                acceptance = self._untried(state, method) if shelved is None else shelved.acceptance
+                value = self._value(acceptance, method, costs)
+                if value > best_value:
                     best, best_value = method, value
         if best != state.method:
             state.shelved[state.method] = _Estimate(state.acceptance, state.failed_probes)
-            taken = state.shelved.pop(best, None) or _Estimate(self.workload_acceptance[best])
+            taken = state.shelved.pop(best, None) or _Estimate(self._untried(state, best))
             state.method, state.acceptance, state.failed_probes = best, taken.acceptance, taken.failed_probes
 
-    def _value(self, acceptance: float, method: str) -> float:
-        rate = self.policy.method_rate(acceptance, method)
-        return acceptance if rate is None else rate
+    def _untried(self, state: _SeqState, method: str) -> float:
+        """A request's acceptance with a method it has not drafted with: that method's workload acceptance,
+        scaled by how the request fares against the workload with the method it drafts with now. Both
+        proposers copy from the same text, so a request that copies badly with one is likely to with the
+        other; judged at the other's workload mean instead, a request whose estimate had fallen was put back
+        at the mean on switching, and the policy priced its drafts at the better of two estimates. A fresh
+        request is at the workload's estimate, so it starts at the workload's for each method."""
+        current = self.workload_acceptance[state.method]
+        relative = state.acceptance / current if current > 0 else 1.0
+        return min(self.workload_acceptance[method] * relative, 0.999)
+
+    def _value(self, acceptance: float, method: str, costs: dict[str, list[float] | None]) -> float:
+        method_costs = costs[method]
+        if method_costs is None:
+            return acceptance
+        return self.policy.method_rate(acceptance, method, method_costs) or 0.0
 
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
         """k per decoding sequence this step: fixed-k requests as asked, "auto" ones by the policy."""
         ks: dict[int, int] = {}
         auto: list[Sequence] = []
         other_tokens = 0
+        costs: dict[str, list[float] | None] = {}
+        if len(self.methods) > 1:
+            costs = {m: self.policy.method_costs(m) for m in self.methods}
         for seq in running:
             mode = seq.params.speculation
             if not seq.in_decode:
                 other_tokens += seq.num_tokens - seq.num_computed_tokens
             elif self.is_auto(seq):
                 if len(self.methods) > 1:
-                    self._pick(seq)
+                    self._pick(seq, costs)
                 auto.append(seq)
             elif mode != "off" and mode:
                 ks[seq.seq_id] = self._cap(seq, min(int(mode), self.k_max))

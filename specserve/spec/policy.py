@@ -132,21 +132,29 @@ class AdaptivePolicy:
     def observe_draft(self, method: str, sequences: int, seconds_per_step: float) -> None:
         self.method_seconds.setdefault(method, LinearCost()).observe(sequences, seconds_per_step)
 
-    def method_rate(self, acceptance: float, method: str) -> float | None:
-        """The tokens per second one decoding sequence makes drafting with `method` at its best k (0 too):
-        max over k of E(a, k) / (t(1 + k) + k x its draft step's cost for one sequence), t the target's
-        measured step cost. A proposer as accurate as another but dearer ranks below it, and one whose
-        drafts cost more than they save ranks level with not drafting. None before the target's cost has
-        been measured (warm-up): then only acceptances can rank methods."""
+    def method_costs(self, method: str) -> list[float] | None:
+        """Seconds of a step in which one decoding sequence drafts k tokens with `method`, for k in 0..k_max:
+        t(1 + k) + k x its draft step's cost for one sequence, t the target's measured step cost. None before
+        the target's cost has been measured (warm-up). The same for every request of a step, so `auto`
+        prices them once a step, not once per request and method."""
         if self.target.samples < self.warmup_steps:
             return None
         drafting = self.method_seconds.get(method)
         a_d, b_d = drafting.coefficients() if drafting is not None else (0.0, 0.0)
         per_draft = a_d + b_d
-        return max(
-            expected_tokens(acceptance, k) / max(self.target.predict(1 + k) + k * per_draft, 1e-9)
-            for k in range(self.k_max + 1)
-        )
+        return [max(self.target.predict(1 + k) + k * per_draft, 1e-9) for k in range(self.k_max + 1)]
+
+    def method_rate(self, acceptance: float, method: str, costs: list[float] | None = None) -> float | None:
+        """The tokens per second one decoding sequence makes drafting with `method` at its best k (0 too):
+        max over k of E(a, k) / method_costs(method)[k] (`costs`: those, already read this step). A proposer
+        as accurate as another but dearer ranks below it, and one whose drafts cost more than they save
+        ranks level with not drafting. None before the target's cost has been measured (warm-up): then only
+        acceptances can rank methods."""
+        if costs is None:
+            costs = self.method_costs(method)
+            if costs is None:
+                return None
+        return max(expected_tokens(acceptance, k) / seconds for k, seconds in enumerate(costs))
 
     def observe_acceptance(self, acceptance_ewma: float, proposed: int, accepted: int) -> float:
         if not proposed:
