@@ -294,6 +294,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="both engines on an AVX2-only CPU's paths (bench/common.py: AVX2_ENV), on a CPU with more",
     )
+    p.add_argument(
+        "--int4-rows-beside-copy",
+        type=int,
+        help="our int4 rows product takes steps of up to this many rows beside the dense copy "
+        "(as built: 32 on AMX tiles)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.num_requests = args.num_requests or 8
@@ -310,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.emulate_avx2:
         emulate_avx2()
+    if args.int4_rows_beside_copy is not None:
+        from specserve.models import linear
+
+        linear.OwnInt4RowsBf16.BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
+        linear.OwnInt4RowsBf16.AMX_BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)
     if unknown:

@@ -224,8 +224,9 @@ def test_bf16_int4_matmul_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpu.matmul.int4_matmul_bf16(torch.randn(3, 32).to(torch.bfloat16), tiles, scales, zeros)
 
 
-# 1..8: q4_bf16_row's rows; past them AMX tiles (one B tile to 16 rows, two to 32) or passes of 8
-@pytest.mark.parametrize("rows", [*range(1, 18), 24, 31, 32])
+# 1..8: q4_bf16_row's rows; past them AMX tiles (one B tile to 16 rows, two to 32, passes of up to 32 past
+# that) or passes of 8
+@pytest.mark.parametrize("rows", [*range(1, 18), 24, 31, 32, 33, 48, 64])
 def test_bf16_int4_rows_is_the_product_of_the_blocks_summed_in_float32(monkeypatch, rows) -> None:
     """Few bf16 rows on the int4 matrix as float32 holds it (nibbles, float32 scales and offsets). q4_bf16_row
     takes each code as 1 + code / 16 (exact in bf16) and its group's x sum off again, so the float32 error

@@ -281,8 +281,9 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
         pytest.skip(f"auto keeps quantization in {dtype} only where a kernel is vectorised for it")
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     # the forms a step's rows pick (batch-invariant plans hold one form: tests/test_batch_invariance.py)
-    auto = LLM(None, dtype=dtype, quantization="auto", num_kv_blocks=128, batch_invariant=False)
-    dense = LLM(None, dtype=dtype, quantization="none", num_kv_blocks=128)
+    room = {"num_kv_blocks": 256, "max_num_seqs": 128}  # every prompt below in one step
+    auto = LLM(None, dtype=dtype, quantization="auto", batch_invariant=False, **room)
+    dense = LLM(None, dtype=dtype, quantization="none", **room)
     layer = auto.engine.model.layers[0]
     assert isinstance(layer.qkv, quant.PackedInt4)
     if dtype == "float32":
@@ -294,7 +295,7 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
         copy = getattr(layer.qkv.many_rows, "__self__", None)
         assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
         assert hasattr(layer.qkv, "nibbles") == layer.qkv.own_rows_bf16 != hasattr(layer.qkv, "packed")
-    # more sequences than bf16's few-row product takes (17 where AMX tiles run it), so that every bf16 step
+    # more sequences than bf16's few-row product takes (64 where AMX tiles run it), so that every bf16 step
     # runs the dense copy, whose values are the dense model's: the few-row product sums the GGUF's own values,
     # which round otherwise, and a near tie then picks another token
     most = max(quant.KERNEL_MAX_ROWS, layer.qkv.kernel_max_rows)
@@ -457,16 +458,17 @@ def test_a_bf16_q8_0_head_runs_verify_steps_on_amx_tiles_where_the_library_has_t
 @pytest.mark.parametrize("amx", [False, True])
 def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_tiles_run_them(amx):
     """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 2 rows on our few-row
-    product and the copy past them, or up to the 32 rows the tiles take where the library runs the
-    product's 2..32 rows on AMX tiles; batch-invariant passes only as many rows as sum a row alike."""
+    product and the copy past them, or up to the 64 rows the tiles take (two passes of 32) where the library
+    runs the product's 2 or more rows on AMX tiles; batch-invariant passes only as many rows as sum a row
+    alike."""
     isa = linear.Isa(
         cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True, int4_rows_amx=amx
     )
     copy = linear.Matrix(linear.INT4, (576, 1536), dense_copy=True)
     few, most, many = linear.plan(copy, torch.bfloat16, isa)
     assert few is linear.OWN_INT4_ROWS_BF16 and many is linear.DENSE_COPY
-    assert most == (32 if amx else 2)
+    assert most == (64 if amx else 2)
     alone = linear.Matrix(linear.INT4, (576, 1536))
-    assert linear.plan(alone, torch.bfloat16, isa)[1] == (32 if amx else 8)
+    assert linear.plan(alone, torch.bfloat16, isa)[1] == (64 if amx else 8)
     invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
     assert linear.plan(copy, torch.bfloat16, invariant) == (few, 1 if amx else 8, few)

@@ -68,7 +68,7 @@ class Isa:
     # not what the machine runs but how it must run it: one form a matrix, whatever a step's rows
     batch_invariant: bool = False
     int_dot: bool = False  # the library's w8a8 / w4a8 integer products on SIMD (AVX512-VNNI or AVX2)
-    int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 2..32 rows on AMX tiles
+    int4_rows_amx: bool = False  # the library's int4 few-row bf16 product runs 2 or more rows on AMX tiles
     int8_grouped_rows_amx: bool = False  # ... and its Q8_0 few-row bf16 product (AMX tiles from 2 rows)
 
     @classmethod
@@ -262,18 +262,20 @@ class TorchInt8(Form):
 
 
 class OwnInt4RowsBf16(Form):
-    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16), 2..32 rows on AMX tiles where
-    the library runs them (Isa.int4_rows_amx): a layer chain can call it."""
+    """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16), 2 or more rows on AMX tiles
+    where the library runs them (Isa.int4_rows_amx): a layer chain can call it."""
 
     name = "ours int4 rows bf16"
     kinds = (INT4,)
     kernel = True
     # past 2 rows a dense copy's bf16 panels win (`bench/quant_kernels.py --rows 1,2,4,6,8`, 2-core Zen 4)
     BESIDE_COPY_MAX_ROWS = 2
-    # on AMX tiles every step the tiles take (32 rows): a step of 25 / 32 rows 47.6 / 54.1 ms against 80.2 /
+    # on AMX tiles (passes of 32 rows) up to 64 rows: a step of 25 / 32 rows 47.6 / 54.1 ms against 80.2 /
     # 86.4 on the dense copy's oneDNN tiles (`bench/verify_cost.py --dtype bfloat16 --rows 1,25,32
-    # --int4-rows-beside-copy 32`, the whole step, 2-core Sapphire Rapids)
-    AMX_BESIDE_COPY_MAX_ROWS = 32
+    # --int4-rows-beside-copy 32`, the whole step, 2-core Sapphire Rapids); in two passes 33 / 48 / 64 rows
+    # 60.8 / 78.6 / 95.7 ms against 71.3 / 84.9 / 99.2 (`--rows 1,17,32,33,48,64 --int4-rows-beside-copy 64`,
+    # same machine): the gain falls as passes read the codes again, so the copy takes the steps past 64
+    AMX_BESIDE_COPY_MAX_ROWS = 64
 
     def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
         return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")

@@ -215,7 +215,7 @@ def int_dot_vnni() -> bool:
 
 
 def int4_rows_amx() -> bool:
-    """Whether the int4 few-row bf16 product runs its 2..32-row steps on AMX tiles."""
+    """Whether the int4 few-row bf16 product runs its steps of 2 or more rows on AMX tiles (passes of 32)."""
     return bool(_paths & PATH_INT4_AMX)
 
 

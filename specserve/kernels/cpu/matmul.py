@@ -233,12 +233,12 @@ def int4_matmul(
     return bind_int4(packed, scales, offsets)(x)
 
 
-# The most rows int4_rows_bf16 takes (csrc/matmul.cpp's kInt4RowsMax: a verify step of 1 + 31 drafts); the
-# rows of q4_bf16_row (AVX512-BF16), which sums each of its 1..8 rows as a one-row call does; and the most
-# rows a call runs on it where AMX tiles run the rest (csrc's kInt4AmxFromRows - 1): the tiles' sums come
-# in another order, of the weights rounded to bf16, so only calls of up to that many rows sum each row as a
-# one-row call.
-INT4_ROWS_BF16_MAX = 32
+# The most rows int4_rows_bf16 takes (csrc/matmul.cpp's kInt4RowsMax: the AMX tiles' passes of 32 rows pay
+# up to two of them, linear.OwnInt4RowsBf16.AMX_BESIDE_COPY_MAX_ROWS); the rows of q4_bf16_row
+# (AVX512-BF16), which sums each of its 1..8 rows as a one-row call does; and the most rows a call runs on it
+# where AMX tiles run the rest (csrc's kInt4AmxFromRows - 1): the tiles' sums come in another order, of the
+# weights rounded to bf16, so only calls of up to that many rows sum each row as a one-row call.
+INT4_ROWS_BF16_MAX = 64
 INT4_ROWS_BF16_AVX512 = 8
 INT4_ROWS_BF16_BELOW_AMX = 1
 

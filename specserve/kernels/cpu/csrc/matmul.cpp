@@ -9,13 +9,15 @@
 // 25.5 / 29.2); at 16 rows widening is even or ahead (int8 32.6 twice against ~31, int4 36.0 against 29.5).
 constexpr int64_t kWidenFromRows = 16;
 
-// specserve_int4_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest it runs on AMX tiles:
-// below them q4_bf16_row, whose one- and two-row steps cost little more than reading the codes, and whose
-// one-row sums batch-invariant plans keep (cpu.matmul.INT4_ROWS_BF16_BELOW_AMX).
-constexpr int64_t kInt4RowsMax = 32;
+// specserve_int4_rows_bf16's most rows, and the fewest it runs on AMX tiles: below them q4_bf16_row, whose
+// one- and two-row steps cost little more than reading the codes, and whose one-row sums batch-invariant
+// plans keep (cpu.matmul.INT4_ROWS_BF16_BELOW_AMX). The tiles take 32 rows a pass (two C tiles of 16); more
+// rows run in passes of about equal rows, each reading the codes again, which pays up to two passes.
+constexpr int64_t kInt4RowsMax = 64;
 constexpr int64_t kInt4AmxFromRows = 2;
+constexpr int64_t kInt4AmxPassRows = 32;
 
-// specserve_int8_grouped_rows_bf16's most rows (as kInt4RowsMax), and the fewest it runs on AMX tiles: below
+// specserve_int8_grouped_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest on AMX tiles: below
 // them q8g_rows on the row widened to float32, what the float32 head runs at one row (the file's own
 // weights at batch-1 decode, as fast there). Two rows on the tiles: 1.99 / 2.49 ms against 2.30 / 2.68 on
 // q8g_rows<2> (SmolLM2's 49,152 x 576 head, `python bench/head_rows.py --rows 2,1,2 --other-csrc DIR`,
@@ -131,12 +133,13 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 #endif
 }
 
-// x [rows, k] bf16 (row stride xs), 1..32 rows, times the int4 matrix of specserve_int4_matmul (pack_int4's
-// nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32, rounded once:
-// products of the codes exact in q4_bf16_row, of the weights rounded to bf16 on the AMX tiles. For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode,
-// verify steps): the library's own, so a layer chain runs them, where torch's int4 kernel had to be called
-// from Python. One row runs q4_bf16_row; 2..32 the AMX tiles where the build and the kernel allow them
-// (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
+// x [rows, k] bf16 (row stride xs), 1..kInt4RowsMax rows, times the int4 matrix of specserve_int4_matmul
+// (pack_int4's nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32,
+// rounded once: products of the codes exact in q4_bf16_row, of the weights rounded to bf16 on the AMX tiles.
+// For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode, verify steps): the
+// library's own, so a layer chain runs them, where torch's int4 kernel had to be called from Python. One row
+// runs q4_bf16_row; 2 or more the AMX tiles (passes of up to 32 rows) where the build and the kernel allow
+// them (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
 // Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
 extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
                                         const float* scales, const float* offsets, int64_t n, int64_t k,
@@ -144,8 +147,15 @@ extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t r
   if (rows < 1 || rows > kInt4RowsMax || n < 1 || k < 32 || k % 32 != 0) return kBadArguments;
 #ifdef SPECSERVE_QUANT_BF16_PATH
 #ifdef SPECSERVE_INT4_AMX_PATH
-  if (rows >= kInt4AmxFromRows && n % 16 == 0 && amx_permitted())
-    return q4_bf16_amx(x, xs, rows, packed, scales, offsets, n, k, out, os, num_threads), kOk;
+  if (rows >= kInt4AmxFromRows && n % 16 == 0 && amx_permitted()) {
+    const int64_t passes = (rows + kInt4AmxPassRows - 1) / kInt4AmxPassRows;
+    for (int64_t p = 0, r0 = 0; p < passes; ++p) {
+      const int64_t r1 = rows * (p + 1) / passes;
+      q4_bf16_amx(x + r0 * xs, xs, r1 - r0, packed, scales, offsets, n, k, out + r0 * os, os, num_threads);
+      r0 = r1;
+    }
+    return kOk;
+  }
 #endif
   if (rows > 8) {
     specserve_int4_rows_bf16(x, xs, 8, packed, scales, offsets, n, k, out, os, num_threads);
