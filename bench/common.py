@@ -306,10 +306,12 @@ def vllm_systems(
     label: str,
     specs: dict[str, dict[str, Any] | None],
     k: int,
+    one_at_a_time: bool = False,
     **kwargs: Any,
 ) -> dict[str, dict[str, Any]]:
     """Each of `specs` (name -> vLLM speculative_config less num_speculative_tokens, which is k; None for
-    speculation off) in its own vLLM process, in order, over `workload` (kwargs go to run_vllm).
+    speculation off) in its own vLLM process, in order, over `workload` (kwargs go to run_vllm); with
+    `one_at_a_time`, a request at a time, each ending at EOS or its max_tokens (chat traffic).
 
     {name: its first run with tok_s, acceptance (accepted / proposed draft tokens), acceptance_per_position
     (accepted through draft position j per verify step with drafts) and mean_acceptance_length (tokens per
@@ -323,6 +325,9 @@ def vllm_systems(
         return {
             name: {"failed": "no vLLM interpreter (--vllm-python, $SPECSERVE_VLLM_PYTHON)"} for name in specs
         }
+    if one_at_a_time:
+        kwargs |= {"max_num_seqs": 1, "batches": [[i] for i in range(len(workload.requests))]}
+        kwargs |= {"ignore_eos": False}
     out: dict[str, dict[str, Any]] = {}
     for name, spec in specs.items():
         config = None if spec is None else {**spec, "num_speculative_tokens": k}

@@ -48,17 +48,9 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
 from chat_traffic import ChatRequest, Run, run_closed_loop  # noqa: E402
-from common import (  # noqa: E402
-    DEFAULT_OUT,
-    REPO,
-    VLLM_NGRAM,
-    Request,
-    Workload,
-    cpu_line,
-    ensure_target_dir,
-    vllm_systems,
-)
+from common import DEFAULT_OUT, REPO, cpu_line  # noqa: E402
 
 DEFAULT_HEAD = Path("/work/cache/eagle3/smollm2-135m-instruct")
 SYSTEM = "You are a helpful assistant."
@@ -189,21 +181,19 @@ def run_vllm_leg(
     """Part 4: vLLM's eagle3 (first: where its build refuses it, that shows before the other runs), n-gram
     and off over `traffic`, a request at a time; its engines' runs and the ratios between them."""
     requests = [
-        Request("", r.max_tokens, p, r.temperature, r.top_p, r.seed) for r, p in zip(traffic, prompts)
+        common.Request("", r.max_tokens, p, r.temperature, r.top_p, r.seed) for r, p in zip(traffic, prompts)
     ]
-    specs = {"eagle3": {"method": "eagle3", "model": str(head)}, "ngram": VLLM_NGRAM, "off": None}
-    runs = vllm_systems(
+    specs = {"eagle3": {"method": "eagle3", "model": str(head)}, "ngram": common.VLLM_NGRAM, "off": None}
+    runs = common.vllm_systems(
         args.vllm_python,
-        ensure_target_dir(args.target_dir),
-        Workload("open chat", requests),
+        common.ensure_target_dir(args.target_dir),
+        common.Workload("open chat", requests),
         args.out_dir,
         "eagle3",
         specs,
         args.k,
+        one_at_a_time=True,
         dtype=args.dtype,
-        max_num_seqs=1,
-        batches=[[i] for i in range(len(requests))],
-        ignore_eos=False,
         return_outputs=True,
         # stat logging on for every engine alike: vLLM counts drafts and acceptance only with it
         ttft=True,

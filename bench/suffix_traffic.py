@@ -284,10 +284,8 @@ def run_vllm_systems(args: argparse.Namespace, traffic: list[AgentRequest]) -> d
         "suffix-traffic",
         VLLM_SPECS,
         args.k,
+        one_at_a_time=True,
         dtype=args.dtype,
-        max_num_seqs=1,
-        batches=[[i] for i in range(len(traffic))],
-        ignore_eos=False,
     )
     for a, b in (("suffix", "off"), ("ngram", "off"), ("suffix", "ngram")):
         if "tok_s" in out[a] and "tok_s" in out[b]:
