@@ -6,6 +6,7 @@ gets every token once."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -21,10 +22,13 @@ from valkey_helpers import api_stack, free_port, run, service_stack, spawn_cli, 
 
 from specserve import SamplingParams
 from specserve.queue import scripts
-from specserve.queue.client import Durability, QueueClient
-from specserve.queue.connection import NotReplicated, is_cluster, open_redis
+from specserve.queue.client import Durability, Limits, QueueClient
+from specserve.queue.connection import Connections, NotReplicated, is_cluster, open_redis
+from specserve.queue.consumer import ConsumerConfig, StreamConsumer
 from specserve.queue.keys import Keys
+from specserve.queue.ready import Admission, FairShare, ReadyQueue
 from specserve.queue.resp import RespClient
+from specserve.queue.wire import decode_body
 
 pytest_plugins = ("valkey_fixtures",)
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -461,3 +465,53 @@ def test_the_lean_client_follows_ask_to_a_slot_half_migrated(valkey_cluster) -> 
     with valkey_cluster.client(target) as dst:
         dst.execute_command("ASKING")
         assert dst.hget(key, "status") == "running"  # written once, on the node that holds the key
+
+
+def test_an_entry_sorted_in_while_the_ready_queue_is_half_moved_is_sorted_in_once(valkey_cluster) -> None:
+    """The ready queue's keys already on the target, the request stream and the status hash still on the
+    source: sorting an entry in gets past Valkey's check of its declared keys and reaches a moved key midway,
+    where Valkey stops the script after its first writes. It runs again until
+    the slot has moved, and the entry ends up in the ready queue once: never held by `~ready` outside it."""
+    keys = Keys("specserve", cluster=True)
+    body = orjson.dumps({"prompt": "hello", "max_tokens": 4})
+    half_moved = threading.Event()
+
+    async def main():
+        r = await open_redis(valkey_cluster.url)
+        conns = Connections(r, route=keys.requests)
+        consumer = StreamConsumer(conns, keys, "w1", ConsumerConfig(block_ms=50))
+        client = QueueClient(r, keys)
+        ready = ReadyQueue(conns.fast, keys, "w1", FairShare(oldest_every=0), Limits(), 600_000)
+
+        async def sort_new() -> list:
+            entries = await consumer.read_new(10, wait=False)
+            items = [(e, decode_body(e.raw_body)) for e in entries]
+            return await ready.sort_in(items)
+
+        try:
+            await consumer.ensure_group()
+            await r.xadd(keys.requests, {"id": "waiting", "body": body})
+            first = await sort_new()  # the band's list, its ring, `bands` and `age` now exist
+            await client.enqueue({"prompt": "hello", "max_tokens": 4}, "arriving")  # its status hash too
+            moving = asyncio.ensure_future(
+                asyncio.to_thread(
+                    valkey_cluster.migrate_slot,
+                    keys.requests,
+                    first=[keys.ready + "bands", keys.ready + "age"],
+                    half_moved=half_moved,
+                    pause_s=1.0,
+                )
+            )
+            await asyncio.to_thread(half_moved.wait, 10)
+            second = await sort_new()
+            await moving
+            taken = await ready.take(10)
+            pending = await conns.fast.execute("XPENDING", keys.requests, keys.group, "-", "+", 10)
+            return first, second, [e.request_id for e in taken.entries], pending
+        finally:
+            await conns.aclose(close_redis=True)
+
+    first, second, taken, pending = run(main())
+    assert [s.verdict for s in first + second] == [Admission.READY, Admission.READY]
+    assert taken == ["waiting", "arriving"]
+    assert {p[1] for p in pending} == {"w1"}  # both with the worker that took them, none left with ~ready

@@ -8,7 +8,9 @@ import random
 import secrets
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -136,9 +138,17 @@ class ValkeyCluster:
             time.sleep(0.1)
         raise AssertionError("no replica took over")
 
-    def migrate_slot(self, key: str, batch: int = 20) -> ClusterNode:
+    def migrate_slot(
+        self,
+        key: str,
+        batch: int = 20,
+        first: Sequence[str] = (),
+        half_moved: threading.Event | None = None,
+        pause_s: float = 0.0,
+    ) -> ClusterNode:
         """Move `key`'s slot to another master, key by key (MIGRATE), as `valkey-cli --cluster reshard` does;
-        clients meanwhile get ASK for moved keys, TRYAGAIN for scripts over both sides, then MOVED."""
+        clients meanwhile get ASK for moved keys, TRYAGAIN for scripts over both sides, then MOVED. `first`:
+        keys moved before the rest, then `half_moved` is set and the slot stays half moved `pause_s`."""
         slot = key_slot(key.encode())
         source = self.master_of(key)
         target = next(n for n in self.nodes if n.running() and n is not source and self._role(n) == "master")
@@ -146,6 +156,13 @@ class ValkeyCluster:
             src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
             dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
             src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+            if first:
+                src.execute_command(
+                    "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "AUTH", self.password, "KEYS", *first
+                )
+            if half_moved is not None:
+                half_moved.set()
+            time.sleep(pause_s)
             while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, batch):
                 src.execute_command(
                     "MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "AUTH", self.password, "KEYS", *keys

@@ -147,14 +147,16 @@ if t == '' then t = '"""
     + NO_TENANT
     + """' end
 local band, cost = ARGV[5], ARGV[7]
-redis.call('XCLAIM', KEYS[1], ARGV[1], '"""
-    + scripts.READY_CONSUMER
-    + """', 0, ARGV[4], 'JUSTID')
 local q = qkey(band, t)
 redis.call('RPUSH', q, ARGV[4] .. ' ' .. cost)
 if redis.call('LLEN', q) == 1 then redis.call('LPUSH', R .. 'ring:' .. band, t) end
 redis.call('ZADD', R .. 'bands', tonumber(band), band)
 redis.call('ZADD', R .. 'age', tonumber(eid_ms), member(ARGV[4], band, t, cost))
+-- The move to `~ready` is the last write: a script stopped before it (a key its slot's migration already
+-- moved, queue/resp.py) leaves the entry with this worker, and a list member that TAKE skips.
+redis.call('XCLAIM', KEYS[1], ARGV[1], '"""
+    + scripts.READY_CONSUMER
+    + """', 0, ARGV[4], 'JUSTID')
 return {'ready', tenant}
 """
 )

@@ -19,7 +19,9 @@ slot map first, so after a failover or a slot move the next command reaches the 
 slot half migrated, the command's keys already on the target) is answered on a connection to the node it
 names, with ASKING first, as Cluster asks clients to; the slot's own connection stays. These replies mean the
 command did not run, so `execute` retries them whatever the command, and `pipeline` sends again just the
-commands that got one: nothing that ran is sent twice.
+commands that got one: nothing that ran is sent twice. One exception: a script that reaches, midway, a key the
+migration has already moved stops there (ScriptKeyMoved), and is run again from the start as well; every
+script in queue/ is safe to run again after stopping at any of its commands.
 
 Binary-safe: replies are decoded as UTF-8 with surrogateescape, so bytes that are not UTF-8 (anyone can XADD
 them) come back as lone surrogates instead of failing the whole reply, and with it every command behind it
@@ -107,6 +109,24 @@ class Endpoint:
         )
 
 
+class ScriptKeyMoved(TryAgainError):
+    """A script stopped at a key its slot's migration had already moved to the target (Valkey: "Script
+    attempted to access a non local key"). Unlike TRYAGAIN it may come after some of the script's writes:
+    the scripts of queue/ are written so that running one again from the start is safe (an ownership move
+    is the last write), so it is retried as TRYAGAIN is, until the migration ends and MOVED names the slot's
+    new owner."""
+
+
+_KEY_MOVED_TEXT = "Script attempted to access a non local key"
+
+
+def _error_of(reply: _ErrorReply) -> Exception:
+    text = str(reply)
+    if _KEY_MOVED_TEXT in text:
+        return ScriptKeyMoved(text)
+    return BaseParser.parse_error(text)
+
+
 # Replies after which this connection no longer reaches the owner of the slot (or the primary).
 _MOVED_ON = (ReadOnlyError, MovedError, ClusterDownError)
 # Replies that say the command did not run: retried by `execute` whatever the command.
@@ -162,7 +182,7 @@ class _Protocol(asyncio.Protocol):
         self.reader.feed(data)
         while (reply := self.reader.gets()) is not False:
             if isinstance(reply, _ErrorReply):
-                reply = BaseParser.parse_error(str(reply))
+                reply = _error_of(reply)
             if not self.waiting:  # a reply nobody asked for: the stream is out of step, start afresh
                 if self.transport is not None:
                     self.transport.abort()
