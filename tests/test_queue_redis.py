@@ -12,7 +12,7 @@ from redis.exceptions import NoPermissionError
 from valkey_helpers import run
 
 from specserve.queue.client import QueueClient
-from specserve.queue.connection import Connections, connect
+from specserve.queue.connection import Connections, connect, stop_tasks
 from specserve.queue.consumer import ConsumerConfig, StreamConsumer
 from specserve.queue.embedded import EmbeddedValkey
 from specserve.queue.keys import Keys
@@ -443,3 +443,48 @@ def test_a_run_that_lost_its_request_writes_no_more_output(valkey):
 
     entries = run(main())
     assert [(e["run"], e["ids"]) for e in entries] == [("1", "[1,2]"), ("2", "[30]")]
+
+
+def test_stop_tasks_ends_a_loop_that_swallowed_its_cancel() -> None:
+    """A loop whose cancel was swallowed (on Python 3.11, one racing a Redis reply inside asyncio.wait_for)
+    goes on: stop_tasks cancels it again until it has ended, and a loop that never ends is given up on."""
+
+    async def swallows_once() -> None:
+        swallowed = False
+        while True:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed = True
+
+    let_go = asyncio.Event()
+
+    async def never_ends() -> None:  # until the test lets it go
+        while not let_go.is_set():
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                pass
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        swallowing = asyncio.create_task(swallows_once())
+        await asyncio.sleep(0)
+        started = loop.time()
+        await stop_tasks([swallowing])
+        stopped_in = loop.time() - started
+        stubborn = asyncio.create_task(never_ends())
+        await asyncio.sleep(0)
+        await stop_tasks([stubborn], timeout=0.3)
+        given_up_in = loop.time() - started - stopped_in
+        left_running = not stubborn.done()
+        let_go.set()
+        stubborn.cancel()
+        await asyncio.wait({stubborn})
+        return swallowing.cancelled(), stopped_in, left_running, given_up_in
+
+    cancelled, stopped_in, left_running, given_up_in = asyncio.run(main())
+    assert cancelled and stopped_in < 1.0
+    assert left_running and given_up_in < 1.0

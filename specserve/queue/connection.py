@@ -238,3 +238,19 @@ async def retry_forever(
                 raise asyncio.CancelledError(f"stopped while retrying {what}") from e
             await asyncio.sleep(delay)
             delay = min(max_delay, delay * 2)
+
+
+async def stop_tasks(tasks: Sequence[asyncio.Task[object]], timeout: float = 10.0) -> None:
+    """Cancel `tasks` and wait for them to end, for at most `timeout` seconds. On Python 3.11 a cancel that
+    races a Redis reply can be swallowed (asyncio.wait_for inside redis-py) and a loop goes on: the cancel is
+    repeated until each task has ended. An API's shutdown waited on such a loop until it was killed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pending = {t for t in tasks if not t.done()}
+    while pending and loop.time() < deadline:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(0.1, max(0.0, deadline - loop.time())))
+    for t in tasks:
+        if t.done() and not t.cancelled():
+            t.exception()  # retrieved: a loop that failed as it stopped is not news at shutdown

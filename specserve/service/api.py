@@ -17,7 +17,7 @@ from aiohttp import web
 from redis.exceptions import OutOfMemoryError
 
 from specserve.queue.client import QueueClient, new_request_id
-from specserve.queue.connection import TRANSIENT_ERRORS
+from specserve.queue.connection import TRANSIENT_ERRORS, stop_tasks
 from specserve.queue.keys import valid_request_id
 from specserve.service import batch
 from specserve.service.config import ApiSettings
@@ -120,8 +120,7 @@ class Api:
 
     async def _stop_stats(self, _app: web.Application) -> None:
         if self._stats_task is not None:
-            self._stats_task.cancel()
-            await asyncio.gather(self._stats_task, return_exceptions=True)
+            await stop_tasks([self._stats_task])
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
         try:

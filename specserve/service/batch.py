@@ -18,7 +18,6 @@ plus whatever priority a line gives, so interactive requests (priority 0 by defa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -28,7 +27,7 @@ from aiohttp import web
 
 from specserve.queue import wire
 from specserve.queue.client import QuotaExceeded
-from specserve.queue.connection import TRANSIENT_ERRORS
+from specserve.queue.connection import TRANSIENT_ERRORS, stop_tasks
 from specserve.service.gateway import Gateway
 from specserve.service.http import TENANT_KEY, ApiError, json_response, read_json, reject_deep
 from specserve.service.openai.protocol import translate
@@ -506,10 +505,7 @@ def add_routes(app: web.Application, gateway: Gateway, max_file_bytes: int) -> N
         filling.append(asyncio.create_task(routes.fill_forever(), name="batch-fill"))
 
     async def stop_filling(_app: web.Application) -> None:
-        for task in filling:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stop_tasks(filling)
 
     app.on_startup.append(start_filling)
     app.on_cleanup.append(stop_filling)
