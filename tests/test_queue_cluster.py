@@ -515,3 +515,33 @@ def test_an_entry_sorted_in_while_the_ready_queue_is_half_moved_is_sorted_in_onc
     assert [s.verdict for s in first + second] == [Admission.READY, Admission.READY]
     assert taken == ["waiting", "arriving"]
     assert {p[1] for p in pending} == {"w1"}  # both with the worker that took them, none left with ~ready
+
+
+def test_redis_pys_client_runs_a_script_again_that_a_half_moved_slot_stopped(valkey_cluster) -> None:
+    """The scripts sent through redis-py (cancel, hand-back, tenants' limits) stop the same way at a key the
+    migration already moved; the cluster client runs them again until the slot has moved."""
+    keys = Keys("specserve", cluster=True)
+    counted, moved = keys.req("counted"), keys.req("moved")
+    half_moved = threading.Event()
+    # stops at GET on the moved key, after its first write; ran again from the start, its INCR counts twice
+    script = "redis.call('INCR', KEYS[1]) return redis.call('GET', ARGV[1])"
+
+    async def main():
+        r = await open_redis(valkey_cluster.url)
+        try:
+            await r.set(counted, 0)
+            await r.set(moved, "here")
+            moving = asyncio.ensure_future(
+                asyncio.to_thread(
+                    valkey_cluster.migrate_slot, counted, first=[moved], half_moved=half_moved, pause_s=1.0
+                )
+            )
+            await asyncio.to_thread(half_moved.wait, 10)
+            got = await r.eval(script, 1, counted, moved)
+            await moving
+            return got, int(await r.get(counted))
+        finally:
+            await r.aclose()
+
+    got, runs = run(main())
+    assert got == "here" and runs >= 2

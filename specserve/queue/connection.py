@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specserve.queue.keys import Keys
-from specserve.queue.resp import RespClient
+from specserve.queue.resp import KEY_MOVED_TEXT, NOT_RUN_RETRIES, RespClient, ScriptKeyMoved
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -135,6 +135,7 @@ class WaitingRedisCluster(RedisCluster):
     async def execute_command(self, *args: object, **kwargs: object) -> object:
         deadline = asyncio.get_running_loop().time() + self.WAIT_FOR_CONNECTION_S
         pause = 0.001
+        moved = 0
         while True:
             try:
                 return await super().execute_command(*args, **kwargs)
@@ -143,6 +144,15 @@ class WaitingRedisCluster(RedisCluster):
                     raise
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.05)
+            except ResponseError as e:
+                # A script stopped at a key its slot's migration already moved: run again, as the lean
+                # client does (queue/resp.py ScriptKeyMoved), until the slot has moved and redis-py follows.
+                if KEY_MOVED_TEXT not in str(e):
+                    raise
+                if moved == NOT_RUN_RETRIES:
+                    raise ScriptKeyMoved(str(e)) from e
+                await asyncio.sleep(min(0.25, 0.01 * 2**moved))
+                moved += 1
 
 
 def connect_cluster(

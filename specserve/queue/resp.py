@@ -117,12 +117,12 @@ class ScriptKeyMoved(TryAgainError):
     new owner."""
 
 
-_KEY_MOVED_TEXT = "Script attempted to access a non local key"
+KEY_MOVED_TEXT = "Script attempted to access a non local key"
 
 
 def _error_of(reply: _ErrorReply) -> Exception:
     text = str(reply)
-    if _KEY_MOVED_TEXT in text:
+    if KEY_MOVED_TEXT in text:
         return ScriptKeyMoved(text)
     return BaseParser.parse_error(text)
 

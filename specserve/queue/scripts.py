@@ -3,6 +3,12 @@
 The lean client (queue/resp.py) sends a script's text the first time on each connection and EVALSHA after
 that, sending it whole again on NOSCRIPT (a restarted or failed-over server has an empty script cache);
 redis-py's calls send EVAL. Timestamps come from the server clock (ms) so that every process agrees on them.
+
+Atomic, except on a cluster slot being migrated: Valkey stops a script at the first key the migration has
+already moved, keeping the writes before it, and both clients run the script again from the start
+(resp.ScriptKeyMoved). So every script here must be safe to run again after stopping at any command: a move
+of an entry's ownership (XCLAIM) comes after the writes that record where it waits, a count may be counted
+twice (a hand-off, a tenant's tokens), and no state is left that names a holder that does not hold the entry.
 """
 
 from __future__ import annotations
