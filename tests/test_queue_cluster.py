@@ -467,14 +467,17 @@ def test_the_lean_client_follows_ask_to_a_slot_half_migrated(valkey_cluster) -> 
         assert dst.hget(key, "status") == "running"  # written once, on the node that holds the key
 
 
-def test_an_entry_sorted_in_while_the_ready_queue_is_half_moved_is_sorted_in_once(valkey_cluster) -> None:
-    """The ready queue's keys already on the target, the request stream and the status hash still on the
-    source: sorting an entry in gets past Valkey's check of its declared keys and reaches a moved key midway,
-    where Valkey stops the script after its first writes. It runs again until
-    the slot has moved, and the entry ends up in the ready queue once: never held by `~ready` outside it."""
+@pytest.mark.parametrize("during", ["sort_in", "take"])
+def test_the_ready_queue_half_moved_loses_no_entry(valkey_cluster, during: str) -> None:
+    """Some of the ready queue's keys already on the target, the request stream and the status hashes still
+    on the source: a script gets past Valkey's check of its declared keys and reaches a moved key midway,
+    where Valkey stops it after its first writes. It runs again until the slot has moved, and every entry is
+    taken once: none is left held by `~ready` outside the queue. Sorting in stops after its list writes
+    (`bands`, `age` moved); a take stops before its pop (`age` moved, the band's credit already granted)."""
     keys = Keys("specserve", cluster=True)
-    body = orjson.dumps({"prompt": "hello", "max_tokens": 4})
+    body = {"prompt": "hello", "max_tokens": 4}
     half_moved = threading.Event()
+    moved_first = {"sort_in": ["bands", "age"], "take": ["age"]}[during]
 
     async def main():
         r = await open_redis(valkey_cluster.url)
@@ -483,38 +486,48 @@ def test_an_entry_sorted_in_while_the_ready_queue_is_half_moved_is_sorted_in_onc
         client = QueueClient(r, keys)
         ready = ReadyQueue(conns.fast, keys, "w1", FairShare(oldest_every=0), Limits(), 600_000)
 
-        async def sort_new() -> list:
+        async def sort_new() -> list[Admission]:
             entries = await consumer.read_new(10, wait=False)
-            items = [(e, decode_body(e.raw_body)) for e in entries]
-            return await ready.sort_in(items)
+            verdicts = await ready.sort_in([(e, decode_body(e.raw_body)) for e in entries])
+            return [v.verdict for v in verdicts]
+
+        async def take(n: int = 10) -> list[str]:
+            return [e.request_id or "" for e in (await ready.take(n)).entries]
 
         try:
             await consumer.ensure_group()
-            await r.xadd(keys.requests, {"id": "waiting", "body": body})
-            first = await sort_new()  # the band's list, its ring, `bands` and `age` now exist
-            await client.enqueue({"prompt": "hello", "max_tokens": 4}, "arriving")  # its status hash too
+            for rid in ("before", "waiting"):
+                await client.enqueue(body, rid)
+            verdicts = await sort_new()  # the band's list, its ring, `bands` and `age` now exist
+            taken = await take(1)  # and the band's credit and grant
+            await client.enqueue(body, "arriving")
+            if during == "take":
+                verdicts += await sort_new()
             moving = asyncio.ensure_future(
                 asyncio.to_thread(
                     valkey_cluster.migrate_slot,
                     keys.requests,
-                    first=[keys.ready + "bands", keys.ready + "age"],
+                    first=[keys.ready + k for k in moved_first],
                     half_moved=half_moved,
                     pause_s=1.0,
                 )
             )
             await asyncio.to_thread(half_moved.wait, 10)
-            second = await sort_new()
+            if during == "sort_in":
+                verdicts += await sort_new()
+            else:
+                taken += await take()
             await moving
-            taken = await ready.take(10)
+            taken += await take()
             pending = await conns.fast.execute("XPENDING", keys.requests, keys.group, "-", "+", 10)
-            return first, second, [e.request_id for e in taken.entries], pending
+            return verdicts, taken, pending
         finally:
             await conns.aclose(close_redis=True)
 
-    first, second, taken, pending = run(main())
-    assert [s.verdict for s in first + second] == [Admission.READY, Admission.READY]
-    assert taken == ["waiting", "arriving"]
-    assert {p[1] for p in pending} == {"w1"}  # both with the worker that took them, none left with ~ready
+    verdicts, taken, pending = run(main())
+    assert verdicts == [Admission.READY] * 3
+    assert taken == ["before", "waiting", "arriving"]
+    assert {p[1] for p in pending} == {"w1"}  # all with the worker that took them, none left with ~ready
 
 
 def test_redis_pys_client_runs_a_script_again_that_a_half_moved_slot_stopped(valkey_cluster) -> None:

@@ -29,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specserve.queue.keys import Keys
-from specserve.queue.resp import KEY_MOVED_TEXT, NOT_RUN_RETRIES, RespClient, ScriptKeyMoved
+from specserve.queue.resp import NOT_RUN_RETRIES, RespClient, ScriptKeyMoved, stopped_by_migration
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,7 +147,7 @@ class WaitingRedisCluster(RedisCluster):
             except ResponseError as e:
                 # A script stopped at a key its slot's migration already moved: run again, as the lean
                 # client does (queue/resp.py ScriptKeyMoved), until the slot has moved and redis-py follows.
-                if KEY_MOVED_TEXT not in str(e):
+                if not stopped_by_migration(e):
                     raise
                 if moved == NOT_RUN_RETRIES:
                     raise ScriptKeyMoved(str(e)) from e

@@ -194,8 +194,11 @@ local function drr(band)
         redis.call('SET', granted, t)
       end
       if d >= tonumber(cost) then
-        redis.call('LPOP', qkey(band, t))
+        -- the pop is the last write before the move to the worker: a script stopped before it (a key its
+        -- slot's migration already moved) leaves the entry in its list, where the next take finds it
+        redis.call('ZREM', R .. 'age', member(eid, band, t, cost))
         redis.call('HSET', dk, t, d - tonumber(cost))
+        redis.call('LPOP', qkey(band, t))
         return eid, cost, t
       end
       redis.call('DEL', granted)
@@ -214,6 +217,7 @@ while #out - 1 < n and tries < n + 1000 do
     if #m == 0 then break end
     eid, band, t, cost = unpack(split(m[1]))
     redis.call('LREM', qkey(band, t), 1, eid .. ' ' .. cost)
+    redis.call('ZREM', R .. 'age', m[1])  -- last before the move: stopped before it, it is still the oldest
   else
     local b = redis.call('ZRANGE', R .. 'bands', 0, 0)
     if #b == 0 then break end
@@ -222,7 +226,6 @@ while #out - 1 < n and tries < n + 1000 do
     eid, cost, t = drr(band)
   end
   if eid then
-    redis.call('ZREM', R .. 'age', member(eid, band, t, cost))
     local p = redis.call('XPENDING', KEYS[1], ARGV[1], eid, eid, 1)
     if #p == 1 and p[1][2] == '"""
     + scripts.READY_CONSUMER

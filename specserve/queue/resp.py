@@ -110,19 +110,29 @@ class Endpoint:
 
 
 class ScriptKeyMoved(TryAgainError):
-    """A script stopped at a key its slot's migration had already moved to the target (Valkey: "Script
-    attempted to access a non local key"). Unlike TRYAGAIN it may come after some of the script's writes:
-    the scripts of queue/ are written so that running one again from the start is safe (an ownership move
-    is the last write), so it is retried as TRYAGAIN is, until the migration ends and MOVED names the slot's
-    new owner."""
+    """A script stopped by its slot's migration: at a key already moved to the target (Valkey: "Script
+    attempted to access a non local key"), or at a command over keys of which some have moved (the TRYAGAIN
+    of a script: "... undeclared keys were accessed during rehashing of the slot"). Unlike TRYAGAIN it may
+    come after some of the script's writes: the scripts of queue/ are written so that running one again from
+    the start is safe (an ownership move is the last write), so it is retried as TRYAGAIN is, until the
+    migration ends and MOVED names the slot's new owner."""
 
 
-KEY_MOVED_TEXT = "Script attempted to access a non local key"
+SCRIPT_STOPPED_BY_MIGRATION = (
+    "Script attempted to access a non local key",
+    "undeclared keys were accessed during rehashing of the slot",
+)
+
+
+def stopped_by_migration(error: Exception | str) -> bool:
+    """Whether an error reply is a script stopped midway by its slot's migration (ScriptKeyMoved)."""
+    text = str(error)
+    return any(t in text for t in SCRIPT_STOPPED_BY_MIGRATION)
 
 
 def _error_of(reply: _ErrorReply) -> Exception:
     text = str(reply)
-    if KEY_MOVED_TEXT in text:
+    if stopped_by_migration(text):
         return ScriptKeyMoved(text)
     return BaseParser.parse_error(text)
 
