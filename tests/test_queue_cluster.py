@@ -467,24 +467,36 @@ def test_the_lean_client_follows_ask_to_a_slot_half_migrated(valkey_cluster) -> 
         assert dst.hget(key, "status") == "running"  # written once, on the node that holds the key
 
 
-@pytest.mark.parametrize("during", ["sort_in", "take"])
+# what is on the target already when the script runs: (keys moved first, the oldest-request turn)
+HALF_MOVED = {
+    "sort_in": (["bands", "age"], 0),  # sorting in stops after its list writes
+    "take": (["age"], 0),  # a take stops before its pop
+    "take_emptying": ([], 0),  # nothing moved yet: a take empties a list after a move and stops at it
+    "take_stream_moved": (["/requests"], 2),  # every declared key moved: an ASK, which a script waits out
+}
+
+
+@pytest.mark.parametrize("during", list(HALF_MOVED))
 def test_the_ready_queue_half_moved_loses_no_entry(valkey_cluster, during: str) -> None:
-    """Some of the ready queue's keys already on the target, the request stream and the status hashes still
-    on the source: a script gets past Valkey's check of its declared keys and reaches a moved key midway,
-    where Valkey stops it after its first writes. It runs again until the slot has moved, and every entry is
-    taken once: none is left held by `~ready` outside the queue. Sorting in stops after its list writes
-    (`bands`, `age` moved); a take stops before its pop (`age` moved, the band's credit already granted)."""
+    """Some of the queue's keys already on the target: a script gets past Valkey's check of its declared keys
+    and reaches a key that is not on the source midway, where Valkey stops it after its first writes. It runs
+    again until the slot has moved, and every entry is taken once: none is left held by `~ready` outside the
+    queue, and none is moved to the worker without being handed to it. A script all of whose declared keys
+    have moved is not run on the target (an ASK): there its writes would make keys the migration then
+    refuses to move (BUSYKEY)."""
     keys = Keys("specserve", cluster=True)
     body = {"prompt": "hello", "max_tokens": 4}
     half_moved = threading.Event()
-    moved_first = {"sort_in": ["bands", "age"], "take": ["age"]}[during]
+    moved_first, oldest_every = HALF_MOVED[during]
+    moved = [keys.requests if k == "/requests" else keys.ready + k for k in moved_first]
 
     async def main():
         r = await open_redis(valkey_cluster.url)
         conns = Connections(r, route=keys.requests)
         consumer = StreamConsumer(conns, keys, "w1", ConsumerConfig(block_ms=50))
         client = QueueClient(r, keys)
-        ready = ReadyQueue(conns.fast, keys, "w1", FairShare(oldest_every=0), Limits(), 600_000)
+        fair = FairShare(oldest_every=oldest_every)
+        ready = ReadyQueue(conns.fast, keys, "w1", fair, Limits(), 600_000)
 
         async def sort_new() -> list[Admission]:
             entries = await consumer.read_new(10, wait=False)
@@ -501,13 +513,13 @@ def test_the_ready_queue_half_moved_loses_no_entry(valkey_cluster, during: str) 
             verdicts = await sort_new()  # the band's list, its ring, `bands` and `age` now exist
             taken = await take(1)  # and the band's credit and grant
             await client.enqueue(body, "arriving")
-            if during == "take":
+            if during != "sort_in":
                 verdicts += await sort_new()
             moving = asyncio.ensure_future(
                 asyncio.to_thread(
                     valkey_cluster.migrate_slot,
                     keys.requests,
-                    first=[keys.ready + k for k in moved_first],
+                    first=moved,
                     half_moved=half_moved,
                     pause_s=1.0,
                 )

@@ -339,7 +339,10 @@ class QueueClient:
         queued on the master (they run if it lives), and a retry with the same ids adds nothing and waits
         again, so a producer that retries until accepted gets each request exactly once."""
         d = self.durable
-        reply, acked = await conn.pipeline([command, ("WAIT", d.replicas, d.timeout_ms)])
+        retried: list[int] = []
+        reply, acked = await conn.pipeline([command, ("WAIT", d.replicas, d.timeout_ms)], retried=retried)
+        if retried:  # turned away first (a failover, a slot moving), the ENQUEUE ran after that WAIT
+            acked = await conn.execute("WAIT", d.replicas, d.timeout_ms)
         if int(acked) < d.replicas:
             raise NotReplicated(
                 f"{acked} of {d.replicas} replicas acknowledged the enqueue within {d.timeout_ms} ms"

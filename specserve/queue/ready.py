@@ -44,7 +44,7 @@ from typing import Any
 from specserve.queue import scripts
 from specserve.queue.connection import TRANSIENT_ERRORS
 from specserve.queue.keys import Keys
-from specserve.queue.resp import RespClient, fields_dict
+from specserve.queue.resp import RespClient, ScriptKeyMoved, fields_dict
 from specserve.queue.wire import RequestBody, RequestEntry
 
 NO_TENANT = "~"
@@ -208,21 +208,20 @@ local function drr(band)
   return nil
 end
 local out = {0}
-local tries = 0
-while #out - 1 < n and tries < n + 1000 do
-  tries = tries + 1
+-- One admission; false when nothing is left to take.
+local function take_one()
   local eid, band, t, cost
   if better == '' and every > 0 and redis.call('INCR', R .. 'turn') % every == 0 then
     local m = redis.call('ZRANGE', R .. 'age', 0, 0)
-    if #m == 0 then break end
+    if #m == 0 then return false end
     eid, band, t, cost = unpack(split(m[1]))
     redis.call('LREM', qkey(band, t), 1, eid .. ' ' .. cost)
     redis.call('ZREM', R .. 'age', m[1])  -- last before the move: stopped before it, it is still the oldest
   else
     local b = redis.call('ZRANGE', R .. 'bands', 0, 0)
-    if #b == 0 then break end
+    if #b == 0 then return false end
     band = b[1]
-    if better ~= '' and tonumber(band) >= tonumber(better) then break end
+    if better ~= '' and tonumber(band) >= tonumber(better) then return false end
     eid, cost, t = drr(band)
   end
   if eid then
@@ -246,8 +245,28 @@ while #out - 1 < n and tries < n + 1000 do
       redis.call('DEL', R .. 'deficit:' .. band, R .. 'grant:' .. band)
     end
   end
+  return true
 end
-out[1] = redis.call('ZCARD', R .. 'age')
+-- Once an entry has moved to this worker, a stop (a key its slot's migration already moved) must not lose
+-- the reply that hands it over: the take ends there with what it has, and a later take redoes the tidying.
+-- Before that, a stop is raised and the script is run again from the start (queue/resp.py ScriptKeyMoved).
+local tries = 0
+while #out - 1 < n and tries < n + 1000 do
+  tries = tries + 1
+  local ok, more = pcall(take_one)
+  if not ok then
+    if #out == 1 then error(more) end
+    out[1] = 1  -- unknown: maybe more waits
+    return out
+  end
+  if not more then break end
+end
+local ok, waiting = pcall(redis.call, 'ZCARD', R .. 'age')
+if not ok then
+  if #out == 1 then error(waiting) end
+  waiting = 1
+end
+out[1] = waiting
 return out
 """
 )
@@ -325,7 +344,9 @@ class ReadyQueue:
             )  # fmt: skip
         replies = await self.fast.pipeline(commands, raise_on_error=False)
         for r in replies:
-            if isinstance(r, TRANSIENT_ERRORS):
+            # a sort stopped by a slot's migration left the entry with this worker (its move to `~ready` is
+            # the script's last write): claimed directly, as any entry whose sort failed
+            if isinstance(r, TRANSIENT_ERRORS) and not isinstance(r, ScriptKeyMoved):
                 raise r
         return [r if isinstance(r, Exception) else Sorted.of_reply(r) for r in replies]
 

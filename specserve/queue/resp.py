@@ -17,7 +17,8 @@ On a cluster it talks to the master of one slot (every key of a shard shares it,
 or CLUSTERDOWN reply drops the connection too, and each new connection asks the cluster client for a fresh
 slot map first, so after a failover or a slot move the next command reaches the slot's new owner. An ASK (the
 slot half migrated, the command's keys already on the target) is answered on a connection to the node it
-names, with ASKING first, as Cluster asks clients to; the slot's own connection stays. These replies mean the
+names, with ASKING first, as Cluster asks clients to (not a script: it waits for the move to end, _is_script);
+the slot's own connection stays. These replies mean the
 command did not run, so `execute` retries them whatever the command, and `pipeline` sends again just the
 commands that got one: nothing that ran is sent twice. One exception: a script that reaches, midway, a key the
 migration has already moved stops there (ScriptKeyMoved), and is run again from the start as well; every
@@ -269,7 +270,7 @@ class RespClient:
                 data = _pack(proto, command)
                 (future,) = proto.send(data, 1)
                 reply = await future
-                if _is_ask(reply):
+                if _is_ask(reply) and not _is_script(command):
                     reply = await self._asking(reply, data)
             except (RedisConnectionError, RedisTimeoutError):
                 if attempt == retries or self._closed or loop.time() > until:
@@ -299,9 +300,12 @@ class RespClient:
                 proto.transport.close()
         return reply
 
-    async def pipeline(self, commands: Sequence[Command], raise_on_error: bool = True) -> list[Any]:
+    async def pipeline(
+        self, commands: Sequence[Command], raise_on_error: bool = True, retried: list[int] | None = None
+    ) -> list[Any]:
         """Several commands in one write. An error reply raises (the first one), or with raise_on_error=False
-        comes back in its place, as an exception."""
+        comes back in its place, as an exception. `retried` gets the positions of the commands that were
+        turned away and ran again on their own, after the commands behind them."""
         if not commands:
             return []
         proto = await self._ready()
@@ -317,6 +321,8 @@ class RespClient:
                     proto.scripts.discard(str(_script_sha(commands[i])))
                 if isinstance(reply, (*_NOT_RUN, NoScriptError)) and not self._closed:
                     replies[i] = await self._execute(commands[i], 0)
+                    if retried is not None:
+                        retried.append(i)
         if raise_on_error:
             for reply in replies:
                 if isinstance(reply, Exception):
@@ -421,6 +427,14 @@ def _pack(proto: _Protocol, command: Command) -> bytes:
         return hiredis.pack_command(("EVALSHA", sha, *command[2:]))
     proto.scripts.add(sha)
     return hiredis.pack_command(tuple(command))
+
+
+def _is_script(command: Command) -> bool:
+    """EVAL / EVALSHA. A script is not followed to the node an ASK names: Valkey runs its commands there as
+    ASKING too, so a key not yet imported reads as absent and a write creates it on the target, where the
+    migration's MIGRATE of the source's copy then fails (BUSYKEY). It waits on the source instead, as for
+    TRYAGAIN, until the slot has moved (MOVED)."""
+    return str(command[0]).upper() in ("EVAL", "EVALSHA")
 
 
 def _is_ask(reply: Any) -> bool:

@@ -129,12 +129,14 @@ if not best then return '' end
 -- Count the pass in its load now: a burst read at once must not all go to one worker on a stale figure.
 local at = string.match(redis.call('HGET', KEYS[4], best), '(%d+)$')
 redis.call('HSET', KEYS[4], best, (best_busy + 1) .. ' ' .. (best_room - 1) .. ' ' .. at)
-redis.call('XCLAIM', KEYS[1], ARGV[1], best, 0, ARGV[3], 'JUSTID')
-redis.call('HSET', KEYS[2], 'passed', best)
-redis.call('PEXPIRE', KEYS[2], ARGV[8])
+-- The pass stream is written before the move (the script may stop at it: queue/scripts.py): a stop there
+-- leaves the entry here, and a pass the other worker finds not its own to claim.
 local stream = ARGV[6] .. best
 redis.call('XADD', stream, 'MAXLEN', '~', ARGV[7], '*', 'entry', ARGV[3], 'from', ARGV[2])
 redis.call('PEXPIRE', stream, ARGV[8])
+redis.call('HSET', KEYS[2], 'passed', best)
+redis.call('PEXPIRE', KEYS[2], ARGV[8])
+redis.call('XCLAIM', KEYS[1], ARGV[1], best, 0, ARGV[3], 'JUSTID')
 return best
 """
 )

@@ -4,11 +4,14 @@ The lean client (queue/resp.py) sends a script's text the first time on each con
 that, sending it whole again on NOSCRIPT (a restarted or failed-over server has an empty script cache);
 redis-py's calls send EVAL. Timestamps come from the server clock (ms) so that every process agrees on them.
 
-Atomic, except on a cluster slot being migrated: Valkey stops a script at the first key the migration has
-already moved, keeping the writes before it, and both clients run the script again from the start
-(resp.ScriptKeyMoved). So every script here must be safe to run again after stopping at any command: a move
-of an entry's ownership (XCLAIM) comes after the writes that record where it waits, a count may be counted
-twice (a hand-off, a tenant's tokens), and no state is left that names a holder that does not hold the entry.
+Atomic, except on a cluster slot being migrated: Valkey stops a script at the first key that is not on the
+source node (moved already, or not made yet), keeping the writes before it, and both clients run the script
+again from the start (resp.ScriptKeyMoved). So every script here must be safe to run again after stopping at
+any command: a move of an entry's ownership (XCLAIM) comes after the writes that record where it waits, a
+count may be counted twice (a tenant's tokens), no state is left that names a holder that does not hold the
+entry, and a take that has moved entries to its worker returns them rather than stop (ready.TAKE). The lean
+client does not follow an ASK with a script (resp.py `_is_script`); redis-py's does, for the few scripts
+sent through it (cancel, hand-back, heartbeat, the tenants' limits).
 """
 
 from __future__ import annotations
@@ -295,12 +298,13 @@ if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
 local h = redis.call('HMGET', KEYS[2], 'entry', 'status', 'tenant', 'quota')
 h[3] = h[3] or h[4]  -- the default tenant a raw entry without one counts under
 if h[1] == ARGV[3] and not terminal(h[2]) then
-  redis.call('HINCRBY', KEYS[2], 'handoffs', 1)
-  redis.call('HSET', KEYS[2], 'status', 'queued')
+  -- the tenant's set first: a stop there (queue/scripts.py) must not count the hand-off again on each rerun
   if h[3] and (ARGV[5] or '') ~= '' then  -- queued again: it counts against its tenant again
     local t = redis.call('TIME')
     redis.call('ZADD', ARGV[5] .. 'queued:' .. h[3], tonumber(t[1]) * 1000, ARGV[6])
   end
+  redis.call('HINCRBY', KEYS[2], 'handoffs', 1)
+  redis.call('HSET', KEYS[2], 'status', 'queued')
 end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4], 'JUSTID')
 return 1
