@@ -75,6 +75,9 @@ def one_run(args, name: str, config: dict | None, prompts, traffic, conc: int) -
     from specserve import LLM
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=conc, speculative_config=config)
+    if args.zero_k and llm.engine.spec is not None:
+        # every request proposes nothing: what the proposers' own work each step costs, drafts aside
+        llm.engine.spec.policy.choose_ks = lambda acceptances, other_tokens: [0] * len(acceptances)
     run_closed_loop(llm, warm_prompts(llm), warm_traffic(), 2, "warm")  # first-call costs, other traffic
     gc.collect()
     run = run_closed_loop(llm, prompts, traffic, conc, name)
@@ -102,6 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="per request; EOS may end it sooner")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--head", type=Path, help="an EAGLE-3 head (speculators format): adds eagle3")
+    p.add_argument("--zero-k", action="store_true", help="k = 0 for every request: overhead only")
+    p.add_argument("--engines", help="a subset of off,suffix,ngram,auto[,eagle3], in this order")
     p.add_argument("--model", help="default: the demo model")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     from specserve import LLM
 
     configs = spec_configs(args)
+    if args.engines:
+        configs = {name: configs[name] for name in args.engines.split(",")}
     traffic = build_mix(max(args.requests), args.max_tokens)
     tokenizer_llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1)
     prompts = [tokenizer_llm.engine.encode_chat(r.messages) for r in traffic]
