@@ -191,6 +191,9 @@ def test_worker_drains_on_sigterm_with_poison_batches_pending(cluster, tiny_mode
             late_id, late_entry = _late_long("d")
             read_ids = await deliver_to_frozen(r, drainer, [*read_batch, late_entry])
             drainer.thaw()
+            # A raw XADD is a request once a worker has read it (its status hash): until then the API rightly
+            # answers 404, so its reader follows from then (under a full suite the read once came later).
+            await wait_for(lambda: r.exists(KEYS.req(late_id)), timeout=30, what="the late entry read")
             long_sse.append(asyncio.ensure_future(SseClient(late_id).follow(api.base, 120)))
             await wait_for(lambda: fresh_blocked_reader(r), timeout=30, what="a fresh XREADGROUP")
             drainer.signal(signal.SIGTERM)
