@@ -29,7 +29,13 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from specserve.queue.keys import Keys
-from specserve.queue.resp import NOT_RUN_RETRIES, RespClient, ScriptKeyMoved, stopped_by_migration
+from specserve.queue.resp import (
+    NOT_RUN_RETRIES,
+    RespClient,
+    ScriptKeyMoved,
+    not_run_pause,
+    stopped_by_migration,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -151,7 +157,7 @@ class WaitingRedisCluster(RedisCluster):
                     raise
                 if moved == NOT_RUN_RETRIES:
                     raise ScriptKeyMoved(str(e)) from e
-                await asyncio.sleep(min(0.25, 0.01 * 2**moved))
+                await asyncio.sleep(not_run_pause(moved))
                 moved += 1
 
 

@@ -143,6 +143,13 @@ _MOVED_ON = (ReadOnlyError, MovedError, ClusterDownError)
 # Replies that say the command did not run: retried by `execute` whatever the command.
 _NOT_RUN = (AskError, ClusterDownError, TryAgainError)
 NOT_RUN_RETRIES = 40  # with the backoff below (capped at 0.25 s): about 8 s, a cluster's failover and more
+
+
+def not_run_pause(tries: int) -> float:
+    """Seconds before the next try of a command turned away unrun (or a script a slot's move stopped)."""
+    return min(0.25, 0.01 * 2**tries)
+
+
 # Retries after a lost connection or a timeout start only within this long of the first try. A failover's
 # refused connections fail at once and are retried all along; a master that stopped answering (stopped, cut
 # off, its slot not failed over) costs a whole socket timeout a try, and retrying it `retries` times kept a
@@ -283,7 +290,7 @@ class RespClient:
                 not_run += 1
                 continue
             if isinstance(reply, _NOT_RUN) and not_run < NOT_RUN_RETRIES and not self._closed:
-                await asyncio.sleep(min(0.25, 0.01 * 2**not_run))
+                await asyncio.sleep(not_run_pause(not_run))
                 not_run += 1
                 continue
             return reply
