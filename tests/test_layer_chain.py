@@ -54,9 +54,10 @@ def _chains(dtype: str, shape: str, mode: str) -> bool:
 
 def _chained_steps(dtype: str, shape: str, mode: str) -> int:
     """STEPS' steps the chain takes: not prefill chunks, which it takes only where the library's attention
-    runs long queries (head size 64); of the others every size (float32 products of int8 / int4 widen panels
-    past 8 rows; bf16 int4 runs our few-row product up to 8 rows and our tiles' kernel past them)."""
-    long_queries = shape == "llama_hd64"
+    runs long queries (head size 64, and a build whose attention path takes the dtype's long queries: bf16's
+    is AVX512-BF16's); of the others every size (float32 products of int8 / int4 widen panels past 8 rows;
+    bf16 int4 runs our few-row product up to 8 rows and our tiles' kernel past them)."""
+    long_queries = shape == "llama_hd64" and cpu.attention.supports_long(getattr(torch, dtype), 64, BLOCK)
     return sum(long_queries or all(n <= 16 for _, _, n in step) for step in STEPS)
 
 
