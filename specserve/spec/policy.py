@@ -154,7 +154,15 @@ class AdaptivePolicy:
             costs = self.method_costs(method)
             if costs is None:
                 return None
-        return max(expected_tokens(acceptance, k) / seconds for k, seconds in enumerate(costs))
+        # E(a, k) = 1 + a + ... + a^k, summed as k grows: `auto` asks this for every request and method each
+        # step, and the closed form's call per k was most of its per-step work at 32 in flight
+        a = min(max(acceptance, 0.0), 0.999)
+        best, expected, term = 0.0, 0.0, 1.0
+        for seconds in costs:
+            expected += term
+            term *= a
+            best = max(best, expected / seconds)
+        return best
 
     def observe_acceptance(self, acceptance_ewma: float, proposed: int, accepted: int) -> float:
         if not proposed:
