@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from specserve import LLM
+from specserve.models.linear import invariance_refusal
 from specserve.service.cli import main
+
+# bf16 batch-invariant decoding on a CPU without our AVX512-BF16 products (an AVX2-only one)
+NO_BF16_INVARIANCE = invariance_refusal(torch.bfloat16, torch.device("cpu")) is not None
 
 
 @pytest.fixture
@@ -37,6 +41,10 @@ CASES = [
 ]
 if not torch.cuda.is_available():
     CASES.append((["--device", "cuda"], ["device cuda", "CUDA"]))
+if NO_BF16_INVARIANCE:
+    CASES.append(
+        (["--batch-invariant", "--dtype", "bfloat16"], ["batch_invariant", "AVX512-BF16", "float32"])
+    )
 
 
 @pytest.mark.parametrize("flags, words", CASES)
@@ -58,11 +66,12 @@ def test_the_cli_refuses_in_one_line_before_the_load(tiny_model_dir, no_weights_
         ({"quantization": "int4", "tensor_parallel_size": 2}, "quantization"),
         ({"chat_template": "no/such/file.jinja"}, "chat_template"),
     ]
-    + ([({"device": "cuda"}, "device")] if not torch.cuda.is_available() else []),
+    + ([({"device": "cuda"}, "device")] if not torch.cuda.is_available() else [])
+    + ([({"batch_invariant": True, "dtype": "bfloat16"}, "batch_invariant")] if NO_BF16_INVARIANCE else []),
 )
 def test_the_python_api_raises_naming_the_setting(tiny_model_dir, no_weights_read, kwargs, setting):
     with pytest.raises(ValueError) as e:
-        LLM(str(tiny_model_dir), dtype="float32", **kwargs)
+        LLM(str(tiny_model_dir), **{"dtype": "float32", **kwargs})
     assert str(e.value).startswith(setting) or f" {setting}" in str(e.value)
 
 

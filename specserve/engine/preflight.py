@@ -12,6 +12,7 @@ import torch
 from specserve.engine.config import EngineConfig
 from specserve.engine.memory import check_max_model_len, kv_pool_bytes
 from specserve.models.config import ModelConfig
+from specserve.models.linear import invariance_refusal
 from specserve.models.loader import demo_model_path, read_config, resolve_model
 from specserve.models.parallel import check_shardable
 
@@ -29,6 +30,8 @@ def preflight(config: EngineConfig) -> Preflight:
     device = config.torch_device()
     dtype = config.torch_dtype(device)
     header = ModelConfig.from_hf(read_config(path))
+    if config.batch_invariant and (why := invariance_refusal(dtype, device)) is not None:
+        raise ValueError(f"batch_invariant with dtype {str(dtype).removeprefix('torch.')}: {why}")
     tp = config.tensor_parallel_size
     if tp > 1:  # before any rank starts loading: a size that does not divide the heads is refused
         check_shardable(header, tp)

@@ -88,6 +88,19 @@ class Isa:
         )
 
 
+def invariance_refusal(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why batch-invariant decoding cannot run in `dtype` on this machine, or None. bf16 needs the library's
+    AVX512-BF16 products and attention: without them (an AVX2-only CPU) its products and prefill attention
+    are torch's, whose rounding of a row depends on the step's rows: beside one mate a request's greedy
+    tokens parted from its tokens alone at the fifth (tests/test_batch_invariance.py, AVX2 EPYC). float32,
+    such a CPU's native dtype, runs our AVX2 + FMA forms, which keep it."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return None
+    if Isa.here(device).avx512_bf16:
+        return None
+    return "bfloat16 needs AVX512-BF16 products, which this CPU lacks; use dtype float32 (its native dtype)"
+
+
 class Form:
     """One way to run a matrix. `kinds`: the stored kinds it takes; `kernel`: a few-row product of the packed
     matrix itself (PackedInt8 / PackedInt4 call it for steps of up to max_rows rows); `copy_pays`: whether a

@@ -233,7 +233,8 @@ class ServiceConfig:
         None,
         "a request's tokens and logprobs do not depend on its batch mates, chunking, prefix hits or "
         "speculation: one matmul form per matrix at every step size (off by default: it costs several times "
-        "the throughput of forms picked by the step's rows, docs/benchmarks.md)",
+        "the throughput of forms picked by the step's rows, docs/benchmarks.md); bf16 needs a CPU with "
+        "AVX512-BF16, float32 holds on AVX2",
         kind=bool,
     )
     enforce_eager: bool | None = _opt(
