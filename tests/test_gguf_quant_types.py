@@ -117,3 +117,25 @@ def test_auto_holds_the_files_weights_and_greedy_matches_transformers(tmp_path: 
     for ids, out in zip(prompts, llm.generate(prompts, GREEDY)):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, pad_token_id=0)
         assert out.token_ids == ref[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_w4a8_keeps_4_bit_blocks_and_holds_every_other_type_as_int8_of_the_files_values(
+    tmp_path: Path, qtype: str
+) -> None:
+    """Under w4a8 a 4-bit block is what `auto` keeps; any other type is int8 per output of its dequantized
+    values (Q5_0's or Q6_K's blocks read as Q4_1's would be garbage weights)."""
+    path = _write(tmp_path / f"{qtype}.gguf", qtype)
+    dense = load_checkpoint(path, torch.float32, "none").state_dict
+    auto = load_checkpoint(path, torch.float32, "auto").state_dict
+    a8 = load_checkpoint(path, torch.float32, "w4a8").state_dict
+    held = [name for name, w in a8.items() if not isinstance(w, torch.Tensor)]
+    assert len(held) == LAYERS * 7  # every decoder matrix
+    for name in held:
+        w = a8[name]
+        if qtype in INT4_TYPES and isinstance(auto[name], quant.Int4Weight):
+            assert isinstance(w, quant.Int4Weight) and torch.equal(quant.dequantize(w), dense[name]), name
+            continue
+        want = quant.quantize_int8(dense[name])
+        assert isinstance(w, quant.Int8Weight), name
+        assert torch.equal(w.codes, want.codes) and torch.equal(w.scales, want.scales), name

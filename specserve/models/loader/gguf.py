@@ -189,20 +189,29 @@ def _kept_quantized(t: Any, quantization: str) -> quant.QuantizedWeight | None:
     `auto` and `int4` keep only what a kernel runs on the file's own values: GGUF's 4-bit blocks as int4
     (_gguf_int4). Other types (Q5_0, Q5_1, Q6_K, Q8_0, the other K- and I-quants) are dequantized to the
     served dtype, exactly; re-quantizing them to a coarser scale is the explicit `int8` / `int4` modes' doing
-    (models/quant.py: quantizer)."""
+    (models/quant.py: quantizer). `w4a8` keeps the 4-bit blocks as `auto` does and holds every other type as
+    int8 per output, by choice: int4 round to nearest of Gemma 3's 5- and 6-bit matrices cost 18 % perplexity
+    (docs/benchmarks.md). Only the 4-bit layouts are read as int4: another type's blocks read as Q4_1's
+    were garbage weights (Gemma 3 270M under w4a8, +12.7 % perplexity)."""
     qtype = t.tensor_type.name
     if (
         quantization not in ("auto", "int4", "w4a8")
-        or (quantization != "w4a8" and qtype not in GGUF_INT4_TYPES)
         or qtype in ("F32", "F16", "BF16")
         or len(t.shape) != 2
         or not t.name.startswith("blk.")
     ):
         return None
     k, n = (int(x) for x in t.shape)
-    if not quant.fits_int4(n, k):
+    if qtype in GGUF_INT4_TYPES and quant.fits_int4(n, k):
+        kept = _gguf_int4(np.asarray(t.data).reshape(-1), qtype, n, k)
+        if kept is not None:
+            return kept
+    if quantization != "w4a8":
         return None
-    return _gguf_int4(np.asarray(t.data).reshape(-1), qtype, n, k)
+    from gguf.quants import dequantize
+
+    w = dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k)
+    return quant.quantize_int8(torch.from_numpy(np.ascontiguousarray(w)))
 
 
 def _gguf_int4(raw: np.ndarray, qtype: str, n: int, k: int) -> quant.Int4Weight | None:
