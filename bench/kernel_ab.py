@@ -12,7 +12,10 @@ Not a test.
 - int8: the float32 int8 product, a scale per output (as int4);
 - int8-bf16: the AVX512-BF16 int8 product (bf16 rows, codes in 16-output tiles, a scale per output);
 - head: the int8 LM head a Q8_0 GGUF keeps (SmolLM2's 49,152 x 576, a scale per 32 inputs), four copies
-  in turn so that each comes from memory, at --rows rows.
+  in turn so that each comes from memory, at --rows rows;
+- w4a8 / w8a8: the integer products (activations quantized per 32 inputs; int4 codes with float16 scales
+  and offsets per group of 32, as a Q4_1 GGUF's layers keep them, or int8 a scale per output), float32 in
+  and out, at --rows rows.
 
     python bench/kernel_ab.py --base HEAD~1 [--case attention] [--batch 64] [--context 400] [--query 1]
     python bench/kernel_ab.py --base HEAD~1 --case f32 --rows 2048
@@ -85,6 +88,14 @@ def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]
         elif args.case == "int8-bf16":
             q8 = quant.quantize_int8(w)
             layers.append((k, (cpu.matmul.int8_tiles(q8.codes), q8.scales.contiguous())))
+        elif args.case == "w4a8":
+            q4 = quant.quantize_int4(w)
+            scales = cpu.matmul.by_tile(q4.scales).half()
+            offsets = cpu.matmul.by_tile(q4.zeros - 8.0 * q4.scales).half()
+            layers.append((k, (cpu.matmul.w4a8_tiles(q4.codes), scales, offsets)))
+        elif args.case == "w8a8":
+            q8 = quant.A8Weight.of(quant.quantize_int8(w)).w
+            layers.append((k, (cpu.matmul.w8a8_tiles(q8.codes), q8.scales.contiguous())))
         else:
             q8 = quant.quantize_int8(w)
             codes, scales = (q8.codes, q8.scales) if args.case == "int8" else _q8_0(w)
@@ -95,15 +106,21 @@ def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]
         args.case, cpu.matmul.int8_matmul
     )
 
-    bound: dict[object, list] = {}  # int8-bf16's products bound once per build, as the model binds them
+    # int8-bf16's and the a8 products bound once per build, as the model binds them
+    bind = {
+        "int8-bf16": cpu.matmul.bind_int8_bf16,
+        "w4a8": lambda *w: cpu.matmul.bind_w4a8(*w, torch.float32),
+        "w8a8": lambda *w: cpu.matmul.bind_w8a8(*w, torch.float32),
+    }.get(args.case)
+    bound: dict[object, list] = {}
 
     def run() -> torch.Tensor:
         # each product's bits summed by column: any changed output changes them, and they are small to keep
         sums = []
-        if args.case == "int8-bf16" and cpu.build._lib not in bound:
-            bound[cpu.build._lib] = [cpu.matmul.bind_int8_bf16(*w) for _, w in layers]
+        if bind is not None and cpu.build._lib not in bound:
+            bound[cpu.build._lib] = [bind(*w) for _, w in layers]
         for i, (k, w) in enumerate(layers):
-            if args.case == "int8-bf16":
+            if bind is not None:
                 y = bound[cpu.build._lib][i](xs[k])
             else:
                 y = product(xs[k], w) if args.case == "f32" else product(xs[k], *w)
@@ -151,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="git revision whose kernel source to compare against")
     p.add_argument(
-        "--case", choices=("attention", "f32", "int4", "int8", "int8-bf16", "head"), default="attention"
+        "--case",
+        choices=("attention", "f32", "int4", "int8", "int8-bf16", "head", "w4a8", "w8a8"),
+        default="attention",
     )
     p.add_argument("--rows", type=int, default=2048, help="activation rows of the products")
     p.add_argument("--batch", type=int, default=64)

@@ -38,6 +38,14 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
 
 
+def _bf16_prepack_works(torch) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 def _width(kind: str) -> int:
     return max(14, len(kind) + 5)
 
@@ -60,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     ours = cpu.build.load() is not None and cpu.build.quant_bf16_fast()
     torch.manual_seed(0)
+    bf16_dense = _bf16_prepack_works(torch)
     layers = []
     for _ in range(LAYERS):
         mats = []
@@ -67,14 +76,18 @@ def main(argv: list[str] | None = None) -> int:
             q8 = quant.quantize_int8(torch.randn(n, k))
             scales = q8.scales.to(torch.bfloat16)
             q4 = quant.quantize_int4(torch.randn(n, k))
-            mat = {
-                "dense": torch.ops.mkldnn._reorder_linear_weight(quant.dequantize(q8).to(torch.bfloat16)),
-                "torch int8": (q8.codes, scales),
-                "torch int4": (
-                    torch._convert_weight_to_int4pack_for_cpu(q4.codes.to(torch.int32), 2),
-                    torch.stack([q4.scales.t(), q4.zeros.t()], dim=-1).to(torch.bfloat16),
-                ),
-            }
+            mat = {}
+            # oneDNN prepacks bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has no
+            # bf16 dense baseline (its native dtype is float32: --float32)
+            if bf16_dense:
+                mat["dense"] = torch.ops.mkldnn._reorder_linear_weight(
+                    quant.dequantize(q8).to(torch.bfloat16)
+                )
+            mat["torch int8"] = (q8.codes, scales)
+            mat["torch int4"] = (
+                torch._convert_weight_to_int4pack_for_cpu(q4.codes.to(torch.int32), 2),
+                torch.stack([q4.scales.t(), q4.zeros.t()], dim=-1).to(torch.bfloat16),
+            )
             if args.float32:
                 mat["fp32 MKL"] = quant.dequantize(q8)
                 if cpu.build.load() is not None and cpu.build.quant_fast():
@@ -140,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     cpu.matmul.int4_matmul_bf16(xs[k], *w)
 
     ours_kinds = ["ours bf16", "ours int8", "ours int4", "ours int4 rows"]
-    kinds = ["dense", "torch int8", "torch int4"] + (ours_kinds if ours else [])
+    kinds = (["dense"] if bf16_dense else []) + ["torch int8", "torch int4"] + (ours_kinds if ours else [])
     fp32 = ("fp32 MKL", "fp32 ours", "fp32 int8", "fp32 int4", "fp32 int8 wide")
     a8 = ("fp32 w8a8", "fp32 w4a8", "bf16 w8a8", "bf16 w4a8")
     kinds += [kind for kind in fp32 + a8 if kind in layers[0][0][1]]
