@@ -140,30 +140,32 @@ def main(argv: list[str] | None = None) -> int:
                 f" load {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
+        # the ratios a subset of --engines allows (--engines off,auto --zero-k has no single method)
         singles = [m for m in order if m not in ("off", "auto")]
         passes = []
         for j in (0, 1):
             tok_s = {name: runs[name][j].tok_s for name in order}
-            best = max(singles, key=lambda m: tok_s[m])
-            passes.append(
-                {
-                    "tok_s": {k: round(v, 2) for k, v in tok_s.items()},
-                    "best_single": best,
-                    "auto_vs_best": round(tok_s["auto"] / tok_s[best], 3),
-                    "auto_vs_off": round(tok_s["auto"] / tok_s["off"], 3),
-                }
-            )
-        reference = runs["off"][0].greedy_outputs
+            one: dict = {"tok_s": {k: round(v, 2) for k, v in tok_s.items()}}
+            if "auto" in tok_s and singles:
+                best = max(singles, key=lambda m: tok_s[m])
+                one["best_single"] = best
+                one["auto_vs_best"] = round(tok_s["auto"] / tok_s[best], 3)
+            if "auto" in tok_s and "off" in tok_s:
+                one["auto_vs_off"] = round(tok_s["auto"] / tok_s["off"], 3)
+            passes.append(one)
+        reference = runs[order[0]][0].greedy_outputs
         same = {name: all(r.greedy_outputs == reference for r in runs[name]) for name in order}
         rows.append({"concurrency": conc, "requests": n, "passes": passes, "greedy_identical": same})
-        print(
-            f"C={conc}: auto / best single "
-            + ", ".join(f"{p['auto_vs_best']:.2f} ({p['best_single']})" for p in passes)
-            + " | auto / off "
-            + ", ".join(f"{p['auto_vs_off']:.2f}" for p in passes)
-            + f" | greedy identical: {same}",
-            flush=True,
-        )
+        parts = []
+        if "auto_vs_best" in passes[0]:
+            parts.append(
+                "auto / best single "
+                + ", ".join(f"{p['auto_vs_best']:.2f} ({p['best_single']})" for p in passes)
+            )
+        if "auto_vs_off" in passes[0]:
+            parts.append("auto / off " + ", ".join(f"{p['auto_vs_off']:.2f}" for p in passes))
+        parts.append(f"greedy identical: {same}")
+        print(f"C={conc}: " + " | ".join(parts), flush=True)
     load1 = os.getloadavg()[0]
     print(f"load {load0:.1f} -> {load1:.1f}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
