@@ -38,14 +38,6 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
 LAYERS = 30
 
 
-def _bf16_prepack_works(torch) -> bool:
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:
-        return False
-    return True
-
-
 def _width(kind: str) -> int:
     return max(14, len(kind) + 5)
 
@@ -63,12 +55,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from specserve.kernels import cpu
     from specserve.models import quant
+    from specserve.models.llama import prepacked_linear_available
 
     if args.threads:
         torch.set_num_threads(args.threads)
     ours = cpu.build.load() is not None and cpu.build.quant_bf16_fast()
     torch.manual_seed(0)
-    bf16_dense = _bf16_prepack_works(torch)
+    bf16_dense = prepacked_linear_available(torch.device("cpu"), torch.bfloat16)
     layers = []
     for _ in range(LAYERS):
         mats = []
@@ -77,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
             scales = q8.scales.to(torch.bfloat16)
             q4 = quant.quantize_int4(torch.randn(n, k))
             mat = {}
-            # oneDNN prepacks bf16 only with AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU has no
-            # bf16 dense baseline (its native dtype is float32: --float32)
+            # oneDNN prepacks bf16 only where it has bf16 kernels: an AVX2-only CPU has no bf16 dense
+            # baseline (its native dtype is float32: --float32)
             if bf16_dense:
                 mat["dense"] = torch.ops.mkldnn._reorder_linear_weight(
                     quant.dequantize(q8).to(torch.bfloat16)
