@@ -246,8 +246,11 @@ def _probe_steps(max_backoff: int, monkeypatch) -> list[int]:
     from specserve.spec import decoder
     from specserve.spec.ngram import NgramProposer
 
+    class SizedNgram(NgramProposer):  # sized up front by the request's acceptance, as a draft model is
+        priced_drafts = False
+
     monkeypatch.setattr(decoder, "MAX_BACKOFF", max_backoff)
-    spec = decoder.SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100_000)
+    spec = decoder.SpeculativeDecoder(SizedNgram(), num_speculative_tokens=4, max_model_len=100_000)
     # A memory-bound target (a step costs about the same for 1 or 9 tokens) and a cheap proposer: the
     # policy would speculate at any fair acceptance, so only the measured acceptance holds it back.
     for _ in range(4):

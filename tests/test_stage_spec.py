@@ -16,7 +16,13 @@ from specserve.engine.step import Accepted, DraftBatch, ScheduledSeq, SchedulerO
 from specserve.spec.config import SpeculativeConfig
 from specserve.spec.decoder import SpeculativeDecoder
 from specserve.spec.ngram import NgramProposer
-from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
+from specserve.spec.policy import (
+    ACCEPTANCE_PRIOR,
+    CALIBRATED_PLACES,
+    CALIBRATION_PRIOR,
+    AdaptivePolicy,
+    DraftCalibration,
+)
 from specserve.spec.verifier import VerifyBatch, verify
 
 VOCAB = 8
@@ -27,6 +33,13 @@ def make_seq(seq_id: int, prompt: list[int], decoding: bool = True, **params) ->
     seq.num_computed_tokens = seq.num_tokens - 1 if decoding else 0
     seq.status = SeqStatus.RUNNING
     return seq
+
+
+class SizedNgram(NgramProposer):
+    """N-gram drafts sized up front by the request's own acceptance, as a draft model's are (its drafts are
+    not priced token by token)."""
+
+    priced_drafts = False
 
 
 def peaked(argmaxes: list[int]) -> torch.Tensor:
@@ -145,7 +158,7 @@ def test_lookahead():
 
 
 def test_what_update_learns_moves_the_next_lookahead():
-    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec = SpeculativeDecoder(SizedNgram(), num_speculative_tokens=4, max_model_len=100)
     spec.policy = policy(MEMORY_BOUND)
     seq = make_seq(0, [1, 2, 3])
     plan = SchedulerOutput((ScheduledSeq(seq, 1, 4),))
@@ -160,7 +173,7 @@ def test_what_update_learns_moves_the_next_lookahead():
 def test_a_new_request_starts_from_the_workloads_acceptance():
     """Drafts rejected across earlier requests lower where a new one starts (it need not spend its own
     drafts proving the optimistic prior wrong); accepted ones raise it again."""
-    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec = SpeculativeDecoder(SizedNgram(), num_speculative_tokens=4, max_model_len=100)
     spec.policy = policy(MEMORY_BOUND)
     assert spec.acceptance(99) == ACCEPTANCE_PRIOR
     for i in range(12):  # twelve requests, each rejecting its four drafts once, then finishing
@@ -179,6 +192,127 @@ def test_a_new_request_starts_from_the_workloads_acceptance():
         seq = make_seq(i, [1, 2, 3])
         spec.update(SchedulerOutput((ScheduledSeq(seq, 1, 4),)), [Accepted((9, 9, 9, 9, 9), 4, 4)])
     assert spec.acceptance(1000) > 0.6
+
+
+# ---- priced drafts: DraftCalibration, AdaptivePolicy.prune, the decoder's cut ----------------------------
+
+P0 = ACCEPTANCE_PRIOR
+W = CALIBRATION_PRIOR
+
+
+def _after(rate: float, reached: float, kept: float) -> float:
+    return (kept + W * rate) / (reached + W)
+
+
+R1 = _after(P0, 1, 1)  # a place seen once and kept, after the prior
+R2 = _after(R1, 1, 1)  # ... after a place at R1
+R3 = _after(R2, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "observed, match_len, expected",
+    [
+        ([], 3, [P0, P0**2, P0**3]),  # nothing seen: the prior at every place
+        # one draft of 4 at match 3, its first token kept: place 0 went 1 / 1, place 1 0 / 1; place 2 unseen
+        # is priced as place 1
+        (
+            [(3, 4, 1)],
+            3,
+            [R1, R1 * _after(R1, 1, 0), None],
+        ),
+        ([(3, 4, 1)], 5, [P0, P0**2, P0**3]),  # another match length learns nothing from it
+        # long matches share the last bucket: a draft of 4 wholly kept, each place 1 / 1
+        (
+            [(16, 4, 4)],
+            40,
+            [R1, R1 * R2, R1 * R2 * R3],
+        ),
+    ],
+)
+def test_calibration_prices_each_place_by_its_match_length(observed, match_len, expected):
+    cal = DraftCalibration()
+    for m, proposed, accepted in observed:
+        cal.observe("suffix", True, m, proposed, accepted)
+    got = cal.probabilities("suffix", True, match_len, len(expected))
+    for j, (g, e) in enumerate(zip(got, expected)):
+        if e is None:  # an unseen place keeps the rate of the place before it
+            e = got[j - 1] * (got[j - 1] / got[j - 2] if j >= 2 else got[0])
+        assert g == pytest.approx(e)
+    assert all(a >= b for a, b in zip(got, got[1:]))
+
+
+def test_calibration_keys_greedy_apart_and_pools_late_places():
+    cal = DraftCalibration()
+    cal.observe("ngram", True, 2, 12, 12)  # a long draft wholly accepted
+    assert cal.probabilities("ngram", False, 2, 1) == [P0]  # sampled requests are priced apart
+    last = cal.counts[("ngram", True, 2, CALIBRATED_PLACES - 1)]
+    assert last[:2] == [12 - (CALIBRATED_PLACES - 1)] * 2  # places 7..11 all count at the last place
+    assert ("ngram", True, 2, CALIBRATED_PLACES) not in cal.counts
+
+
+def test_calibration_forgets_so_a_cut_bucket_is_tried_again():
+    cal = DraftCalibration(half_life=10)
+    for _ in range(20):
+        cal.observe("suffix", True, 1, 1, 0)  # one-token matches: never accepted
+    low = cal.probabilities("suffix", True, 1, 1)[0]
+    assert low < 0.1
+    for _ in range(100):  # steps with drafts priced, none of this bucket's verified
+        cal.tick()
+    assert cal.probabilities("suffix", True, 1, 1)[0] > 0.6  # its evidence has faded: back near the prior
+
+
+def test_calibration_best_is_the_best_match_length_and_never_below_the_prior():
+    cal = DraftCalibration()
+    for _ in range(10):
+        cal.observe("suffix", True, 1, 1, 0)
+    assert cal.best("suffix", True) == P0
+    for _ in range(10):
+        cal.observe("suffix", True, 12, 1, 1)
+    assert cal.best("suffix", True) == pytest.approx(_after(P0, 10, 10))
+
+
+STEP = lambda n: 0.010 + 0.002 * (n - 1)  # noqa: E731 (a verify row costs a fifth of a one-row step)
+
+
+@pytest.mark.parametrize(
+    "target, probabilities, base_tokens, sampling, expected",
+    [
+        # one request: 1 + .9 + .8 tokens in 14 ms beat 1.9 in 12 and 3.0 in 16 (the 0.3 does not pay)
+        (STEP, [[0.9, 0.8, 0.3]], 1, 1, [2]),
+        (MEMORY_BOUND, [[0.9, 0.8, 0.3]], 1, 1, [3]),  # rows cost nothing: every token with a chance
+        (STEP, [[0.05, 0.01]], 1, 1, [0]),  # no draft beats not drafting
+        # the likelier tokens of two drafts first, each draft cut to a prefix
+        (STEP, [[0.5, 0.2], [0.95, 0.9, 0.85, 0.8]], 2, 2, [0, 4]),
+        (COMPUTE_BOUND, [[0.9] * 4] * 32, 32, 32, [0] * 32),  # a draft costs what a token does: none
+    ],
+)
+def test_prune(target, probabilities, base_tokens, sampling, expected):
+    assert policy(target).prune(probabilities, base_tokens, sampling) == expected
+
+
+def test_prune_keeps_whole_drafts_until_the_target_is_measured():
+    assert AdaptivePolicy(4).prune([[0.01, 0.001], [0.5]], 2, 2) == [2, 1]
+
+
+def test_the_decoder_cuts_priced_drafts_and_learns_from_what_was_verified():
+    """An auto request's n-gram draft is cut to the tokens that pay at their calibrated chance; a fixed-k
+    request's stays whole; what the verify kept is learned by match length."""
+    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec.policy = policy(STEP)
+    spec.calibration = DraftCalibration(half_life=10**9)  # no fading within the test
+    for _ in range(50):  # 2-gram matches: the first token always kept, the second never
+        spec.calibration.observe("", True, 2, 2, 1)
+    prompt = [1, 2, 3, 4, 5, 6, 9, 1, 2]  # "1 2" recurs: drafts 3 4 5 6 at match length 2
+    auto = make_seq(0, prompt, temperature=0.0)
+    fixed = make_seq(1, prompt, temperature=0.0, speculation=4)
+    plan = SchedulerOutput((ScheduledSeq(auto, 1, 4), ScheduledSeq(fixed, 1, 4)))
+    drafts = spec.propose(plan)
+    assert drafts is not None
+    assert drafts.drafts(0) == (3,) and drafts.drafts(1) == (3, 4, 5, 6)
+    before = spec.calibration.counts[("", True, 2, 0)][:2]
+    spec.update(plan, [Accepted((3, 7), 1, 1), Accepted((3, 7), 1, 4)])
+    after = spec.calibration.counts[("", True, 2, 0)][:2]
+    assert after[0] == pytest.approx(before[0] + 1) and after[1] == pytest.approx(before[1] + 1)
 
 
 # ---- verify ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from specserve.engine.sampler import RowParams
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
-from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy
+from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy, DraftCalibration
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.suffix import FleetTree, SuffixProposer
 from specserve.spec.verifier import VerifyBatch, VerifyResult, verify
@@ -80,6 +80,9 @@ class SpeculativeDecoder:
         self.k_max = num_speculative_tokens
         self.max_model_len = max_model_len
         self.policy = AdaptivePolicy(num_speculative_tokens)
+        self.calibration = DraftCalibration()
+        # this step's priced drafts (see _price): seq_id -> (method, greedy, match_len), for update to learn
+        self._priced: dict[int, tuple[str, bool, int]] = {}
         self._state: dict[int, _SeqState] = {}
         self.num_proposed = 0  # totals over the engine's life
         self.num_accepted = 0
@@ -178,10 +181,24 @@ class SpeculativeDecoder:
             else:
                 other_tokens += 1
         if auto:
-            chosen = self.policy.choose_ks([self.acceptance(s.seq_id) for s in auto], other_tokens)
+            chosen = self.policy.choose_ks([self._lookahead_acceptance(s) for s in auto], other_tokens)
             for seq, k in zip(auto, chosen):
                 ks[seq.seq_id] = self._cap(seq, k)
         return ks
+
+    def _priced_method(self, seq: Sequence) -> str | None:
+        """The method drafting for an "auto" request if its drafts are priced token by token (_price)."""
+        method = self.methods[0] if seq.seq_id not in self._state else self._state[seq.seq_id].method
+        return method if getattr(self.proposers[method], "priced_drafts", False) else None
+
+    def _lookahead_acceptance(self, seq: Sequence) -> float:
+        """The acceptance choose_ks sizes an auto request's lookahead by: its own estimate, or where its
+        drafts are priced later (_price), what the method's best drafts are worth, so that a long match
+        finds room and the pricing cuts the rest."""
+        method = self._priced_method(seq)
+        if method is None:
+            return self.acceptance(seq.seq_id)
+        return self.calibration.best(method, seq.params.greedy)
 
     def fleet_tree(self) -> FleetTree | None:
         """Where other workers' finished outputs go for drafting (service/suffix_fleet.py feeds it): the
@@ -236,6 +253,7 @@ class SpeculativeDecoder:
                     drafts[seq.seq_id] = draft.best_chain()
         if grammar is not None:
             drafts = self._grammar_drafts(grammar, requests, drafts)
+        self._price(plan, drafts)
         k = max(k for _, k in requests)
         self.policy.draft_step_seconds.observe(len(requests), (time.perf_counter() - t0) / k)
         token_ids: list[int] = []
@@ -254,6 +272,37 @@ class SpeculativeDecoder:
             return None
         has_tree = any(p is not None for p in parents)
         return DraftBatch(tuple(token_ids), tuple(cu), tuple(parents) if has_tree else None)
+
+    def _price(self, plan: SchedulerOutput, drafts: dict[int, Draft]) -> None:
+        """Cut "auto" requests' chains from proposers that say their match length (suffix, n-gram) to the
+        tokens that pay for their verify rows: each token's chance from DraftCalibration, the step's cost
+        from the target's measured cost by token count (AdaptivePolicy.prune)."""
+        self._priced.clear()
+        priced: list[tuple[int, tuple[str, bool, int]]] = []
+        probabilities: list[list[float]] = []
+        base_tokens = sampling = 0
+        for s in plan.scheduled:
+            base_tokens += s.num_tokens
+            sampling += s.samples
+            draft = drafts.get(s.seq.seq_id) if s.num_lookahead and s.samples else None
+            if draft is None or not draft.token_ids:
+                continue
+            method = self._priced_method(s.seq) if self.is_auto(s.seq) else None
+            if method is None or not draft.match_len or draft.parents is not None:
+                base_tokens += len(draft.token_ids)
+                continue
+            key = (method, s.seq.params.greedy, draft.match_len)
+            priced.append((s.seq.seq_id, key))
+            probabilities.append(self.calibration.probabilities(*key, len(draft.token_ids)))
+        if not priced:
+            return
+        self.calibration.tick()
+        for (seq_id, key), kept in zip(priced, self.policy.prune(probabilities, base_tokens, sampling)):
+            draft = drafts[seq_id]
+            if kept < len(draft.token_ids):
+                drafts[seq_id] = Draft(draft.token_ids[:kept], match_len=draft.match_len)
+            if kept:
+                self._priced[seq_id] = key
 
     def _grammar_drafts(
         self, grammar: StructuredOutputs, requests: list[tuple[Sequence, int]], drafts: dict[int, Draft]
@@ -351,6 +400,9 @@ class SpeculativeDecoder:
             self.num_accepted += acc.num_accepted_drafts
             if acc.num_draft_tokens:
                 self._count(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
+                key = self._priced.get(seq.seq_id)
+                if key is not None:
+                    self.calibration.observe(*key, acc.num_draft_tokens, acc.num_accepted_drafts)
             if seq.is_finished:
                 self.forget(seq)
             elif acc.num_draft_tokens:

@@ -14,6 +14,7 @@ from specserve.spec.proposer import Draft
 
 class NgramProposer:
     stateless = True  # drafts it did not make may replace or extend its own (grammar-forced tokens)
+    priced_drafts = True  # proposer.Proposer
 
     def __init__(self, prompt_lookup_max: int = 4, prompt_lookup_min: int = 1) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
@@ -22,6 +23,10 @@ class NgramProposer:
         self.min_n = prompt_lookup_min
 
     def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
+        """Up to k tokens after the latest earlier occurrence of the longest final n-gram found, and n."""
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             pattern = tokens[-n:]
             # windows that start before the final n-gram itself and leave at least one token to propose
@@ -29,14 +34,15 @@ class NgramProposer:
             hits = np.flatnonzero((windows == pattern).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist()
-        return []
+                return tokens[start : start + k].tolist(), n
+        return [], 0
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         drafts = {}
         for seq, k in requests:
             tokens = np.asarray(seq.token_ids, dtype=np.int64)
-            drafts[seq.seq_id] = Draft(self.lookup(tokens, k))
+            draft, n = self.match(tokens, k)
+            drafts[seq.seq_id] = Draft(draft, match_len=n if draft else 0)
         return drafts
 
     def accepted(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

@@ -112,6 +112,82 @@ class StepCost:
         return t_lo + (t_hi - t_lo) * (n - lo) / (hi - lo)
 
 
+# Draft places and match lengths DraftCalibration tells apart; later places and longer matches share the last.
+CALIBRATED_PLACES = 8
+CALIBRATED_MATCHES = 16
+# What a place's counts weigh halves every this many steps, so a bucket whose drafts are cut for a long time
+# is assumed fair again and re-probed (the workload may have changed), and old evidence gives way to new.
+CALIBRATION_HALF_LIFE = 2000
+# The weight, in drafts, of the rate a place is assumed to have before it is seen (the place before it has).
+CALIBRATION_PRIOR = 2.0
+
+
+class DraftCalibration:
+    """How often a draft token is accepted, given that the tokens before it were, by the proposer, whether
+    the request samples greedily, the length of the context its draft continues (Draft.match_len: a suffix
+    tree's or n-gram's match) and its place in the draft. One acceptance a request, raised to a power per
+    place, prices every draft of that request alike: on agentic traffic a suffix tree's one-token matches
+    were accepted 27 % of the time and its matches of 8 or more 95 % at every place (a simulation of the
+    proposer over bench/suffix_traffic.py's greedy outputs), so a request's mean says little about the draft
+    in hand. A place not seen yet is assumed to be as good as the one before it (the first:
+    ACCEPTANCE_PRIOR), which its first few drafts then correct."""
+
+    def __init__(self, half_life: int = CALIBRATION_HALF_LIFE) -> None:
+        self.half_life = half_life
+        self.steps = 0  # tick()s so far: the clock the counts decay by
+        # (method, greedy, match bucket, place) -> [tokens that reached the place, of them accepted, as of
+        # step]
+        self.counts: dict[tuple[str, bool, int, int], list[float]] = {}
+
+    def tick(self) -> None:
+        """A step with drafts to price went by."""
+        self.steps += 1
+
+    def _seen(self, key: tuple[str, bool, int, int]) -> tuple[float, float] | None:
+        seen = self.counts.get(key)
+        if seen is None:
+            return None
+        weight = 0.5 ** ((self.steps - seen[2]) / self.half_life)
+        return seen[0] * weight, seen[1] * weight
+
+    def probabilities(self, method: str, greedy: bool, match_len: int, n: int) -> list[float]:
+        """P(draft tokens 0..j all accepted), for j < n."""
+        bucket = min(match_len, CALIBRATED_MATCHES)
+        out: list[float] = []
+        rate, reach = ACCEPTANCE_PRIOR, 1.0
+        for place in range(n):
+            if place < CALIBRATED_PLACES:
+                seen = self._seen((method, greedy, bucket, place))
+                if seen is not None:
+                    rate = (seen[1] + CALIBRATION_PRIOR * rate) / (seen[0] + CALIBRATION_PRIOR)
+            reach *= rate
+            out.append(reach)
+        return out
+
+    def observe(self, method: str, greedy: bool, match_len: int, proposed: int, accepted: int) -> None:
+        bucket = min(match_len, CALIBRATED_MATCHES)
+        for place in range(min(accepted + 1, proposed, CALIBRATED_PLACES)):
+            key = (method, greedy, bucket, place)
+            reached, kept = self._seen(key) or (0.0, 0.0)
+            # the last place stands for every later one: all of theirs that were verified count there
+            last = place == CALIBRATED_PLACES - 1
+            more = min(accepted + 1, proposed) - place if last else 1
+            good = max(min(accepted, proposed) - place, 0) if last else int(place < accepted)
+            self.counts[key] = [reached + more, kept + good, self.steps]
+
+    def best(self, method: str, greedy: bool) -> float:
+        """An acceptance no draft of this method is expected to beat at its first place: the highest of the
+        match lengths' (ACCEPTANCE_PRIOR at least, as some match length is always unseen or forgotten), for
+        sizing a request's lookahead; pricing cuts the drafts that do not reach it."""
+        best = ACCEPTANCE_PRIOR
+        for key in self.counts:
+            if key[0] == method and key[1] == greedy and key[3] == 0:
+                reached, kept = self._seen(key) or (0.0, 0.0)
+                prior = CALIBRATION_PRIOR * ACCEPTANCE_PRIOR
+                best = max(best, (kept + prior) / (reached + CALIBRATION_PRIOR))
+        return best
+
+
 def expected_tokens(acceptance: float, k: int) -> float:
     a = min(max(acceptance, 0.0), 0.999)
     return (1 - a ** (k + 1)) / (1 - a)
@@ -172,6 +248,32 @@ class AdaptivePolicy:
         # than one that tested 1, so a fresh request's optimistic prior gives way after a probe or two.
         weight = 1 - (1 - self.ewma) ** proposed
         return (1 - weight) * acceptance_ewma + weight * (accepted / proposed)
+
+    def prune(self, probabilities: list[list[float]], base_tokens: int, sampling: int) -> list[int]:
+        """How many of each draft's tokens a step verifies: the choice with the most expected tokens per
+        second of the step's measured cost. probabilities[s]: draft s's tokens' P(accepted with all before
+        it), non-increasing; base_tokens: the step's tokens besides these drafts; sampling: the sequences
+        it samples a token for. Draft tokens are taken most likely first (within a draft, in order, so each
+        keeps a prefix) and the best count of them wins; none unless that beats no drafts by 2 %, as in
+        choose_ks. Before the target's cost is measured (warm-up) every draft is kept whole."""
+        if self.target.samples < self.warmup_steps:
+            return [len(p) for p in probabilities]
+        ranked = sorted(
+            ((p, place, s) for s, draft in enumerate(probabilities) for place, p in enumerate(draft)),
+            key=lambda t: (-t[0], t[1]),
+        )
+        predict = self.target.predict
+        base_rate = sampling / max(predict(base_tokens), 1e-9)
+        best_rate, best_count, expected = base_rate * 1.02, 0, float(sampling)
+        for count, (p, _, _) in enumerate(ranked, 1):
+            expected += p
+            rate = expected / max(predict(base_tokens + count), 1e-9)
+            if rate > best_rate:
+                best_rate, best_count = rate, count
+        kept = [0] * len(probabilities)
+        for _, _, s in ranked[:best_count]:
+            kept[s] += 1
+        return kept
 
     def choose_ks(self, acceptances: list[float], other_tokens: int) -> list[int]:
         """A k for each auto request this step, given their acceptance rates and the tokens of the

@@ -14,6 +14,9 @@ class Draft:
     # A draft tree (kernels/tree.py) whose node 0 is the last token: token_ids[i - 1] is node i's token and
     # parents[i] its parent (parents[0] = -1); None: a chain
     parents: list[int] | None = None
+    # How many tokens of the context the draft continues (a suffix tree's or n-gram's match); 0: not known.
+    # The decoder prices a draft's tokens by what drafts of that match length did (policy.DraftCalibration).
+    match_len: int = 0
 
     def best_chain(self) -> Draft:
         """A tree's first-child path (each node's most likely child comes first), as a chain."""
@@ -27,6 +30,9 @@ class Draft:
 
 
 class Proposer(Protocol):
+    # Proposers whose drafts cost next to nothing to make and say their match_len (suffix, n-gram) set
+    # `priced_drafts = True`: an "auto" request then drafts as far as the proposer finds and the decoder
+    # keeps what pays (SpeculativeDecoder._price), rather than asking for k up front.
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         """Up to k draft tokens for each (sequence, k); keyed by seq_id."""
         ...

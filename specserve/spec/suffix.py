@@ -612,6 +612,7 @@ class SuffixProposer:
     # Its state is the committed tokens alone: drafts it did not make may replace or extend its own
     # (grammar-forced tokens).
     stateless = True
+    priced_drafts = True  # proposer.Proposer
 
     def __init__(
         self,
@@ -654,7 +655,8 @@ class SuffixProposer:
                     state.num_fleet = state.num_tokens
                 else:
                     state.fleet.version = -1  # not followed this step: rebuilt when it is next
-                drafts[seq.seq_id] = Draft(self.speculate(state, min(k, self.max_tokens), held).token_ids)
+                spec = self.speculate(state, min(k, self.max_tokens), held)
+                drafts[seq.seq_id] = Draft(spec.token_ids, match_len=spec.match_len if spec.token_ids else 0)
             return drafts
         finally:
             if held:
