@@ -67,6 +67,22 @@ def test_ngram_lookup(tokens, k, max_n, min_n, expected):
     assert NgramProposer(max_n, min_n).lookup(np.asarray(tokens, dtype=np.int64), k) == expected
 
 
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        ([5, 1, 7, 2, 1, 7], ([2], 2)),  # "1 7" matched: its length goes with the draft
+        ([1, 2, 3, 9, 1, 2, 3], ([9], 3)),
+        ([1, 2, 3, 4], ([], 0)),  # no draft, no match length
+    ],
+)
+def test_ngram_drafts_say_their_match_length(tokens, expected):
+    proposer = NgramProposer(4, 1)
+    assert proposer.match(np.asarray(tokens, dtype=np.int64), 1) == expected
+    seq = make_seq(0, tokens)
+    draft = proposer.propose([(seq, 1)])[0]
+    assert (draft.token_ids, draft.match_len) == expected
+
+
 # ---- the policy's k ----------------------------------------------------------------------------------------
 
 

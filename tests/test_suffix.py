@@ -139,6 +139,16 @@ def test_the_request_with_the_higher_score_drafts_from_its_tree_or_the_shared_on
     assert _draft(proposer, _seq(1, [7, 1, 2, 8, 7, 1, 2, 8, 7, 1, 2, 8, 7, 1, 2]))[0] == 8
 
 
+def test_a_draft_says_the_length_of_the_match_it_continues() -> None:
+    """The decoder prices a suffix draft by its match length (policy.DraftCalibration)."""
+    proposer = SuffixProposer(num_speculative_tokens=8, max_cached_requests=0, max_spec_factor=4.0)
+    seq = _seq(0, [5, 1, 2, 3, 4, 9, 1, 2, 3])  # "1 2 3" recurs, then 4 9 follow
+    draft = proposer.propose([(seq, 8)])[0]
+    assert draft.token_ids[:2] == [4, 9] and draft.match_len == 3
+    none = proposer.propose([(_seq(1, [1, 2, 3]), 8)])[1]
+    assert (none.token_ids, none.match_len) == ([], 0)
+
+
 def test_the_shared_tree_evicts_the_oldest_output_and_all_its_counts() -> None:
     cache = GlobalTree(max_depth=4, max_requests=2)
     for key, tokens in enumerate([[1, 2, 3, 6], [4, 5, 6], [1, 2, 7]]):
