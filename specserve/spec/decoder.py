@@ -188,7 +188,8 @@ class SpeculativeDecoder:
 
     def _priced_method(self, seq: Sequence) -> str | None:
         """The method drafting for an "auto" request if its drafts are priced token by token (_price)."""
-        method = self.methods[0] if seq.seq_id not in self._state else self._state[seq.seq_id].method
+        state = self._state.get(seq.seq_id)
+        method = self.methods[0] if state is None else state.method
         return method if getattr(self.proposers[method], "priced_drafts", False) else None
 
     def _lookahead_acceptance(self, seq: Sequence) -> float:

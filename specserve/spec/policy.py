@@ -138,10 +138,12 @@ class DraftCalibration:
         # (method, greedy, match bucket, place) -> [tokens that reached the place, of them accepted, as of
         # step]
         self.counts: dict[tuple[str, bool, int, int], list[float]] = {}
+        self._best: dict[tuple[str, bool], float] = {}  # best()'s answers until the counts or clock move
 
     def tick(self) -> None:
         """A step with drafts to price went by."""
         self.steps += 1
+        self._best.clear()
 
     def _seen(self, key: tuple[str, bool, int, int]) -> tuple[float, float] | None:
         seen = self.counts.get(key)
@@ -174,17 +176,22 @@ class DraftCalibration:
             more = min(accepted + 1, proposed) - place if last else 1
             good = max(min(accepted, proposed) - place, 0) if last else int(place < accepted)
             self.counts[key] = [reached + more, kept + good, self.steps]
+        self._best.clear()
 
     def best(self, method: str, greedy: bool) -> float:
         """An acceptance no draft of this method is expected to beat at its first place: the highest of the
         match lengths' (ACCEPTANCE_PRIOR at least, as some match length is always unseen or forgotten), for
-        sizing a request's lookahead; pricing cuts the drafts that do not reach it."""
-        best = ACCEPTANCE_PRIOR
-        for key in self.counts:
-            if key[0] == method and key[1] == greedy and key[3] == 0:
-                reached, kept = self._seen(key) or (0.0, 0.0)
-                prior = CALIBRATION_PRIOR * ACCEPTANCE_PRIOR
-                best = max(best, (kept + prior) / (reached + CALIBRATION_PRIOR))
+        sizing a request's lookahead; pricing cuts the drafts that do not reach it. Asked for every auto
+        request each step, it walks the counts once between changes."""
+        best = self._best.get((method, greedy))
+        if best is None:
+            best = ACCEPTANCE_PRIOR
+            for key in self.counts:
+                if key[0] == method and key[1] == greedy and key[3] == 0:
+                    reached, kept = self._seen(key) or (0.0, 0.0)
+                    prior = CALIBRATION_PRIOR * ACCEPTANCE_PRIOR
+                    best = max(best, (kept + prior) / (reached + CALIBRATION_PRIOR))
+            self._best[(method, greedy)] = best
         return best
 
 
