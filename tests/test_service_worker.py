@@ -278,11 +278,15 @@ async def _all_started(client, ids) -> bool:
 
 def test_requests_complete_across_a_redis_restart(valkey, tiny_model_dir, tiny_engines):
     params = {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True}
-    prompts = [f"Request number {i}:" for i in range(36)]  # more than the engine admits at once (32)
+    # Three times what the engine admits at once, so that two waves still wait in Redis when the first
+    # tokens arrive, however fast the first wave runs.
+    prompts = [f"Request number {i}:" for i in range(12)]
     ref = _reference(tiny_engines, tiny_model_dir, prompts, **params)
 
     async def main():
-        async with service_stack(valkey.url, tiny_model_dir, claim_timeout_s=5) as (_worker, client):
+        async with service_stack(
+            valkey.url, tiny_model_dir, engine_args={"max_num_seqs": 4}, claim_timeout_s=5
+        ) as (_worker, client):
             ids = [(await client.enqueue({"prompt": p, **params})).id for p in prompts]
 
             async def collect(rid):
