@@ -2,7 +2,9 @@
 acceptance priced by the target's measured step cost and each proposer's measured cost per draft step
 (AdaptivePolicy.method_rate), by acceptance alone while the costs are not yet measured; a method it has
 not drafted with is judged at that method's workload acceptance scaled by how the request fares with its
-current one."""
+current one. This choice is between proposers sized up front (a draft model, EAGLE-3, or as here an n-gram
+proposer made so): between two whose drafts are priced token by token, each step's drafts decide
+(test_stage_spec.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ from specserve.spec.decoder import SpeculativeDecoder
 from specserve.spec.ngram import NgramProposer
 from specserve.spec.policy import AdaptivePolicy, expected_tokens
 from specserve.spec.suffix import SuffixProposer
+
+
+class SizedNgram(NgramProposer):
+    priced_drafts = False
+
 
 # the target's step: 10 ms + 1 ms per query token
 BASE, PER_TOKEN = 0.010, 0.001
@@ -67,7 +74,7 @@ def test_auto_takes_the_method_with_the_best_rate(
     suffix_a: float, suffix_s: float, ngram_a: float, ngram_s: float, chosen: str
 ) -> None:
     spec = SpeculativeDecoder(
-        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+        {"suffix": SuffixProposer(4), "ngram": SizedNgram()}, num_speculative_tokens=4, max_model_len=1000
     )
     _measured(spec.policy, {"suffix": suffix_s, "ngram": ngram_s})
     spec.workload_acceptance.update(suffix=suffix_a, ngram=ngram_a)  # a new request's estimates
@@ -81,7 +88,7 @@ def test_auto_takes_the_method_with_the_best_rate(
 
 def _decoder() -> SpeculativeDecoder:
     return SpeculativeDecoder(
-        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+        {"suffix": SuffixProposer(4), "ngram": SizedNgram()}, num_speculative_tokens=4, max_model_len=1000
     )
 
 
@@ -153,7 +160,7 @@ def test_method_costs_are_the_steps_seconds_for_each_k() -> None:
 
 def test_proposing_measures_each_methods_draft_cost() -> None:
     spec = SpeculativeDecoder(
-        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+        {"suffix": SuffixProposer(4), "ngram": SizedNgram()}, num_speculative_tokens=4, max_model_len=1000
     )
     seqs = []
     for i, method in enumerate(("suffix", "ngram")):

@@ -331,6 +331,39 @@ def test_the_decoder_cuts_priced_drafts_and_learns_from_what_was_verified():
     assert after[0] == pytest.approx(before[0] + 1) and after[1] == pytest.approx(before[1] + 1)
 
 
+def test_auto_verifies_the_priced_draft_worth_most_and_learns_from_both():
+    """An auto request of an engine with two priced proposers drafts with both and verifies the draft whose
+    calibrated tokens are worth most; from the target's greedy tokens both drafts are learned from, the one
+    not verified and the chosen one's cut tail too."""
+    proposers = {"long": NgramProposer(4, 3), "short": NgramProposer(1, 1)}
+    spec = SpeculativeDecoder(proposers, num_speculative_tokens=4, max_model_len=100)
+    spec.policy = policy(STEP)
+    spec.calibration = DraftCalibration(half_life=10**9)
+    for _ in range(50):
+        spec.calibration.observe("long", True, 3, 1, 0)  # 3-gram matches of "long": never accepted
+        spec.calibration.observe("short", True, 1, 2, 1)  # 1-gram matches of "short": the first token is
+    # "1 2 3" recurs ("long" drafts 4 7 3 9 at match 3); the last "3" recurs ("short": 9 1 2 3 at match 1)
+    seq = make_seq(0, [1, 2, 3, 4, 7, 3, 9, 1, 2, 3], temperature=0.0)
+    plan = SchedulerOutput((ScheduledSeq(seq, 1, 4),))
+    assert spec.lookahead([seq]) == {0: 4}
+    drafts = spec.propose(plan)
+    assert drafts is not None and drafts.drafts(0) == (9,)  # "short"'s, cut where its chance falls
+    assert spec._state[0].method == "short"
+    before = {key: counts[:2] for key, counts in spec.calibration.counts.items()}
+    spec.update(plan, [Accepted((9, 1), 1, 1)])  # the target: 9, then 1 (where "short" drafted 1 too)
+    seen = {
+        key: [a - b for a, b in zip(counts[:2], before.get(key, [0, 0]))]
+        for key, counts in spec.calibration.counts.items()
+    }
+    assert seen[("long", True, 3, 0)] == pytest.approx([1, 0])  # 4 where the target chose 9
+    assert seen[("short", True, 1, 0)] == pytest.approx([1, 1])
+    assert seen[("short", True, 1, 1)] == pytest.approx(
+        [1, 1]
+    )  # the cut token was right: learned all the same
+    assert ("short", True, 1, 2) not in seen  # past the target's tokens nothing is known
+    assert (spec.by_method["short"], spec.by_method["long"]) == ([1, 1], [0, 0])
+
+
 # ---- verify ---------------------------------------------------------------------------------------------
 
 

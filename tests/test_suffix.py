@@ -375,9 +375,16 @@ def test_several_methods_are_one_setting_without_repeats() -> None:
         assert err.value.field.startswith("speculative_config.")
 
 
+class SizedNgram(NgramProposer):
+    """N-gram drafts sized up front, as a draft model's are: between it and the suffix tree, `auto` picks a
+    proposer per request by acceptance (between two priced proposers each step's drafts decide)."""
+
+    priced_drafts = False
+
+
 def test_auto_moves_a_request_to_the_proposer_that_does_better_for_it() -> None:
     spec = SpeculativeDecoder(
-        {"suffix": SuffixProposer(4), "ngram": NgramProposer()}, num_speculative_tokens=4, max_model_len=1000
+        {"suffix": SuffixProposer(4), "ngram": SizedNgram()}, num_speculative_tokens=4, max_model_len=1000
     )
     auto = _seq(0, [1, 2, 3])
     named = Sequence(

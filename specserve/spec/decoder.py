@@ -81,8 +81,18 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.policy = AdaptivePolicy(num_speculative_tokens)
         self.calibration = DraftCalibration()
-        # this step's priced drafts (see _price): seq_id -> (method, greedy, match_len), for update to learn
+        # the proposers whose drafts are priced token by token (_price): an "auto" request drafting with one
+        # of them drafts with each every step and verifies the draft worth most (_choose)
+        self.priced_methods = tuple(
+            m for m, p in self.proposers.items() if getattr(p, "priced_drafts", False)
+        )
+        # this step's priced drafts (see _price), for update to learn from: sampled requests' verified
+        # drafts, seq_id -> (method, greedy, match_len); greedy requests' drafts of every priced proposer,
+        # whole, seq_id -> [((method, greedy, match_len), tokens)], scored against the tokens the target chose
         self._priced: dict[int, tuple[str, bool, int]] = {}
+        self._scored: dict[int, list[tuple[tuple[str, bool, int], list[int]]]] = {}
+        # this step's drafts of the priced proposers an "auto" request did not verify (_choose)
+        self._unchosen: dict[int, dict[str, Draft]] = {}
         self._state: dict[int, _SeqState] = {}
         self.num_proposed = 0  # totals over the engine's life
         self.num_accepted = 0
@@ -126,22 +136,36 @@ class SpeculativeDecoder:
         is judged at `_untried`'s estimate, one it has at its own estimate for it."""
         state = self._seq_state(seq)
         named = seq.params.speculation
+        choosing = self._chooses_drafts(seq, state)
         if named in self.proposers:
             best = named
         else:
             best, best_value = state.method, self._value(state.acceptance, state.method, costs)
             for method in self.methods:
-                if method == state.method:
-                    continue
+                if method == state.method or (choosing and method in self.priced_methods):
+                    continue  # between priced proposers, each step's drafts decide (_choose)
                 shelved = state.shelved.get(method)
                 acceptance = self._untried(state, method) if shelved is None else shelved.acceptance
                 value = self._value(acceptance, method, costs)
                 if value > best_value:
                     best, best_value = method, value
         if best != state.method:
-            state.shelved[state.method] = _Estimate(state.acceptance, state.failed_probes)
-            taken = state.shelved.pop(best, None) or _Estimate(self._untried(state, best))
-            state.method, state.acceptance, state.failed_probes = best, taken.acceptance, taken.failed_probes
+            self._switch(state, best)
+
+    def _switch(self, state: _SeqState, method: str) -> None:
+        """The request drafts with `method` from now: its estimate for the method it leaves is shelved."""
+        state.shelved[state.method] = _Estimate(state.acceptance, state.failed_probes)
+        taken = state.shelved.pop(method, None) or _Estimate(self._untried(state, method))
+        state.method, state.acceptance, state.failed_probes = method, taken.acceptance, taken.failed_probes
+
+    def _chooses_drafts(self, seq: Sequence, state: _SeqState) -> bool:
+        """Whether this request drafts with every priced proposer each step and verifies the best draft
+        (_choose): an "auto" one (not one naming its method) that drafts with a priced proposer now."""
+        return (
+            len(self.priced_methods) > 1
+            and seq.params.speculation == "auto"
+            and state.method in self.priced_methods
+        )
 
     def _untried(self, state: _SeqState, method: str) -> float:
         """A request's acceptance with a method it has not drafted with: that method's workload acceptance,
@@ -199,7 +223,10 @@ class SpeculativeDecoder:
         method = self._priced_method(seq)
         if method is None:
             return self.acceptance(seq.seq_id)
-        return self.calibration.best(method, seq.params.greedy)
+        greedy = seq.params.greedy
+        if self._chooses_drafts(seq, self._seq_state(seq)):
+            return max(self.calibration.best(m, greedy) for m in self.priced_methods)
+        return self.calibration.best(method, greedy)
 
     def fleet_tree(self) -> FleetTree | None:
         """Where other workers' finished outputs go for drafting (service/suffix_fleet.py feeds it): the
@@ -233,18 +260,34 @@ class SpeculativeDecoder:
         if not requests:
             return None
         t0 = time.perf_counter()
+        self._unchosen.clear()
         if len(self.methods) == 1:
             drafts = self.proposer.propose(requests)
         else:
             by_method: dict[str, list[tuple[Sequence, int]]] = {}
+            choosing: list[Sequence] = []
             for seq, k in requests:
-                by_method.setdefault(self._seq_state(seq).method, []).append((seq, k))
-            drafts = {}
+                state = self._seq_state(seq)
+                if self._chooses_drafts(seq, state):
+                    choosing.append(seq)
+                    for method in self.priced_methods:
+                        by_method.setdefault(method, []).append((seq, k))
+                else:
+                    by_method.setdefault(state.method, []).append((seq, k))
+            options: dict[int, dict[str, Draft]] = {}
             for method, group in by_method.items():
                 started = time.perf_counter()
-                drafts.update(self.proposers[method].propose(group))
+                for seq_id, draft in self.proposers[method].propose(group).items():
+                    options.setdefault(seq_id, {})[method] = draft
                 depth = max(k for _, k in group)
                 self.policy.observe_draft(method, len(group), (time.perf_counter() - started) / depth)
+            drafts = {seq_id: next(iter(by.values())) for seq_id, by in options.items() if len(by) == 1}
+            if choosing:
+                row_price = self.policy.row_price(
+                    sum(s.num_tokens for s in plan.scheduled), sum(s.samples for s in plan.scheduled)
+                )
+                for seq in choosing:
+                    drafts[seq.seq_id] = self._choose(seq, options.get(seq.seq_id, {}), row_price)
         for seq, _ in requests:
             # rows whose logits depend on the tokens before them (penalties) or whose grammar cuts drafts
             # verify the tree's best chain: a chain's context is its preceding drafts, a node's its ancestors
@@ -274,11 +317,34 @@ class SpeculativeDecoder:
         has_tree = any(p is not None for p in parents)
         return DraftBatch(tuple(token_ids), tuple(cu), tuple(parents) if has_tree else None)
 
+    def _choose(self, seq: Sequence, options: dict[str, Draft], row_price: float) -> Draft:
+        """Of the priced proposers' drafts for `seq`, the one its best prefix is worth most for: the
+        calibrated chances of its tokens, less what a verify row costs in tokens (`row_price`), summed up to
+        where that sum peaks. On a tie the proposer drafting for it now keeps it. The others are kept
+        for update to learn from (greedy requests)."""
+        state = self._seq_state(seq)
+        greedy = seq.params.greedy
+        best, best_value = state.method, -1.0
+        for method, draft in options.items():
+            if not draft.token_ids or not draft.match_len or draft.parents is not None:
+                continue
+            value = total = 0.0
+            for p in self.calibration.probabilities(method, greedy, draft.match_len, len(draft.token_ids)):
+                total += p - row_price
+                value = max(value, total)
+            if value > best_value or (value == best_value and method == state.method):
+                best, best_value = method, value
+        if best != state.method:
+            self._switch(state, best)
+        self._unchosen[seq.seq_id] = {m: d for m, d in options.items() if m != best}
+        return options.get(best) or Draft([])
+
     def _price(self, plan: SchedulerOutput, drafts: dict[int, Draft]) -> None:
         """Cut "auto" requests' chains from proposers that say their match length (suffix, n-gram) to the
         tokens that pay for their verify rows: each token's chance from DraftCalibration, the step's cost
         from the target's measured cost by token count (AdaptivePolicy.prune)."""
         self._priced.clear()
+        self._scored.clear()
         priced: list[tuple[int, tuple[str, bool, int]]] = []
         probabilities: list[list[float]] = []
         base_tokens = sampling = 0
@@ -292,9 +358,18 @@ class SpeculativeDecoder:
             if method is None or not draft.match_len or draft.parents is not None:
                 base_tokens += len(draft.token_ids)
                 continue
-            key = (method, s.seq.params.greedy, draft.match_len)
+            greedy = s.seq.params.greedy
+            key = (method, greedy, draft.match_len)
             priced.append((s.seq.seq_id, key))
             probabilities.append(self.calibration.probabilities(*key, len(draft.token_ids)))
+            if greedy:
+                # whole, and the drafts not chosen too: a greedy target's tokens say how far each would
+                # have been accepted, so a cut token is still learned from
+                scored = [(key, draft.token_ids)]
+                for other, unchosen in self._unchosen.get(s.seq.seq_id, {}).items():
+                    if unchosen.token_ids and unchosen.match_len and unchosen.parents is None:
+                        scored.append(((other, True, unchosen.match_len), unchosen.token_ids))
+                self._scored[s.seq.seq_id] = scored
         if not priced:
             return
         self.calibration.tick()
@@ -302,7 +377,7 @@ class SpeculativeDecoder:
             draft = drafts[seq_id]
             if kept < len(draft.token_ids):
                 drafts[seq_id] = Draft(draft.token_ids[:kept], match_len=draft.match_len)
-            if kept:
+            if kept and not key[1]:
                 self._priced[seq_id] = key
 
     def _grammar_drafts(
@@ -399,6 +474,8 @@ class SpeculativeDecoder:
             seq = s.seq
             self.num_proposed += acc.num_draft_tokens
             self.num_accepted += acc.num_accepted_drafts
+            for key, draft in self._scored.get(seq.seq_id, ()):
+                self._score(key, draft, acc.token_ids)
             if acc.num_draft_tokens:
                 self._count(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
                 key = self._priced.get(seq.seq_id)
@@ -410,6 +487,16 @@ class SpeculativeDecoder:
                 self.observe(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
             elif s.num_tokens == 1 and not s.num_lookahead and self.is_auto(seq):
                 self.observe(seq, 0, 0)
+
+    def _score(self, key: tuple[str, bool, int], draft: list[int], emitted: Seq[int]) -> None:
+        """What a greedy request's draft would have had accepted, verified whole: as many tokens as it
+        shares with the tokens the target chose (its accepted drafts, then its own token). A draft that
+        agrees with all of them is known to be right that far and no further."""
+        n = min(len(draft), len(emitted))
+        agree = 0
+        while agree < n and draft[agree] == emitted[agree]:
+            agree += 1
+        self.calibration.observe(*key, n if agree == n else len(draft), agree)
 
     def _count(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         """A verified draft's tokens, for the engine's and the request's counters of the method that

@@ -256,6 +256,14 @@ class AdaptivePolicy:
         weight = 1 - (1 - self.ewma) ** proposed
         return (1 - weight) * acceptance_ewma + weight * (accepted / proposed)
 
+    def row_price(self, base_tokens: int, sampling: int) -> float:
+        """The tokens a step of `base_tokens` that samples for `sampling` sequences forgoes by verifying one
+        more row: its rate times the row's measured cost (0 before the target's cost is measured)."""
+        if self.target.samples < self.warmup_steps:
+            return 0.0
+        seconds = self.target.predict(base_tokens)
+        return sampling / max(seconds, 1e-9) * max(self.target.predict(base_tokens + 1) - seconds, 0.0)
+
     def prune(self, probabilities: list[list[float]], base_tokens: int, sampling: int) -> list[int]:
         """How many of each draft's tokens a step verifies: the choice with the most expected tokens per
         second of the step's measured cost. probabilities[s]: draft s's tokens' P(accepted with all before
