@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from specserve.service import config as cfg_mod
+from specserve.spec.config import SpeculativeConfig
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -28,9 +29,13 @@ def test_defaults():
     assert c.keys_list() == []
     # n-gram speculation is on by default (README: chat traffic gains at 1 in flight and is level at 8 and 32,
     # as requests' "auto" backs off); --speculative-method none turns it off
-    assert c.speculative_config() == {"method": "ngram", "num_speculative_tokens": 4}
+    # (k unset: the engine's default by method, spec/config.py: 4 for n-gram, suffix's tree depth for suffix)
+    assert c.speculative_config() == {"method": "ngram"}
+    assert SpeculativeConfig.from_dict(c.speculative_config()).num_speculative_tokens == 4
     off = cfg_mod.from_args(_parse(["--speculative-method", "none"]), environ={})
     assert off.speculative_config() is None
+    suffix = cfg_mod.from_args(_parse(["--speculative-method", "suffix"]), environ={})
+    assert SpeculativeConfig.from_dict(suffix.speculative_config()).num_speculative_tokens == 16
 
 
 def test_environment_names_and_flag_precedence(tmp_path):

@@ -435,3 +435,18 @@ def test_engine_config_turns_a_dict_into_a_speculative_config():
     cfg = EngineConfig(speculative_config={"method": "ngram", "prompt_lookup_max": 3})
     assert cfg.speculative_config == SpeculativeConfig("ngram", 4, None, 3, 1)
     assert EngineConfig(speculative_config={}).speculative_config is None
+
+
+@pytest.mark.parametrize(
+    "config, k",
+    [
+        ({"method": "ngram"}, 4),
+        ({"method": "suffix"}, 16),  # vLLM's: the tree depth (24), here capped at the most a step takes
+        ({"method": "suffix,ngram"}, 16),
+        ({"method": "suffix", "suffix_decoding_max_tree_depth": 6}, 6),
+        ({"method": "suffix", "num_speculative_tokens": 3}, 3),  # asked for: as asked
+        ({"method": "ngram", "num_speculative_tokens": 9}, 9),
+    ],
+)
+def test_num_speculative_tokens_defaults_by_method(config, k):
+    assert SpeculativeConfig.from_dict(config).num_speculative_tokens == k

@@ -168,7 +168,12 @@ class ServiceConfig:
         None,
         "draft model (method draft_model), or an EAGLE-3 head's directory in speculators' format (eagle3)",
     )
-    num_speculative_tokens: int = _opt("SPECSERVE_NUM_SPEC_TOKENS", 4, "draft tokens per step (upper bound)")
+    num_speculative_tokens: int | None = _opt(
+        "SPECSERVE_NUM_SPEC_TOKENS",
+        None,
+        "draft tokens per step (upper bound); unset: 16 with suffix (its tree depth, vLLM's default), else 4",
+        kind=int,
+    )
     speculative_token_tree: str | None = _opt(
         "SPECSERVE_SPEC_TOKEN_TREE",
         None,
@@ -589,10 +594,9 @@ class ServiceConfig:
     def speculative_config(self) -> dict[str, Any] | None:
         if self.speculative_method == "none":
             return None
-        spec: dict[str, Any] = {
-            "method": self.speculative_method,
-            "num_speculative_tokens": self.num_speculative_tokens,
-        }
+        spec: dict[str, Any] = {"method": self.speculative_method}
+        if self.num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = self.num_speculative_tokens
         if self.speculative_model:
             spec["model"] = self.speculative_model
         if self.prompt_lookup_max is not None:

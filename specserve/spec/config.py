@@ -11,11 +11,16 @@ from specserve.engine.errors import InvalidParameter
 from specserve.engine.sampling_params import MAX_SPECULATIVE_TOKENS
 from specserve.engine.sampling_params import SPECULATION_METHODS as METHODS
 
+# Draft tokens per step where none are asked for and suffix is not a method (n-gram, draft model, EAGLE-3).
+DEFAULT_K = 4
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int = 4
+    # unset: vLLM's defaults, suffix's tree depth (up to MAX_SPECULATIVE_TOKENS) where suffix is one of the
+    # methods (its drafts are as long as its match supports, and priced token by token), else DEFAULT_K
+    num_speculative_tokens: int | None = None
     model: str | None = None  # the draft model's path (method "draft_model"), the head's ("eagle3")
     prompt_lookup_max: int = 4  # n-gram lengths tried, longest first (method "ngram")
     prompt_lookup_min: int = 1
@@ -36,6 +41,12 @@ class SpeculativeConfig:
         methods = self.methods
         if not all(m in METHODS for m in methods) or len(set(methods)) != len(methods):
             _fail("method", f"must be one of {METHODS} or several, comma-separated, not {self.method!r}")
+        if self.num_speculative_tokens is None:
+            depth = self.suffix_decoding_max_tree_depth
+            k = DEFAULT_K
+            if "suffix" in methods and _is_int(depth):
+                k = max(1, min(depth, MAX_SPECULATIVE_TOKENS))
+            object.__setattr__(self, "num_speculative_tokens", k)
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             _fail("num_speculative_tokens", f"must be in [1, {MAX_SPECULATIVE_TOKENS}], not {k!r}")
