@@ -362,6 +362,12 @@ def test_auto_verifies_the_priced_draft_worth_most_and_learns_from_both():
     )  # the cut token was right: learned all the same
     assert ("short", True, 1, 2) not in seen  # past the target's tokens nothing is known
     assert (spec.by_method["short"], spec.by_method["long"]) == ([1, 1], [0, 0])
+    # a later step with no drafts learns nothing (the last step's drafts are not scored again)
+    counts = {key: c[:2] for key, c in spec.calibration.counts.items()}
+    plain = SchedulerOutput((ScheduledSeq(seq, 1, 0),))
+    assert spec.propose(plain) is None
+    spec.update(plain, [Accepted((5,), 0, 0)])
+    assert {key: c[:2] for key, c in spec.calibration.counts.items()} == counts
 
 
 # ---- verify ---------------------------------------------------------------------------------------------

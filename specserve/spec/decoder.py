@@ -256,11 +256,14 @@ class SpeculativeDecoder:
     # ---- the step --------------------------------------------------------------------------------------
 
     def propose(self, plan: SchedulerOutput, grammar: StructuredOutputs | None = None) -> DraftBatch | None:
+        # what update learns from is this step's alone: a step without drafts must not score the last one's
+        self._priced.clear()
+        self._scored.clear()
+        self._unchosen.clear()
         requests = [(s.seq, s.num_lookahead) for s in plan.scheduled if s.num_lookahead and s.samples]
         if not requests:
             return None
         t0 = time.perf_counter()
-        self._unchosen.clear()
         if len(self.methods) == 1:
             drafts = self.proposer.propose(requests)
         else:
@@ -343,8 +346,6 @@ class SpeculativeDecoder:
         """Cut "auto" requests' chains from proposers that say their match length (suffix, n-gram) to the
         tokens that pay for their verify rows: each token's chance from DraftCalibration, the step's cost
         from the target's measured cost by token count (AdaptivePolicy.prune)."""
-        self._priced.clear()
-        self._scored.clear()
         priced: list[tuple[int, tuple[str, bool, int]]] = []
         probabilities: list[list[float]] = []
         base_tokens = sampling = 0
@@ -487,6 +488,8 @@ class SpeculativeDecoder:
                 self.observe(seq, acc.num_draft_tokens, acc.num_accepted_drafts)
             elif s.num_tokens == 1 and not s.num_lookahead and self.is_auto(seq):
                 self.observe(seq, 0, 0)
+        self._priced.clear()
+        self._scored.clear()
 
     def _score(self, key: tuple[str, bool, int], draft: list[int], emitted: Seq[int]) -> None:
         """What a greedy request's draft would have had accepted, verified whole: as many tokens as it
