@@ -83,6 +83,27 @@ def test_ngram_drafts_say_their_match_length(tokens, expected):
     assert (draft.token_ids, draft.match_len) == expected
 
 
+def _ngram_by_windows(tokens: list[int], k: int, max_n: int, min_n: int) -> tuple[list[int], int]:
+    """The n-gram lookup as defined: for n from the longest down, the latest window of n tokens before the
+    final one that equals the final n tokens; the k tokens after it."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == tokens[-n:]:
+                return tokens[end + 1 : end + 1 + k], n
+    return [], 0
+
+
+def test_ngram_lookup_is_the_definition_on_random_contexts():
+    rng = np.random.default_rng(0)
+    for trial in range(400):
+        tokens = rng.integers(0, 1 + trial % 6, size=int(rng.integers(1, 40))).tolist()
+        max_n = int(rng.integers(1, 6))
+        min_n = int(rng.integers(1, max_n + 1))
+        k = int(rng.integers(1, 6))
+        got = NgramProposer(max_n, min_n).match(np.asarray(tokens, dtype=np.int64), k)
+        assert got == _ngram_by_windows(tokens, k, max_n, min_n), (tokens, k, max_n, min_n)
+
+
 # ---- the policy's k ----------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,6 @@ No model and no state: a vectorised search over prompt + output per sequence, lo
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specserve.engine.sequence import Sequence
 from specserve.spec.proposer import Draft
@@ -26,16 +25,32 @@ class NgramProposer:
         return self.match(tokens, k)[0]
 
     def match(self, tokens: np.ndarray, k: int) -> tuple[list[int], int]:
-        """Up to k tokens after the latest earlier occurrence of the longest final n-gram found, and n."""
-        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            pattern = tokens[-n:]
-            # windows that start before the final n-gram itself and leave at least one token to propose
-            windows = sliding_window_view(tokens[:-1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start : start + k].tolist(), n
-        return [], 0
+        """Up to k tokens after the latest earlier occurrence of the longest final n-gram found, and n.
+
+        Every earlier occurrence of the last token is a candidate end; each is extended backwards while it
+        agrees with the context, one vectorised compare over the survivors per n. A window compare over the
+        whole context per n took 5.0 ms a step for 32 sequences of 600 tokens, this 1.4 ms
+        (`python bench/propose_cost.py`, 2-core AVX2 EPYC), and `auto` runs this proposer beside suffix
+        for every request each step."""
+        cap = min(self.max_n, len(tokens) - 1)
+        if cap < self.min_n:
+            return [], 0
+        ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # earlier occurrences of the last token
+        if not ends.size:
+            return [], 0
+        length = np.ones(ends.size, dtype=np.int64)  # how far back each still agrees with the context
+        alive = np.ones(ends.size, dtype=bool)
+        for back in range(1, cap):
+            alive &= ends >= back
+            alive[alive] = tokens[ends[alive] - back] == tokens[-1 - back]
+            if not alive.any():
+                break
+            length += alive
+        n = int(length.max())
+        if n < self.min_n:
+            return [], 0
+        start = int(ends[np.flatnonzero(length >= n)[-1]]) + 1
+        return tokens[start : start + k].tolist(), n
 
     def propose(self, requests: list[tuple[Sequence, int]]) -> dict[int, Draft]:
         drafts = {}
