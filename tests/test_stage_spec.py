@@ -362,7 +362,7 @@ def test_auto_verifies_the_priced_draft_worth_most_and_learns_from_both():
     spec.calibration = DraftCalibration(half_life=10**9)
     for _ in range(50):
         spec.calibration.observe("long", True, 3, 1, 0)  # 3-gram matches of "long": never accepted
-        spec.calibration.observe("short", True, 1, 2, 1)  # 1-gram matches of "short": the first token is
+        spec.calibration.observe("short", True, 1, 2, 1)  # "short"'s 1-gram matches: the first token only
     # "1 2 3" recurs ("long" drafts 4 7 3 9 at match 3); the last "3" recurs ("short": 9 1 2 3 at match 1)
     seq = make_seq(0, [1, 2, 3, 4, 7, 3, 9, 1, 2, 3], temperature=0.0)
     plan = SchedulerOutput((ScheduledSeq(seq, 1, 4),))
@@ -378,9 +378,8 @@ def test_auto_verifies_the_priced_draft_worth_most_and_learns_from_both():
     }
     assert seen[("long", True, 3, 0)] == pytest.approx([1, 0])  # 4 where the target chose 9
     assert seen[("short", True, 1, 0)] == pytest.approx([1, 1])
-    assert seen[("short", True, 1, 1)] == pytest.approx(
-        [1, 1]
-    )  # the cut token was right: learned all the same
+    # the cut token was right: learned all the same
+    assert seen[("short", True, 1, 1)] == pytest.approx([1, 1])
     assert ("short", True, 1, 2) not in seen  # past the target's tokens nothing is known
     assert (spec.by_method["short"], spec.by_method["long"]) == ([1, 1], [0, 0])
     # a later step with no drafts learns nothing (the last step's drafts are not scored again)
