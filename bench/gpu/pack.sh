@@ -32,6 +32,12 @@ done
 W1=../shared/bench/workload.py
 if [ -f "$W1" ]; then "$PY" "$W1" 256 > .gpu/w1_256.jsonl; fi
 
+# the EAGLE-3 training prompts (device.sh eagle), read from the package text installed here: the GPU
+# machine's packages are others, and the prompts file is what makes the head's run repeatable
+if [ ! -f .gpu/eagle_prompts.jsonl ]; then
+  "$PY" tools/train_eagle.py --export-prompts .gpu/eagle_prompts.jsonl --num-prompts 6000
+fi
+
 # the demo model, split in two
 GGUF=$("$PY" -c "from specserve.models.loader import demo_model_path; print(demo_model_path())")
 head -c 38000000 "$GGUF" > .gpu/model.part-a
