@@ -75,8 +75,12 @@ def header() -> dict[str, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         info["gpu"] = f"no nvidia-smi ({exc.__class__.__name__})"
     try:
+        # "-dirty" where the tree that ran is not the commit: the lent machine gets the working tree, whose
+        # .git may name an older HEAD than the files beside it
         info["commit"] = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty", "--abbrev=7"],
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     except OSError:
         info["commit"] = "unknown"
