@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+import specserve.cache
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -92,10 +94,7 @@ _paths = 0  # specserve_paths() of the loaded library
 
 
 def cache_dir() -> Path:
-    if os.environ.get("SPECSERVE_CACHE_DIR"):
-        return Path(os.environ["SPECSERVE_CACHE_DIR"]) / "kernels"
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "specserve" / "kernels"
+    return specserve.cache.cache_dir("kernels")
 
 
 def _cpu_signature() -> str:

@@ -18,6 +18,8 @@ from specserve.models.loader.state import Transform, cast, keep
 if TYPE_CHECKING:
     import gguf
 
+    from specserve.models.loader.gguf_header import GGUFHeader
+
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
@@ -292,7 +294,7 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader: gguf.GGUFReader, arch: str, p: Path) -> dict[str, Any]:
+def gguf_config(reader: gguf.GGUFReader | GGUFHeader, arch: str, p: Path) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return field(reader, f"{arch}.{key}", default)
 
@@ -396,7 +398,7 @@ def _gguf_rope_scaling(get: Any) -> dict[str, Any] | None:
     return scaling
 
 
-def field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def field(reader: gguf.GGUFReader | GGUFHeader, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
