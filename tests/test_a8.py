@@ -4,6 +4,8 @@ the quantized model, the form table's choice, and what a GGUF keeps."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -71,6 +73,65 @@ def test_a8_greedy_matches_transformers_running_the_same_integer_arithmetic(tiny
         assert out.token_ids == ref[0, len(prompt) :].tolist()
 
 
+def _with_q8_0_head(path, out):
+    """A copy of the model at `path` whose LM head holds exactly Q8_0 blocks' values, as a GGUF's Q8_0 head
+    dequantized does (the tied embedding with it)."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(path, out)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        head = hf.lm_head.weight
+        head.copy_(quant.dequantize(quant.quantize_int8_grouped(head)))
+    hf.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("shape", ["llama_gqa_tied", "llama3_untied"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_q8_0_head_runs_on_int8_activations_as_the_reference(tiny_model_factory, tmp_path, shape, mode):
+    """A w*a8 model's Q8_0 head (a GGUF's) runs llama.cpp's Q8_0 x Q8_0 arithmetic at every step size: the
+    engine equals transformers with that head's product in the reference arithmetic too, and speculation
+    (verify steps of several rows) stays lossless."""
+    path = _with_q8_0_head(tiny_model_factory(shape), tmp_path / "q8_0")
+    hf = _hf_in_a8(path, mode)
+    q8 = quant.quantize_int8_grouped(hf.lm_head.weight.detach())
+    hf.lm_head.forward = lambda x: reference_a8.w8a8_grouped_matmul(
+        x.reshape(-1, x.shape[-1]), q8.codes, q8.scales
+    ).reshape(*x.shape[:-1], -1)
+    llm = LLM(str(path), dtype="float32", quantization=mode, num_kv_blocks=256)
+    head = llm.engine.model.lm_head
+    assert isinstance(head, quant.PackedA8) and head.grouped
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(ids, params)]
+    for prompt, out in zip(ids, ours):
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        assert out == ref[0, len(prompt) :].tolist()
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    drafted = LLM(str(path), dtype="float32", quantization=mode, num_kv_blocks=256, speculative_config=spec)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    looped = [p * 3 for p in ids]  # prompts that repeat themselves: drafts to verify
+    want = [o.token_ids for o in llm.generate(looped, long)]
+    got = drafted.generate(looped, long)
+    assert [o.token_ids for o in got] == want
+    assert sum(o.usage.draft_proposed for o in got) > 0
+
+
+def test_a_head_that_is_not_q8_0_blocks_stays_as_the_weight_only_modes_run_it(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), dtype="float32", quantization="w4a8", num_kv_blocks=64)
+    assert not isinstance(llm.engine.model.lm_head, quant.PackedA8)
+    w = torch.randn(32, 64)
+    q = quant.quantize_int8_grouped(w)
+    exact = quant.dequantize(q)
+    assert quant.a8_head(w, torch.float32) is None
+    assert torch.equal(quant.a8_head(exact, torch.float32).w.codes, q.codes)
+    # a file's code of -128 (AVX2's sign trick cannot take it): not an a8 head
+    low = quant.Int8Weight(q.codes.clone(), q.scales)
+    low.codes[0, 0] = -128
+    assert quant.a8_head(quant.dequantize(low).to(torch.bfloat16), torch.bfloat16, low) is None
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_on_an_a8_target_is_lossless(tiny_model_dir, mode, method):
@@ -110,6 +171,20 @@ def test_without_integer_simd_the_torch_form_runs_the_same_arithmetic(monkeypatc
     assert slow.library_products() == [(float("inf"), None)]  # torch's: not a layer chain's product
     if fast.few is linear.OWN_A8:
         assert fast.library_products() == [(float("inf"), fast._product)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_q8_0_head_without_integer_simd_gives_the_same_float32_logits(monkeypatch, dtype):
+    torch.manual_seed(0)
+    head = quant.a8_head(quant.dequantize(quant.quantize_int8_grouped(torch.randn(48, 96))), torch.float32)
+    x = torch.randn(5, 96).to(dtype)
+    fast = quant.PackedA8(head, dtype, torch.device("cpu"))
+    monkeypatch.setattr(cpu.build, "_paths", cpu.build._paths & ~cpu.build.PATH_INT_DOT)
+    slow = quant.PackedA8(head, dtype, torch.device("cpu"))
+    assert slow.few is linear.TORCH_A8
+    logits = fast.mm(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, slow.mm(x))
+    assert torch.equal(logits[2:3], fast.mm(x[2:3]))  # a row's logits whatever the step's rows
 
 
 def test_the_table_refuses_what_the_integer_products_cannot_take():

@@ -128,6 +128,27 @@ def test_w4a8_with_float16_scales_and_offsets_equals_the_reference(monkeypatch, 
     assert torch.equal(cpu.matmul.bind_w4a8(tiles, by_tile(scales), by_tile(offsets), dtype)(x), want)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_w8a8_grouped_matmul_equals_the_reference(monkeypatch, isa, rows, shape) -> None:
+    """A Q8_0 matrix (int8 codes, a scale per group of 32) on int8 activations, its scales as float32 and as
+    float16 bits (a GGUF's): the same values either way, subnormal and zero scales too."""
+    cpu = _variant(monkeypatch, isa)
+    n, k = shape
+    codes, _ = _w8(n, k, seed=rows)
+    scales = (torch.rand(n, k // 32, generator=torch.Generator().manual_seed(rows)) * 0.02 + 1e-3).half()
+    scales[0, 0], scales[-1, -1] = 3e-7, 0.0
+    scales = scales.float()
+    x = _activations(rows, k, torch.float32, seed=rows + 7)
+    tiles, by_tile = cpu.matmul.w8a8_tiles(codes), cpu.matmul.by_tile
+    want = ref.w8a8_grouped_matmul(x, codes, scales)
+    for kept in (torch.float32, torch.float16):
+        product = cpu.matmul.bind_w8a8_grouped(tiles, by_tile(scales, kept))
+        got = product(x)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (kept, product.name)
+
+
 def test_w4a8_scales_and_offsets_share_a_dtype(monkeypatch) -> None:
     cpu = _variant(monkeypatch, "native")
     codes, scales, offsets = _w4(16, 32, seed=0)
@@ -145,7 +166,12 @@ def test_the_reference_is_near_the_float_product() -> None:
     dense8 = codes.double() * scales.double()[:, None]
     c4, s4, o4 = _w4(n, k, seed=4)
     dense4 = (c4.double().view(n, -1, 32) * s4.double()[..., None] + o4.double()[..., None]).view(n, k)
-    for got, w in ((ref.w8a8_matmul(x, codes, scales), dense8), (ref.w4a8_matmul(x, c4, s4, o4), dense4)):
+    denseg = (codes.double().view(n, -1, 32) * s4.double()[..., None]).view(n, k)
+    for got, w in (
+        (ref.w8a8_matmul(x, codes, scales), dense8),
+        (ref.w4a8_matmul(x, c4, s4, o4), dense4),
+        (ref.w8a8_grouped_matmul(x, codes, s4), denseg),
+    ):
         want = x.double() @ w.t()
         # each input's error is at most half a code of its block: |x - d q| <= d / 2
         bound = (x.double().abs().view(9, -1, 32).amax(-1) / 254).repeat_interleave(32, dim=1) @ w.abs().t()

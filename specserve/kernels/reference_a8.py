@@ -8,6 +8,8 @@ summed in input order:
 - w8a8 (int8 codes, a scale per output): acc += d_b * dot_b; out = acc * scale
 - w4a8 (codes 0..15, scale and offset per output and block of 32, w = code * scale + offset):
   acc += d_b * (scale_b * dot_b + offset_b * sum_b), sum_b the block's activation codes summed
+- w8a8 grouped (int8 codes, a scale per output and block of 32: a Q8_0 matrix, llama.cpp's Q8_0 x Q8_0):
+  acc += d_b * (scale_b * dot_b)
 """
 
 from __future__ import annotations
@@ -75,6 +77,22 @@ def w4a8_matmul(
         for b in range(dots.shape[0]):
             t = s[None, :, b] * dots[b] + o[None, :, b] * fs[:, b, None]
             acc = acc + d[:, b, None] * t
+        return acc
+
+    return _by_rows(x, codes.shape[0], one)
+
+
+def w8a8_grouped_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, k] times w^T, w = codes [n, k] int8 * scales per block of 32 inputs ([n, k // 32])
+    -> [rows, n] in x's dtype."""
+
+    def one(rows: torch.Tensor) -> torch.Tensor:
+        xq, d, _ = quantize_activations(rows)
+        dots = _block_dots(xq, codes)
+        acc = torch.zeros(rows.shape[0], codes.shape[0])
+        s = scales.float()
+        for b in range(dots.shape[0]):
+            acc = acc + d[:, b, None] * (s[None, :, b] * dots[b])
         return acc
 
     return _by_rows(x, codes.shape[0], one)

@@ -302,12 +302,11 @@ class LlamaModel:
                 copy_mm = copy if isinstance(copy, quant.DensePanels) else dense_mm(copy)
             return quant.pack(w, self.dtype, self.device, copy_mm, invariant)
 
-        quantized = False
+        quantized = a8 = False
         for layer in self.layers:
-            quantized |= any(
-                isinstance(w, quant.Int8Weight | quant.Int4Weight | quant.A8Weight)
-                for w in [layer.qkv, layer.o, layer.gate_up, layer.down, *sum(layer.experts, ())]
-            )
+            weights = [layer.qkv, layer.o, layer.gate_up, layer.down, *sum(layer.experts, ())]
+            quantized |= any(isinstance(w, quant.QuantizedWeight) for w in weights)
+            a8 |= any(isinstance(w, quant.A8Weight) for w in weights)
             layer.qkv, layer.o = pack(layer.qkv), pack(layer.o)
             if layer.router is None:
                 layer.gate_up, layer.down = pack(layer.gate_up), pack(layer.down)
@@ -319,11 +318,13 @@ class LlamaModel:
         # many-row steps of an int8 head too: SmolLM2's fp32 head at 18 rows took 22 ms a decode step in
         # MKL's sgemm, a third of the step (bench/profile_step.py --dtype float32, Zen 4).
         head = dense_form(self.lm_head)
-        if quantized:  # few-row logits from an int8 copy where our float32 kernels run (quant.head_form)
+        # few-row logits from an int8 copy where our float32 kernels run (quant.head_form); a w*a8 model's
+        # Q8_0 head on int8 activations (quant.a8_head)
+        if quantized:
             int8_head = quant.pack_head(
-                self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0, invariant
+                self.lm_head, dense_mm(head), self.dtype, self.device, head_q8_0, invariant, a8
             )
-            head = int8_head if isinstance(int8_head, quant.PackedInt8) else head
+            head = int8_head if isinstance(int8_head, quant.PackedInt8 | quant.PackedA8) else head
         self.lm_head = head
         self.linear = quant.with_packed(dense) if quantized or panels else dense
 

@@ -65,7 +65,8 @@ class Int4Weight:
 @dataclass(frozen=True)
 class A8Weight:
     """A matrix of a w8a8 / w4a8 model: int8 codes in -127..127 with a scale per output (AVX2's sign trick
-    negates them), or int4 in groups of 32; its products quantize their activations first (a8)."""
+    negates them), or int4 in groups of 32, or (the LM head: a8_head) int8 with a scale per group of 32, a
+    Q8_0 matrix kept as its blocks; its products quantize their activations first (a8)."""
 
     w: Int8Weight | Int4Weight
 
@@ -475,37 +476,48 @@ class PackedInt4(_Packed):
 class PackedA8(_Packed):
     """A w8a8 / w4a8 matrix: our integer products (linear.OWN_A8) on its tiles, or the same arithmetic in
     torch (linear.TORCH_A8) on the codes as stored. Ours is also a layer chain's product (cpu.chain): a
-    batch-1 step is otherwise mostly the Python loop's calls between products."""
+    batch-1 step is otherwise mostly the Python loop's calls between products. A Q8_0 head (grouped int8)
+    takes float32 rows and gives float32 logits whatever the model's dtype."""
 
     def __init__(self, w: A8Weight, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__(w, dtype, device, None)
         inner = w.w
         self.int4 = isinstance(inner, Int4Weight)
+        self.grouped = not self.int4 and inner.scales.dim() == 2
         self.codes = inner.codes.to(device)
         self.scales = inner.scales.to(device=device, dtype=torch.float32).contiguous()
         # w = code * scale + (zero - 8 * scale): the offset the w4a8 arithmetic adds per block
         self.offsets = (inner.zeros - 8.0 * inner.scales).float().to(device) if self.int4 else None
         self._product: cpu.matmul.Product | None = None
         if self.few is linear.OWN_A8:
+            by_tile = cpu.matmul.by_tile
             if self.int4:
                 tiles = cpu.matmul.w4a8_tiles(self.codes)
                 # float16 where that holds every value (a GGUF's Q4_0 / Q4_1 blocks): a quarter fewer
                 # bytes a weight for a batch-1 step to read, the same arithmetic
                 fits = cpu.matmul.fits_half(self.scales) and cpu.matmul.fits_half(self.offsets)
                 kept = torch.float16 if fits else torch.float32
-                by_tile = cpu.matmul.by_tile
                 self._product = cpu.matmul.bind_w4a8(
                     tiles, by_tile(self.scales, kept), by_tile(self.offsets, kept), dtype
+                )
+            elif self.grouped:  # a Q8_0 head's float16 scales likewise
+                kept = torch.float16 if cpu.matmul.fits_half(self.scales) else torch.float32
+                self._product = cpu.matmul.bind_w8a8_grouped(
+                    cpu.matmul.w8a8_tiles(self.codes), by_tile(self.scales, kept)
                 )
             else:
                 self._product = cpu.matmul.bind_w8a8(cpu.matmul.w8a8_tiles(self.codes), self.scales, dtype)
             del self.codes  # the tiles hold them
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grouped:
+            x = x.float()
         if self._product is not None:
             return self._product(x)
         if self.int4:
             return reference_a8.w4a8_matmul(x, self.codes, self.scales, self.offsets)
+        if self.grouped:
+            return reference_a8.w8a8_grouped_matmul(x, self.codes, self.scales)
         return reference_a8.w8a8_matmul(x, self.codes, self.scales)
 
 
@@ -536,6 +548,20 @@ def pack(
 HEAD_Q8_0 = ".q8_0"
 
 
+def _q8_0_of(w: torch.Tensor) -> Int8Weight | None:
+    """w as Q8_0 blocks where it holds exactly their values (a GGUF's Q8_0 head dequantized), else None."""
+    if w.dim() != 2 or w.shape[1] % GROUP != 0:
+        return None
+    q = quantize_int8_grouped(w)
+    # Compared 4,096 rows at a time: the whole head dequantized twice over (its float codes and their
+    # product) was the load peak for the demo GGUF in float32: 235 MiB over the loaded model (bench/load.py).
+    for r0 in range(0, w.shape[0], 4096):
+        rows = Int8Weight(q.codes[r0 : r0 + 4096], q.scales[r0 : r0 + 4096])
+        if not torch.equal(dequantize(rows), w[r0 : r0 + 4096].float()):
+            return None
+    return q
+
+
 def head_form(
     w: torch.Tensor, dtype: torch.dtype, device: torch.device, q8_0: Int8Weight | None = None
 ) -> Int8Weight | None:
@@ -553,17 +579,25 @@ def head_form(
         # layers already differ so between step sizes (the GGUF's int4 blocks for few rows, their bf16 copy
         # past them); float32 keeps one set of values at every size
         return q8_0 if q8_0 is not None and q8_0.codes.shape == w.shape else None
-    q = quantize_int8_grouped(w)
     # Only where it holds the head's own values (a Q8_0 head): steps of more rows read the dense head, so a
     # lossy copy would make the model's distribution depend on the step's size, and speculation (whose verify
     # steps have more rows) would no longer be lossless (tests/test_quant.py caught it on a float32 head).
-    # Compared 4,096 rows at a time: the whole head dequantized twice over (its float codes and their
-    # product) was the load peak for the demo GGUF in float32: 235 MiB over the loaded model (bench/load.py).
-    for r0 in range(0, w.shape[0], 4096):
-        rows = Int8Weight(q.codes[r0 : r0 + 4096], q.scales[r0 : r0 + 4096])
-        if not torch.equal(dequantize(rows), w[r0 : r0 + 4096].float()):
-            return None
-    return q
+    return _q8_0_of(w)
+
+
+def a8_head(w: torch.Tensor, dtype: torch.dtype, q8_0: Int8Weight | None = None) -> A8Weight | None:
+    """A w8a8 / w4a8 model's LM head where it is Q8_0 blocks (a GGUF's, or a head holding exactly their
+    values): those blocks on int8 activations at every step size, as llama.cpp runs a Q8_0 head (its Q8_0 x
+    Q8_0 product), else None (the head stays as the weight-only modes run it). Every machine gets the same
+    values: ours where the integer products run, the torch spelling of them elsewhere."""
+    if q8_0 is not None and q8_0.codes.shape == w.shape and dtype != torch.float32:
+        q: Int8Weight | None = q8_0  # the file's blocks, which the dtype's dense head rounds
+    else:
+        q = _q8_0_of(w)
+    # -128 is a code a file may hold but AVX2's sign trick cannot take (A8Weight)
+    if q is None or int(q.codes.min()) < -127:
+        return None
+    return A8Weight(q)
 
 
 def pack_head(
@@ -573,10 +607,16 @@ def pack_head(
     device: torch.device,
     q8_0: Int8Weight | None = None,
     batch_invariant: bool = False,
+    a8: bool = False,
 ) -> object:
-    """The head for the model's linear: head_form's int8 for steps of few rows beside `dense_mm` (the dense
-    head, which the embedding lookup keeps anyway when tied) for more, or `w` as is. Batch-invariant: the
-    int8 head for every step size, in passes (linear.plan)."""
+    """The head for the model's linear: with `a8` (a w8a8 / w4a8 model) a8_head's for every step size; else
+    head_form's int8 for steps of few rows beside `dense_mm` (the dense head, which the embedding lookup keeps
+    anyway when tied) for more, or `w` as is. Batch-invariant: the int8 head for every step size, in passes
+    (linear.plan)."""
+    if a8:
+        head = a8_head(w, dtype, q8_0)
+        if head is not None:
+            return PackedA8(head, dtype, device)
     q = head_form(w, dtype, device, q8_0)
     return w if q is None else PackedInt8(q, dtype, device, dense_mm, batch_invariant)
 

@@ -78,6 +78,8 @@ _SIGNATURES = {
     "specserve_w4a8_matmul_bf16": "p i i p p p i i p i c",
     "specserve_w4a8h_matmul": "p i i p p p i i p i c",
     "specserve_w4a8h_matmul_bf16": "p i i p p p i i p i c",
+    "specserve_w8a8g_matmul": "p i i p p i i p i c",
+    "specserve_w8a8gh_matmul": "p i i p p i i p i c",
     "specserve_apply_bitmask": "p i i p i p i i",
     "specserve_add_rms_norm": "p p p p i i i i i f c c",
     "specserve_silu_mul": "p p i i i i c c",

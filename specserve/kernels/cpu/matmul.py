@@ -381,6 +381,21 @@ def bind_w4a8(
     return Product(f"{name}{_A8_NAMES[dtype]}", dtype, dtype, n, k, tiles, scales, offsets)
 
 
+def bind_w8a8_grouped(tiles: torch.Tensor, scales: torch.Tensor) -> Product:
+    """x [rows, k] float32 times w^T -> [rows, n] float32, w = code * scale per group of 32 inputs (a Q8_0
+    matrix: llama.cpp's Q8_0 x Q8_0 product), codes as w8a8_tiles gives them, scales as by_tile gives them
+    (float32, or float16 where each is a float16 value: the same arithmetic), x quantized per 32 inputs."""
+    if tiles.dtype != torch.uint8 or tiles.dim() != 4 or not tiles.is_contiguous():
+        raise ValueError("w8a8g_matmul takes the codes as w8a8_tiles gives them")
+    n, k = tiles.shape[0] * Q8_TILE, tiles.shape[1] * 4
+    shape = (n // Q8_TILE, k // Q8_BLOCK, Q8_TILE)
+    kinds = (torch.float32, torch.float16)
+    if scales.dtype not in kinds or scales.shape != shape or not scales.is_contiguous():
+        raise ValueError(f"w8a8g_matmul: float32 or float16 scales {list(shape)} (by_tile)")
+    name = "w8a8g_matmul" if scales.dtype == torch.float32 else "w8a8gh_matmul"
+    return Product(name, torch.float32, torch.float32, n, k, tiles, scales)
+
+
 def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The library's quantization of activations [rows, k] (float32 or bfloat16): int8 codes [rows, k],
     float32 scales and int32 code sums [rows, k // 32] (what the w*a8 products do first)."""

@@ -107,6 +107,11 @@ int specserve_w4a8h_matmul(const float* x, int64_t xs, int64_t rows, const uint8
 int specserve_w4a8h_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                 const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
                                 uint16_t* out, int64_t os, int num_threads);
+// ... int8 codes with a scale per output and group of 32 (a Q8_0 matrix), float32 or float16 bits; float32 x
+int specserve_w8a8g_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
+                           int64_t n, int64_t k, float* out, int64_t os, int num_threads);
+int specserve_w8a8gh_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                            const uint16_t* scales, int64_t n, int64_t k, float* out, int64_t os, int num_threads);
 
 // bitmask.cpp
 int specserve_apply_bitmask(float* logits, int64_t logits_stride, int64_t vocab, const int32_t* bitmask,

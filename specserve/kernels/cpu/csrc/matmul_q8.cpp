@@ -14,12 +14,14 @@
 // Per block b of row r (xd: its scale, xs: the sum of its codes, dot: the integer sum for output j):
 //   w8a8: acc += xd * dot, then out = acc * scale[j]
 //   w4a8: acc += xd * (scale[j, b] * dot + offset[j, b] * xs), offset = zero - 8 * scale
+//   w8a8 grouped (a Q8_0 matrix: int8 codes, a scale per output and block, llama.cpp's Q8_0 x Q8_0):
+//         acc += xd * (scale[j, b] * dot)
 // each product rounded to float32 on its own (no fused multiply-add), blocks summed in input order.
 //
 // w4a8's scales and offsets come as float32 or, where every one of a matrix's is a float16 value (a GGUF's
 // Q4_0 / Q4_1 blocks: fp16 scales and minimums), as those float16 bits (the w4a8h entry points): the same
 // values, widened exactly in the kernel, a quarter fewer bytes a weight (0.5625 against 0.75), which is what a
-// batch-1 step reads.
+// batch-1 step reads. A grouped w8a8 matrix's scales (a GGUF's Q8_0 blocks) likewise (w8a8gh).
 #include "api.h"
 #include "common.h"
 
@@ -33,6 +35,8 @@
 namespace {
 
 constexpr int64_t kQ8Block = 32;
+// the weights' forms: int8 with a scale per output, int4 in groups of 32, int8 with a scale per group of 32
+constexpr int kW8 = 0, kW4 = 1, kW8G = 2;
 constexpr int64_t kQ8Tile = 16;
 // rows a tile's pass keeps in registers: a tile's weights (16 x k bytes) stay in L1 across the passes
 constexpr int kQ8Rows = 4;
@@ -96,16 +100,18 @@ inline float half_to_float(uint16_t h) {
 inline float scalar(const float* p, int64_t i) { return p[i]; }
 inline float scalar(const uint16_t* p, int64_t i) { return half_to_float(p[i]); }
 
-// One tile of 16 outputs for rows [r0, r0 + R): res[r][j], in the arithmetic above. W4 picks the int4 form,
-// S its scales' and offsets' type (float, or uint16_t for float16 bits; w8a8's per-output scales are float).
+// One tile of 16 outputs for rows [r0, r0 + R): res[r][j], in the arithmetic above. F picks the weights' form
+// (kW8, kW4, kW8G), S its scales' and offsets' type (float, or uint16_t for float16 bits; w8a8's per-output
+// scales are float).
 #ifdef SPECSERVE_INT_DOT_VNNI
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-template <int R, bool W4, typename S>
+template <int R, int F, typename S>
 inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
+  constexpr bool W4 = F == kW4;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -148,13 +154,15 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
         const int64_t blk = (r0 + r) * a.nb + b;
         // the codes were stored + 128: take 128 times the block's activation sum back off
         const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * a.sums[blk]));
-        const __m512 p = rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), _mm512_cvtepi32_ps(exact)));
+        __m512 p = _mm512_cvtepi32_ps(exact);
+        if constexpr (F == kW8G) p = rounded(_mm512_mul_ps(load16(scales + b * kQ8Tile), p));
+        p = rounded(_mm512_mul_ps(_mm512_set1_ps(a.scales[blk]), p));
         acc[r] = _mm512_add_ps(acc[r], p);
       }
     }
   }
   for (int r = 0; r < R; ++r) {
-    if constexpr (!W4) acc[r] = _mm512_mul_ps(acc[r], load16(scales));
+    if constexpr (F == kW8) acc[r] = _mm512_mul_ps(acc[r], load16(scales));
     _mm512_storeu_ps(res[r], acc[r]);
   }
 }
@@ -164,9 +172,10 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-template <int R, bool W4, typename S>
+template <int R, int F, typename S>
 inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
+  constexpr bool W4 = F == kW4;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R];
@@ -209,21 +218,24 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
         }
         for (int r = 0; r < R; ++r) {
           const int64_t blk = (r0 + r) * a.nb + b;
-          const __m256 p = rounded(_mm256_mul_ps(_mm256_set1_ps(a.scales[blk]), _mm256_cvtepi32_ps(dot[r])));
+          __m256 p = _mm256_cvtepi32_ps(dot[r]);
+          if constexpr (F == kW8G) p = rounded(_mm256_mul_ps(load8(scales + b * kQ8Tile + h * 8), p));
+          p = rounded(_mm256_mul_ps(_mm256_set1_ps(a.scales[blk]), p));
           acc[r] = _mm256_add_ps(acc[r], p);
         }
       }
     }
     for (int r = 0; r < R; ++r) {
-      if constexpr (!W4) acc[r] = _mm256_mul_ps(acc[r], load8(scales + h * 8));
+      if constexpr (F == kW8) acc[r] = _mm256_mul_ps(acc[r], load8(scales + h * 8));
       _mm256_storeu_ps(res[r] + h * 8, acc[r]);
     }
   }
 }
 #else
-template <int R, bool W4, typename S>
+template <int R, int F, typename S>
 inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scales, const S* offsets,
                     float (*res)[kQ8Tile]) {
+  constexpr bool W4 = F == kW4;
   float acc[R][kQ8Tile] = {};
   for (int64_t b = 0; b < a.nb; ++b)
     for (int r = 0; r < R; ++r) {
@@ -245,18 +257,21 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
           const float sd = rounded(scalar(scales, b * kQ8Tile + j) * static_cast<float>(dot));
           const float os = rounded(scalar(offsets, b * kQ8Tile + j) * static_cast<float>(a.sums[blk]));
           acc[r][j] = acc[r][j] + rounded(a.scales[blk] * (sd + os));
+        } else if constexpr (F == kW8G) {
+          const float sd = rounded(scalar(scales, b * kQ8Tile + j) * static_cast<float>(dot));
+          acc[r][j] = acc[r][j] + rounded(a.scales[blk] * sd);
         } else {
           acc[r][j] = acc[r][j] + rounded(a.scales[blk] * static_cast<float>(dot));
         }
       }
     }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < kQ8Tile; ++j) res[r][j] = W4 ? acc[r][j] : acc[r][j] * scales[j];
+    for (int j = 0; j < kQ8Tile; ++j) res[r][j] = F == kW8 ? acc[r][j] * scalar(scales, j) : acc[r][j];
 }
 #endif
 
 // x [rows, k] (row stride xs) times the tiled matrix -> out [rows, n] (row stride os), in T.
-template <bool W4, typename T, typename S = float>
+template <int F, typename T, typename S = float>
 int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const S* scales, const S* offsets,
               int64_t n, int64_t k, T* out, int64_t os, int num_threads) {
   if (rows < 1 || n < kQ8Tile || n % kQ8Tile != 0 || k < kQ8Block || k % kQ8Block != 0) return kBadArguments;
@@ -266,16 +281,17 @@ int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const 
   std::vector<int32_t> sums(rows * nb);
   quantize_q8(x, xs, rows, k, codes.data(), xd.data(), sums.data(), num_threads);
   const Q8Rows a{codes.data(), xd.data(), sums.data(), k, nb};
+  constexpr bool W4 = F == kW4;
   const int64_t tile_bytes = kQ8Tile * (W4 ? k / 2 : k);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
   for (int64_t t = 0; t < n / kQ8Tile; ++t) {
     const uint8_t* w = tiles + t * tile_bytes;
-    const S* s = W4 ? scales + t * nb * kQ8Tile : scales + t * kQ8Tile;
+    const S* s = F == kW8 ? scales + t * kQ8Tile : scales + t * nb * kQ8Tile;
     const S* o = W4 ? offsets + t * nb * kQ8Tile : nullptr;
     float res[kQ8Rows][kQ8Tile];
     for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
       const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
-      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, W4, S>(a, r0, w, s, o, res); });
+      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, F, S>(a, r0, w, s, o, res); });
       for (int64_t r = 0; r < nr; ++r)
         for (int64_t j = 0; j < kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
     }
@@ -302,35 +318,48 @@ extern "C" int specserve_quantize_q8(const void* x, int64_t xs, int64_t rows, in
 extern "C" int specserve_w8a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                      const float* scales, int64_t n, int64_t k, float* out, int64_t os,
                                      int num_threads) {
-  return q8_matmul<false>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
+  return q8_matmul<kW8>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w8a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                           const float* scales, int64_t n, int64_t k, uint16_t* out, int64_t os,
                                           int num_threads) {
-  return q8_matmul<false>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
+  return q8_matmul<kW8>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w4a8_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                      const float* scales, const float* offsets, int64_t n, int64_t k, float* out,
                                      int64_t os, int num_threads) {
-  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+  return q8_matmul<kW4>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w4a8_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                           const float* scales, const float* offsets, int64_t n, int64_t k,
                                           uint16_t* out, int64_t os, int num_threads) {
-  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+  return q8_matmul<kW4>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w4a8h_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                       const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
                                       float* out, int64_t os, int num_threads) {
-  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+  return q8_matmul<kW4>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
 }
 
 extern "C" int specserve_w4a8h_matmul_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                            const uint16_t* scales, const uint16_t* offsets, int64_t n, int64_t k,
                                            uint16_t* out, int64_t os, int num_threads) {
-  return q8_matmul<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+  return q8_matmul<kW4>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w8a8g_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                      const float* scales, int64_t n, int64_t k, float* out, int64_t os,
+                                      int num_threads) {
+  return q8_matmul<kW8G>(x, xs, rows, tiles, scales, kNoOffsets, n, k, out, os, num_threads);
+}
+
+extern "C" int specserve_w8a8gh_matmul(const float* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                       const uint16_t* scales, int64_t n, int64_t k, float* out, int64_t os,
+                                       int num_threads) {
+  return q8_matmul<kW8G>(x, xs, rows, tiles, scales, static_cast<const uint16_t*>(nullptr), n, k, out, os,
+                         num_threads);
 }
