@@ -1,13 +1,18 @@
-"""A bf16 model's Q8_0 LM head alone (SmolLM2's 49,152 x 576, a float32 scale per 32 inputs) at the few rows
-of decode and verify steps, each way the form table can run it, alternated in one process, best of --rounds
-(the head from memory: --copies copies in turn). Not a test.
+"""A Q8_0 LM head alone (SmolLM2's 49,152 x 576, a float16 scale per 32 inputs) at the few rows of decode and
+verify steps, each way the form table can run it, alternated in one process, best of --rounds (the head from
+memory: --copies copies in turn). Not a test.
 
+A bf16 model's (the default):
 - f32 rows: our float32 product on the rows widened to float32 (models/linear.py's OwnInt8F32OnBf16);
 - dense bf16: the dense bf16 copy on oneDNN's prepacked linear (the copy beside the blocks, DenseCopy);
 - amx rows: our Q8_0 rows product for bf16 rows (OwnInt8GroupedRowsAmx: AMX tiles from 3 rows);
 - --other-csrc DIR: amx rows again from another source tree (a csrc/ with one change), to A/B a kernel edit.
+A float32 w8a8 / w4a8 model's (--a8):
+- f32 rows: the weight-only modes' head (OwnInt8F32 on float32 activations);
+- a8 rows: the w*a8 modes' (quant.a8_head: the activations quantized per 32 inputs, Q8_0 x Q8_0).
 
     python bench/head_rows.py [--rows 1,3,5,9,17] [--rounds 10] [--other-csrc /tmp/csrc]
+    python bench/head_rows.py --a8 --rows 1,2,5,9
 """
 
 from __future__ import annotations
@@ -41,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copies", type=int, default=4, help="heads read in turn, so each comes from memory")
     p.add_argument("--out", type=int, default=OUT, help="the head's outputs (smaller: a smoke run)")
     p.add_argument("--other-csrc", type=Path, help="another csrc/ whose amx rows product runs beside ours")
+    p.add_argument("--a8", action="store_true", help="a float32 w*a8 model's head forms")
     args = p.parse_args(argv)
+    if args.a8:
+        return _a8(args)
     if cpu.build.load() is None or not cpu.build.int8_grouped_rows_amx():
         print("the library runs no AMX tiles here (build.int8_grouped_rows_amx)", file=sys.stderr)
         return 1
@@ -63,9 +71,38 @@ def main(argv: list[str] | None = None) -> int:
         cpu.build._lib = other  # a Product binds the library's function when made
         forms["other amx rows"] = [cpu.matmul.bind_int8_grouped_rows_bf16(c, s) for c, s, _ in heads]
         cpu.build._lib = saved
+    _time(forms, args, torch.bfloat16)
+    return 0
+
+
+def _a8(args: argparse.Namespace) -> int:
+    if cpu.build.load() is None or not cpu.build.int_dot_fast():
+        print("the library runs no integer SIMD products here (build.int_dot_fast)", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    heads = []
+    for _ in range(args.copies):
+        codes = torch.randint(-127, 128, (args.out, IN), dtype=torch.int8)
+        scales = (torch.rand(args.out, IN // 32) * 0.02).half().float()  # a GGUF's float16 scales
+        heads.append((codes, scales))
+    tiles = cpu.matmul.w8a8_tiles
+    forms = {
+        "f32 rows": [cpu.matmul.bind_int8(c, s) for c, s in heads],
+        "a8 rows": [
+            cpu.matmul.bind_w8a8_grouped(tiles(c), cpu.matmul.by_tile(s, torch.float16)) for c, s in heads
+        ],
+    }
+    _time(forms, args, torch.float32)
+    return 0
+
+
+Forms = dict[str, list[Callable[[torch.Tensor], torch.Tensor]]]
+
+
+def _time(forms: Forms, args: argparse.Namespace, dtype: torch.dtype) -> None:
     print(f"{cpu_line()}, {torch.get_num_threads()} threads, head {args.out} x {IN}, best of {args.rounds}")
     for rows in (int(r) for r in args.rows.split(",")):
-        x = torch.randn(rows, IN).to(torch.bfloat16)
+        x = torch.randn(rows, IN).to(dtype)
         best = dict.fromkeys(forms, float("inf"))
         order = list(forms)
         for r in range(args.rounds):
@@ -75,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
                     f(x)
                     best[name] = min(best[name], time.perf_counter() - t)
         print(f"rows {rows:2d}: " + "  ".join(f"{n} {b * 1e3:6.2f} ms" for n, b in best.items()))
-    return 0
 
 
 if __name__ == "__main__":
