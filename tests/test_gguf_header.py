@@ -1,5 +1,6 @@
 """GGUFHeader (models/loader/gguf_header.py) reads what gguf.GGUFReader reads of a file's header: every
-field's contents and the tensor directory, and read_config built on it equals the config load_gguf builds."""
+field's contents and the tensor directory, and read_config built on it equals the config load_gguf builds;
+GGUFTensors gives each tensor's data as GGUFReader does (the loader reads the weights from it)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import gguf
 import numpy as np
 import pytest
 
-from specserve.models.loader import load_checkpoint, read_config
-from specserve.models.loader.gguf_header import GGUFHeader
+from specserve.models.loader import demo_model_path, load_checkpoint, read_config
+from specserve.models.loader.gguf_header import GGUFHeader, GGUFTensors
 
 
 def _write(path: Path) -> Path:
@@ -70,3 +71,31 @@ def test_not_a_gguf_header_is_a_clear_error(tmp_path: Path, content: bytes) -> N
     path.write_bytes(content)
     with pytest.raises(ValueError, match="bad.gguf"):
         GGUFHeader(path)
+
+
+def _same_tensors(path: Path) -> int:
+    reader, ours = gguf.GGUFReader(path), GGUFTensors(GGUFHeader(path))
+    assert len(ours.tensors) == len(reader.tensors)
+    for a, b in zip(ours.tensors, reader.tensors):
+        assert (a.name, a.shape, a.tensor_type) == (b.name, tuple(int(d) for d in b.shape), b.tensor_type)
+        assert (a.data_offset, a.n_bytes) == (int(b.data_offset), int(b.n_bytes)), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data, b.data), a.name
+        assert not a.data.flags.writeable  # a view of the file, as the reader's
+    return len(ours.tensors)
+
+
+def test_tensors_are_gguf_readers(tmp_path: Path) -> None:
+    assert _same_tensors(_write(tmp_path / "fields.gguf")) == 3
+
+
+def test_the_demo_ggufs_quantized_tensors_are_gguf_readers() -> None:
+    """Q4_1 and Q8_0 blocks as [rows, bytes a row], float32 norms typed, offsets past the aligned header."""
+    assert _same_tensors(demo_model_path()) > 200
+
+
+def test_a_truncated_file_names_its_tensor(tmp_path: Path) -> None:
+    path = _write(tmp_path / "cut.gguf")
+    path.write_bytes(path.read_bytes()[:-16])
+    with pytest.raises(ValueError, match="output_norm.weight runs past the end"):
+        GGUFTensors(GGUFHeader(path))

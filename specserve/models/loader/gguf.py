@@ -18,7 +18,7 @@ from specserve.models.loader.state import Transform, cast, keep
 if TYPE_CHECKING:
     import gguf
 
-    from specserve.models.loader.gguf_header import GGUFHeader
+    from specserve.models.loader.gguf_header import GGUFHeader, GGUFTensors
 
 GGUF_ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -78,16 +78,18 @@ GGUF_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 def load_gguf(
     p: Path, dtype: torch.dtype, quantization: str, transform: Transform | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(p)
-    arch = field(reader, "general.architecture")
+    from specserve.models.loader.gguf_header import GGUFHeader, GGUFTensors
+
+    header = GGUFHeader(p)
+    reader = GGUFTensors(header)
+    arch = field(header, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModel(
             f"{p}: unsupported GGUF architecture {arch!r} (GGUF ones read: {', '.join(GGUF_ARCHITECTURES)})"
         )
-    config = gguf_config(reader, arch, p)
+    config = gguf_config(header, arch, p)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     names = {"gemma3": _GGUF_GEMMA_NAMES, "phi3": _GGUF_PHI3_NAMES}.get(arch, _GGUF_BLOCK_NAMES)
     state: dict[str, Any] = {}
@@ -109,7 +111,6 @@ def load_gguf(
             keep(state, name, _dequantize_rows(t, shape, dtype), transform)
             _release(reader, t)
             continue
-        # A plain ndarray view: slicing np.memmap subclasses costs ~40% of dequantization time.
         w = dequantize(np.asarray(t.data), t.tensor_type).reshape(shape)
         _release(reader, t)
         if t.name in _GGUF_ROPE_FACTORS:
@@ -148,11 +149,11 @@ def _dequantize_rows(t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torc
     return out
 
 
-def _release(reader: Any, t: Any) -> None:
+def _release(reader: GGUFTensors, t: Any) -> None:
     """Drop the tensor's pages of the memory-mapped file from the resident set once it has been read (they
     are read again from the file if touched): otherwise the whole file stays resident through the load."""
-    mapped = getattr(reader.data, "_mmap", None)
-    if mapped is None or not hasattr(mapped, "madvise"):
+    mapped = reader.map
+    if not hasattr(mapped, "madvise"):
         return
     page = mmap.PAGESIZE
     begin = int(t.data_offset) - int(t.data_offset) % page
@@ -294,7 +295,7 @@ def _unpermute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_config(reader: gguf.GGUFReader | GGUFHeader, arch: str, p: Path) -> dict[str, Any]:
+def gguf_config(reader: GGUFHeader, arch: str, p: Path) -> dict[str, Any]:
     def get(key: str, default: Any = None) -> Any:
         return field(reader, f"{arch}.{key}", default)
 

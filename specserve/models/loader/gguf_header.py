@@ -3,8 +3,9 @@
 gguf.GGUFReader builds a numpy view for every part of every field, so a file whose tokenizer holds ~50k
 tokens and ~50k merges (the demo SmolLM2) takes ~4.8 s to open on the 2-core AVX2 EPYC, and a worker's
 start opened it several times over before reading a weight. This reads the same header with struct,
-stepping over string arrays (their contents are read only when asked for), in tens of milliseconds. The
-weights are still read through GGUFReader (loader/gguf.py).
+stepping over string arrays (their contents are read only when asked for), in tens of milliseconds, and
+gives each tensor's data as GGUFReader gives it (`GGUFTensors`: numpy views of the memory-mapped file), which
+loader/gguf.py reads the weights from.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class HeaderTensor:
     name: str
     shape: tuple[int, ...]  # GGUF's order (innermost first), as GGUFReader's tensors give it
     tensor_type: int
+    offset: int  # of its data, from the start of the data section
 
 
 class GGUFHeader:
@@ -69,6 +71,7 @@ class GGUFHeader:
             raise ValueError(f"{path}: truncated GGUF header ({e})") from e
         # the fields' contents are read from it on demand, so it stays open as long as they live
         self._buf = buf
+        self.path = Path(path)
 
     def get_field(self, key: str) -> HeaderField | None:
         return self._fields.get(key)
@@ -96,9 +99,14 @@ class GGUFHeader:
             (n_dims,) = struct.unpack_from("<I", buf, at)
             dims = struct.unpack_from(f"<{n_dims}Q", buf, at + 4)
             at += 4 + 8 * n_dims
-            ttype, _offset = struct.unpack_from("<IQ", buf, at)
+            ttype, offset = struct.unpack_from("<IQ", buf, at)
             at += 12
-            self.tensors.append(HeaderTensor(name, tuple(int(d) for d in dims), ttype))
+            self.tensors.append(HeaderTensor(name, tuple(int(d) for d in dims), ttype, int(offset)))
+        alignment = self._fields.get("general.alignment")
+        align = int(alignment.contents()) if alignment is not None else 32
+        if align <= 0 or align & (align - 1):
+            raise ValueError(f"{path}: general.alignment {align} is not a power of two")
+        self.data_offset = at + (-at) % align  # where the tensors' data starts
 
 
 def _string(buf: Any, at: int) -> tuple[str, int]:
@@ -128,3 +136,59 @@ def _skip_array(buf: Any, elem: int, count: int, at: int) -> int:
             at = _skip_array(buf, inner, n, at + 12)
         return at
     raise ValueError(f"GGUF array element type {elem} is unknown")
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """A tensor as loader/gguf.py reads it, as GGUFReader's ReaderTensor gives it: `data` a numpy view of the
+    file (typed for float and integer types, [rows, bytes a row] of uint8 for quantized ones)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    data_offset: int  # in the file
+    n_bytes: int
+    data: Any
+
+
+class GGUFTensors:
+    """The tensors of a file whose header `header` read, as numpy views of one read-only memory map of it
+    (`map`): what GGUFReader builds for the weights, without its views of every field."""
+
+    def __init__(self, header: GGUFHeader) -> None:
+        import numpy as np
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        typed = {
+            GGMLQuantizationType.F16: np.float16,
+            GGMLQuantizationType.F32: np.float32,
+            GGMLQuantizationType.F64: np.float64,
+            GGMLQuantizationType.I8: np.int8,
+            GGMLQuantizationType.I16: np.int16,
+            GGMLQuantizationType.I32: np.int32,
+            GGMLQuantizationType.I64: np.int64,
+        }
+        with open(header.path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.tensors: list[TensorData] = []
+        for t in header.tensors:
+            try:
+                ttype = GGMLQuantizationType(t.tensor_type)
+            except ValueError as e:
+                raise ValueError(f"{header.path}: tensor {t.name}: unknown GGML type {t.tensor_type}") from e
+            n_elems = 1
+            for d in t.shape:
+                n_elems *= d
+            block, size = GGML_QUANT_SIZES[ttype]
+            n_bytes = n_elems * size // block
+            start = header.data_offset + t.offset
+            if start + n_bytes > len(self.map):
+                raise ValueError(f"{header.path}: tensor {t.name} runs past the end of the file (truncated?)")
+            dims = tuple(reversed(t.shape))
+            item = typed.get(ttype)
+            if item is None:
+                item, dims = np.uint8, quant_shape_to_byte_shape(dims, ttype)
+            count = n_bytes // np.dtype(item).itemsize
+            view = np.frombuffer(self.map, dtype=item, count=count, offset=start).reshape(dims)
+            self.tensors.append(TensorData(t.name, t.shape, ttype, start, n_bytes, view))
