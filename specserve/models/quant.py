@@ -20,7 +20,8 @@ own Q8_0 blocks, which the loader keeps (HEAD_Q8_0).
 w8a8 / w4a8 (vLLM's names) keep the same weights (`A8Weight` wraps them) and quantize the activations too,
 per 32 inputs right before each product, so the products are integer SIMD (kernels/cpu/csrc/matmul_q8.cpp,
 kernels/reference_a8.py): their arithmetic differs from the weight-only modes' by design, and is the same
-at every step size and on every machine.
+at every step size and on every machine. Their LM head, where it is Q8_0 blocks (a GGUF's), is such a
+product too (a8_head), at every step size.
 
 Which of these runs a matrix at a step of N rows is models/linear.py's table; the packed forms here build the
 chosen forms' data.
