@@ -148,8 +148,10 @@ struct Args {
 
 // Steps of fewer tasks than this many a thread split each short query's keys into parts of whole blocks,
 // each a task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three
-// KV heads are three tasks on two threads, and one thread waited a third of the step. Never in a
-// batch-invariant step (Args::invariant): the parts a sequence gets depend on the step's tasks.
+// KV heads are three tasks on two threads, and one thread waited a third of the step. The bfloat16 kernel
+// counts (sequence, KV head) tasks and splits each head; the float32 one counts sequences, and each part
+// holds all of its sequence's heads. Never in a batch-invariant step (Args::invariant): the parts a sequence
+// gets depend on the step's tasks.
 constexpr int64_t kSplitBelowTasksPerThread = 2;
 constexpr int64_t kMaxParts = 64, kMinPartTokens = 64;
 
@@ -166,35 +168,37 @@ inline int64_t parts_for(int64_t tasks, int64_t threads, int64_t keys) {
   return std::max<int64_t>(1, std::min({parts, keys / kMinPartTokens, kMaxParts}));
 }
 
-// A split (sequence, head): its parts are tasks [first, first + count), merged into out by their statistics.
+// A split (sequence, heads): its parts are tasks [first, first + count), merged into out by their statistics.
 struct Merge {
   int64_t first, count;
 };
 
-// A split head's rows from its parts' (each HD outputs normalized over the part, then the part's max and sum
-// of exps, at parts[task.part + r]): each weighted by its share of the row's exponentials, summed in float32
-// and stored in T once. A part that saw none of a row's keys has sum 0 and weight 0.
+// A split task's rows from its parts' (each HD outputs normalized over the part, then the part's max and sum
+// of exps, at parts[task.part + hh * R + r] for its head h0 + hh): each weighted by its share of the row's
+// exponentials, summed in float32 and stored in T once. A part that saw none of a row's keys has sum 0 and
+// weight 0.
 template <int HD, typename T, typename TaskT>
 inline void merge_parts(const Args& a, const TaskT* tasks, const Merge& m, const float* parts, T* op) {
   const TaskT& first = tasks[m.first];
-  const int64_t group = a.num_heads / a.num_kv_heads, s = a.seq_ids[first.seq], h = first.h0;
-  const int64_t q0 = a.query_start_loc[s], R = first.i1 * group;
-  for (int64_t r = 0; r < R; ++r) {
+  const int64_t group = a.num_heads / a.num_kv_heads, s = a.seq_ids[first.seq];
+  const int64_t q0 = a.query_start_loc[s], R = first.i1 * group, H = first.h1 - first.h0;
+  for (int64_t hr = 0; hr < H * R; ++hr) {
+    const int64_t h = first.h0 + hr / R, r = hr % R;
     float mx = -3.0e38f;
     for (int64_t c = 0; c < m.count; ++c) {
-      const float* st = parts + (tasks[m.first + c].part + r) * (HD + 2) + HD;
+      const float* st = parts + (tasks[m.first + c].part + hr) * (HD + 2) + HD;
       if (st[1] > 0.f) mx = std::max(mx, st[0]);
     }
     float weight[kMaxParts], total = 0.f;
     for (int64_t c = 0; c < m.count; ++c) {
-      const float* st = parts + (tasks[m.first + c].part + r) * (HD + 2) + HD;
+      const float* st = parts + (tasks[m.first + c].part + hr) * (HD + 2) + HD;
       weight[c] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
       total += weight[c];
     }
     alignas(64) float o[HD] = {};
     for (int64_t c = 0; c < m.count; ++c) {
       const float w = weight[c] / total;
-      const float* part = parts + (tasks[m.first + c].part + r) * (HD + 2);
+      const float* part = parts + (tasks[m.first + c].part + hr) * (HD + 2);
       for (int d = 0; d < HD; ++d) o[d] += w * part[d];
     }
     T* dst = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;

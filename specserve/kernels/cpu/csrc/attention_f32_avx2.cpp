@@ -140,9 +140,8 @@ struct TaskF32 {
   int64_t merge = -1;              // a part's index in merges
 };
 
-// Fewer (sequence, head) tasks than kSplitBelowTasksPerThread a thread split their keys into parts of whole
-// blocks (attention.h). One sequence of 546 / 2,000 tokens, SmolLM2's heads, 30 layers from L3 (2-core
-// Zen 4): 3.11 / 9.1 ms split against 3.35 / 11.9 whole.
+// Fewer sequences than kSplitBelowTasksPerThread a thread split their keys into parts of whole blocks
+// (attention.h), each part all of the sequence's heads (run_f32).
 
 template <int HD>
 void run_f32(const Args& a, int num_threads) {
@@ -155,31 +154,39 @@ void run_f32(const Args& a, int num_threads) {
   const int64_t row = KVH * HD;
   const int64_t block_bytes = BS * row * 4;
 
-  // Short queries one task per sequence (all heads, one pass over whole blocks) when there are enough
-  // sequences, else per head; long ones per head and query tile, latest tiles (the most keys) first.
+  // Short queries one task per sequence (all heads, one pass over whole blocks) when there is a sequence a
+  // thread, else per head; long ones per head and query tile, latest tiles (the most keys) first. A task of
+  // one head reads a third of each of SmolLM2's token rows at a stride: 30 layers at 1,500 tokens, shuffled
+  // blocks (`python bench/kernel_ab.py --case attention --context 1500 --order shuffled`, 2-core AVX2 EPYC),
+  // batch 4 20.7 ms a task a sequence against 32.7 a task a head, 5 28.1 against 43.8, 7 37.1 against 59.5.
   std::vector<TaskF32> tasks;
   std::vector<Merge> merges;
-  const bool all_heads = a.num_seqs >= 4 * num_threads;
+  const bool all_heads = a.num_seqs >= num_threads;
+  // Fewer sequences than kSplitBelowTasksPerThread a thread: each short query's keys in parts, every part a
+  // task of all the sequence's heads (whole token rows of K and V, the trickled prefetch of all-heads tasks).
+  // Parts of one head each read a third of every row at a stride and streamed at ~10 GB/s: SmolLM2's 30
+  // layers at 1,500 tokens (`python bench/kernel_ab.py --case attention --context 1500`, 2-core AVX2 EPYC)
+  // batch 1 5.60 ms against 7.32, batch 2 11.9 against 17.0, batch 3 16.1 against 26.4 (shuffled blocks).
   const bool split = !a.invariant && a.window == 0 && num_threads > 1 &&
-                     a.num_seqs * KVH < kSplitBelowTasksPerThread * num_threads;
+                     a.num_seqs < kSplitBelowTasksPerThread * num_threads;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTileF32) {
       const int64_t blocks = (a.seq_lens[s] + BS - 1) / BS;
-      const int64_t parts = split ? parts_for(a.num_seqs * KVH, num_threads, blocks * BS) : 1;
-      if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
-      else if (parts <= 1)
+      const int64_t parts = split ? parts_for(a.num_seqs, num_threads, blocks * BS) : 1;
+      if (parts > 1) {
+        const int64_t merge = static_cast<int64_t>(merges.size());
+        merges.push_back({static_cast<int64_t>(tasks.size()), parts});
+        for (int64_t c = 0; c < parts; ++c, part_rows += KVH * q_len * group)
+          tasks.push_back({n, 0, KVH, 0, q_len, c * blocks / parts * BS,
+                           c + 1 < parts ? (c + 1) * blocks / parts * BS : INT64_MAX, part_rows, merge});
+      } else if (all_heads) {
+        tasks.push_back({n, 0, KVH, 0, q_len});
+      } else {
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
-      else
-        for (int64_t h = 0; h < KVH; ++h) {
-          const int64_t merge = static_cast<int64_t>(merges.size());
-          merges.push_back({static_cast<int64_t>(tasks.size()), parts});
-          for (int64_t c = 0; c < parts; ++c, part_rows += q_len * group)
-            tasks.push_back({n, h, h + 1, 0, q_len, c * blocks / parts * BS,
-                             c + 1 < parts ? (c + 1) * blocks / parts * BS : INT64_MAX, part_rows, merge});
-        }
+      }
       continue;
     }
     for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTileF32)
@@ -226,7 +233,7 @@ void run_f32(const Args& a, int num_threads) {
             for (int d = 0; d < HD; ++d) qs[hr * HD + d] = src[d] * a.scale;
             limit[r] = len - q_len + i + 1;
             dst[hr] = task.part < 0 ? op + (q0 + i) * a.o_tok + (h * group + g) * a.o_head
-                                    : parts.data() + (task.part + r) * (HD + 2);
+                                    : parts.data() + (task.part + hr) * (HD + 2);
           }
 
       // One pass over the keys serves every head of the task (a block's heads from one stream of whole
