@@ -5,8 +5,9 @@
 Four phases, each with its share of --time-budget-min, each cached under --work and resumable:
 
 1. Prompts: open-chat requests built from installed third-party packages' prose, never CPython's standard
-   library (eagle3_train/prompts.py), or read from --prompts (a file --export-prompts wrote, for a machine
-   whose packages differ). Held-out prompts are marked in the file.
+   library (eagle3_train/prompts.py), user turns the target writes itself from its chat template
+   (eagle3_train/self_prompts.py), or half of each (--prompt-source); or read from --prompts (a file
+   --export-prompts wrote, for a machine whose packages differ). Held-out prompts are marked in the file.
 2. Answers: the target answers each chat-templated prompt, greedy, a share sampled at --temperature; on
    the CPU through specserve's engine, on CUDA through HF generate in large batches (eagle3_train/answers.py).
 3. Features: one target forward per answer records its aux hidden states, its final hidden state and its
@@ -40,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from eagle3_train.answers import AnswerCache, answer_with_engine, answer_with_hf  # noqa: E402
 from eagle3_train.features import Sample, compute_features  # noqa: E402
-from eagle3_train.prompts import Prompt, build_prompts, read_prompts, write_prompts  # noqa: E402
+from eagle3_train.prompts import HOLDOUT_EVERY, Prompt, build_prompts, read_prompts, write_prompts  # noqa: E402
+from eagle3_train.self_prompts import write_with_engine, write_with_hf  # noqa: E402
 
 from specserve.spec.eagle3.head import (  # noqa: E402
     CONFIG_FILE,
@@ -521,6 +523,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-max-answers", type=int, default=200, help="held-out answers the figure reads")
     p.add_argument("--checkpoint-min", type=float, default=3.0)
     p.add_argument("--num-prompts", type=int, default=6000)
+    p.add_argument(
+        "--prompt-source",
+        choices=("packages", "self", "mixed"),
+        default="packages",
+        help="packages: built from installed packages' prose; self: user turns the target writes from its "
+        "chat template; mixed: half of each",
+    )
+    p.add_argument(
+        "--prompt-share",
+        type=float,
+        default=0.1,
+        help="of the budget, taken from --gen-share's, for the target's own user turns",
+    )
     p.add_argument("--prompt-scan-s", type=float, default=60.0, help="time spent reading package text")
     p.add_argument(
         "--answerer",
@@ -569,20 +584,56 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--out is required (unless --export-prompts)")
     if args.gen_share + args.feature_share >= 1.0:
         p.error("--gen-share + --feature-share must leave time for training (< 1)")
+    if not 0.0 < args.prompt_share < args.gen_share:
+        p.error("--prompt-share must lie between 0 and --gen-share (it is taken from the answers' time)")
     return args
 
 
-def get_prompts(args, work: Path | None) -> list[Prompt]:
-    """--prompts' file, else the copy in --work from an earlier run, else built from installed packages."""
+def get_prompts(args, work: Path | None, deadline: float) -> list[Prompt]:
+    """--prompts' file, else the copy in --work from an earlier run, else new ones from --prompt-source."""
     if args.prompts:
         return read_prompts(Path(args.prompts))
     saved = work / "prompts.jsonl" if work is not None else None
     if saved is not None and saved.exists():
         return read_prompts(saved)
-    prompts = build_prompts(args.num_prompts, args.seed, args.prompt_scan_s)
+    prompts = new_prompts(args, deadline)
     if saved is not None:
         write_prompts(saved, prompts)
     return prompts
+
+
+def new_prompts(args, deadline: float) -> list[Prompt]:
+    """--num-prompts prompts from --prompt-source: the target's own user turns (written until `deadline`,
+    so there may be fewer), package prose filling the rest where the source allows; the two interleaved,
+    so that the held-out prompts (every HOLDOUT_EVERY-th) sample both."""
+    wanted = {"packages": 0, "self": args.num_prompts, "mixed": args.num_prompts // 2}[args.prompt_source]
+    written: list[str] = []
+    if wanted:
+        path = target_path(args.target)
+        if args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu"):
+            written = write_with_engine(
+                str(path),
+                wanted,
+                deadline,
+                in_flight=args.in_flight,
+                dtype=args.dtype,
+                seed=args.seed,
+                log=log,
+            )
+        else:
+            model, tokenizer = load_target(path, args.device, target_dtype(args.dtype, args.device))
+            written = write_with_hf(
+                model, tokenizer, wanted, deadline, batch=args.gen_batch, seed=args.seed, log=log
+            )
+            del model
+    built: list[str] = []
+    if args.prompt_source != "self":
+        built = [
+            p.text for p in build_prompts(args.num_prompts - len(written), args.seed, args.prompt_scan_s)
+        ]
+    texts = [t for pair in zip(written, built) for t in pair]
+    texts += written[len(built) :] + built[len(written) :]
+    return [Prompt(t, i % HOLDOUT_EVERY == 0) for i, t in enumerate(texts)]
 
 
 class Phases:
@@ -604,7 +655,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if args.export_prompts:
-        prompts = get_prompts(args, None)
+        prompts = get_prompts(args, None, start + 60 * args.time_budget_min * args.prompt_share)
         write_prompts(Path(args.export_prompts), prompts)
         log(f"{len(prompts)} prompts ({sum(p.holdout for p in prompts)} held out) in {args.export_prompts}")
         return {"prompts": len(prompts)}
@@ -621,7 +672,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.target or path.name
 
     t = time.monotonic()
-    prompts = get_prompts(args, work)
+    prompts = get_prompts(args, work, start + 60 * args.time_budget_min * args.prompt_share)
     digest = hashlib.sha256("\n".join(p.text for p in prompts).encode()).hexdigest()[:12]
     log(f"{len(prompts)} prompts ({digest}), {sum(p.holdout for p in prompts)} held out")
     phases.record("prompts", time.monotonic() - t, prompts=len(prompts))
