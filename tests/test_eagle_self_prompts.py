@@ -116,6 +116,25 @@ def test_the_engine_writes_the_first_kept_turns_in_attempt_order(tiny_model_dir,
     ) == []  # fmt: skip
 
 
+@pytest.mark.slow
+def test_hf_generate_writes_the_kept_turns_in_batches(tiny_model_dir, monkeypatch):
+    """The CUDA path's loop, run on the CPU: batches of sampled turns from the prefix until `count` are
+    kept, the same turns from the same seed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    monkeypatch.setattr(sp, "keeps", lambda text, ended_turn: bool(text.strip()))
+
+    def write(seed: int) -> list[str]:
+        return sp.write_with_hf(model, tokenizer, 5, time.monotonic() + 300, batch=2, seed=seed, max_tokens=6)
+
+    first = write(0)
+    assert len(first) == 5 and write(0) == first
+    assert all(0 < len(tokenizer(t, add_special_tokens=False)["input_ids"]) <= 8 for t in first)
+    assert write(1) != first  # sampled: another seed, other turns
+
+
 @pytest.mark.parametrize(
     "source, written, want",
     [
