@@ -5,7 +5,8 @@
 #                                      joined, then the engine, graph, throughput and worker parts (~8 min)
 #   bash bench/gpu/device.sh eagle     a third call, where device time is left: an EAGLE-3 head trained
 # PARTS and BUDGET (seconds) choose the model call's parts and time, e.g. PARTS=env,worker,graphs BUDGET=300
-# for a rerun of what an earlier report lacks; EAGLE_MIN (whole minutes) and GEN_BATCH size the training.
+# for a rerun of what an earlier report lacks; EAGLE_MIN (whole minutes) and GEN_BATCH size the training,
+# EAGLE_PROMPTS names its prompts file under .gpu (eagle_prompts.jsonl: package prose; eagle_prompts_mixed.jsonl).
 # On an H200 the parts took: kernels 57 s (38 Triton variants compiled), the engine's comparisons 14 s a
 # family, the worker 26 s to start (the model dequantized, 55 graphs captured): the shares in run.py.
 # Everything worth keeping lands in $OUT (the device tool brings back at most 8 files of 16 MiB).
@@ -33,10 +34,11 @@ case $stage in
       --parts "${PARTS:-env,engine,graphs,throughput,worker}" --budget-s "$budget"
     ;;
   eagle)
-    if [ -f "$GGUF" ] && [ -f .gpu/eagle_prompts.jsonl ]; then
+    prompts=.gpu/${EAGLE_PROMPTS:-eagle_prompts.jsonl}
+    if [ -f "$GGUF" ] && [ -f "$prompts" ]; then
       minutes=${EAGLE_MIN:-6}
       timeout $((minutes * 60 + 60)) python3 tools/train_eagle.py --device cuda --target "$GGUF" \
-        --prompts .gpu/eagle_prompts.jsonl --out /tmp/eagle3 --work /tmp/eagle3-work \
+        --prompts "$prompts" --out /tmp/eagle3 --work /tmp/eagle3-work \
         --gen-batch "${GEN_BATCH:-256}" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct \
         --time-budget-min "$minutes" > "$OUT/eagle-train.log" 2>&1
       (cd /tmp && tar cf eagle3.tar eagle3 && split -b 15M eagle3.tar "$OUT/eagle3.tar.")

@@ -37,6 +37,12 @@ if [ -f "$W1" ]; then "$PY" "$W1" 256 > .gpu/w1_256.jsonl; fi
 if [ ! -f .gpu/eagle_prompts.jsonl ]; then
   "$PY" tools/train_eagle.py --export-prompts .gpu/eagle_prompts.jsonl --num-prompts 6000
 fi
+# and half of them user turns the target writes itself (about 15 minutes on a 2-core CPU), for a head
+# trained on both (device.sh eagle with EAGLE_PROMPTS=eagle_prompts_mixed.jsonl)
+if [ ! -f .gpu/eagle_prompts_mixed.jsonl ]; then
+  "$PY" tools/train_eagle.py --export-prompts .gpu/eagle_prompts_mixed.jsonl --num-prompts 6000 \
+    --prompt-source mixed --time-budget-min 200
+fi
 
 # the demo model, split in two
 GGUF=$("$PY" -c "from specserve.models.loader import demo_model_path; print(demo_model_path())")
