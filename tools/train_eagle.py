@@ -589,6 +589,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def engine_writes(args) -> bool:
+    """Whether specserve's engine writes the target's text (answers, its own user turns), or HF generate."""
+    return args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu")
+
+
 def get_prompts(args, work: Path | None, deadline: float) -> list[Prompt]:
     """--prompts' file, else the copy in --work from an earlier run, else new ones from --prompt-source."""
     if args.prompts:
@@ -610,7 +615,7 @@ def new_prompts(args, deadline: float) -> list[Prompt]:
     written: list[str] = []
     if wanted:
         path = target_path(args.target)
-        if args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu"):
+        if engine_writes(args):
             written = write_with_engine(
                 str(path),
                 wanted,
@@ -702,7 +707,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     dtype = target_dtype(args.dtype, args.device)
     model = None
-    engine = args.answerer == "engine" or (args.answerer == "auto" and args.device == "cpu")
+    engine = engine_writes(args)
     # held-out prompts past what the figure reads are never answered: answered first (so a run cut short
     # has its figure), 600 of them took three quarters of a 3-minute GPU budget's answers from training
     held_todo = [i for i in todo if prompts[i].holdout]
