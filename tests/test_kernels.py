@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import assert_close, dense_attention, make_batch, tolerance
+from kernel_cases import CACHE_DTYPES, assert_close, dense_attention, make_batch, tolerance, with_cache_dtype
 
 from specserve.kernels import reference, select_backend
 
@@ -236,11 +236,13 @@ VARIANT_SHAPES = [
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), CACHE_DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), VARIANT_SHAPES)
-def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_dim, block_size) -> None:
+def test_cpu_kernel_variants_match_dense(
+    monkeypatch, isa, dtype, cache_dtype, group, head_dim, block_size
+) -> None:
     """Every build variant this CPU runs, through the engine's path (the plan routes prefill chunks to the
-    kernel where supports_long says so), against float64 dense attention."""
+    kernel where supports_long says so), against float64 dense attention over the caches' values."""
     cpu = _variant(monkeypatch, isa)
     backend = select_backend("cpu", "cpu")
     paths = cpu.build.fast_paths()
@@ -271,6 +273,7 @@ def test_cpu_kernel_variants_match_dense(monkeypatch, isa, dtype, group, head_di
             dtype=dtype,
             seed=100 * n + group,
         )
+        batch = with_cache_dtype(batch, cache_dtype)
         tables, lens = batch.block_tables.tolist(), batch.seq_lens.tolist()
         plan = backend.build_plan(tables, lens, query_lens, block_size)
         out = torch.full_like(batch.q, float("nan"))
@@ -314,12 +317,15 @@ def test_kernel_isa_env_selects_the_build(monkeypatch, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("isa", ["native", "portable"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), CACHE_DTYPES)
 @pytest.mark.parametrize("dim", [64, 20])
 @pytest.mark.parametrize("tokens", [37, 300])
-def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dtype, dim, tokens) -> None:
-    """The C++ rope + KV write against LlamaModel's torch ops: rotation, then write_kv. Dim 20 takes the
-    float32 vector loop's scalar tail; 300 tokens, the threaded loop."""
+def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(
+    monkeypatch, isa, dtype, cache_dtype, dim, tokens
+) -> None:
+    """The C++ rope + KV write against LlamaModel's torch ops: rotation, then write_kv (which rounds into a
+    bfloat16 cache under float32 as torch's .to does). Dim 20 takes the float32 vector loop's scalar tail;
+    300 tokens, the threaded loop."""
     cpu = _variant(monkeypatch, isa)
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, block_size, num_blocks = 9, 3, 16, 24
@@ -337,7 +343,7 @@ def test_fused_rope_write_kv_is_the_torch_path_bit_for_bit(monkeypatch, isa, dty
 
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     want_q, want_k = rotate(q.view(tokens, heads, dim)), rotate(k.view(tokens, kv_heads, dim))
-    want_kc = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=dtype)
+    want_kc = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=cache_dtype)
     want_vc = torch.zeros_like(want_kc)
     reference.write_kv(want_k, v.view(tokens, kv_heads, dim), want_kc, want_vc, slots)
 

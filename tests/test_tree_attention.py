@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import assert_close, make_batch, tolerance
+from kernel_cases import CACHE_DTYPES, assert_close, make_batch, tolerance, with_cache_dtype
 from tree_cases import LAYOUTS, TREES, dense_tree_attention, parents_of, query_lens
 
 from specserve.kernels import select_backend
@@ -19,12 +19,16 @@ SHAPES = [(1, 64, 8), (3, 64, 16), (4, 128, 32), (2, 80, 16)]
 MODIFIERS = [(None, None), (6, None), (None, 0.7), (9, 0.7)]
 
 
-def _run(backend, names, context_lens, group, head_dim, block_size, dtype, window, softcap, seed, trees=None):
+def _run(
+    backend, names, context_lens, group, head_dim, block_size, dtype, window, softcap, seed, trees=None,
+    cache_dtype=None,
+):  # fmt: skip
     qls = query_lens(names)
     batch = make_batch(
         qls, context_lens, num_kv_heads=2, group=group, head_dim=head_dim, block_size=block_size,
         dtype=dtype, seed=seed,
     )  # fmt: skip
+    batch = with_cache_dtype(batch, cache_dtype or dtype)
     trees = parents_of(names) if trees is None else trees
     plan = None
     if backend.build_plan is not None:
@@ -39,12 +43,13 @@ def _run(backend, names, context_lens, group, head_dim, block_size, dtype, windo
     return batch, out
 
 
-def _check(backend, dtype, group, head_dim, block_size) -> None:
+def _check(backend, dtype, group, head_dim, block_size, cache_dtype=None) -> None:
     for n, (names, context_lens) in enumerate(LAYOUTS):
         for window, softcap in MODIFIERS:
             batch, out = _run(
-                backend, names, context_lens, group, head_dim, block_size, dtype, window, softcap, seed=n
-            )
+                backend, names, context_lens, group, head_dim, block_size, dtype, window, softcap, seed=n,
+                cache_dtype=cache_dtype,
+            )  # fmt: skip
             expected = dense_tree_attention(batch, parents_of(names), window, softcap)
             assert_close(out, expected, tolerance(dtype))
 
@@ -97,11 +102,13 @@ def _variant(monkeypatch, isa: str):
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "portable"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dtype", "cache_dtype"), CACHE_DTYPES)
 @pytest.mark.parametrize(("group", "head_dim", "block_size"), SHAPES)
-def test_cpu_kernel_tree_matches_dense(monkeypatch, isa, dtype, group, head_dim, block_size) -> None:
+def test_cpu_kernel_tree_matches_dense(
+    monkeypatch, isa, dtype, cache_dtype, group, head_dim, block_size
+) -> None:
     _variant(monkeypatch, isa)
-    _check(select_backend("cpu", "cpu"), dtype, group, head_dim, block_size)
+    _check(select_backend("cpu", "cpu"), dtype, group, head_dim, block_size, cache_dtype)
 
 
 def test_cpu_float16_falls_back_to_the_reference_with_its_trees() -> None:

@@ -12,6 +12,7 @@ from specserve.models.quant import check_mode as check_quantization
 from specserve.spec.config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 
 
 @dataclass
@@ -50,6 +51,11 @@ class EngineConfig:
     # A dict (vLLM's shape, as LLM(...) and the service pass it) becomes a SpeculativeConfig here.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     attention_backend: str = "auto"
+    # The KV cache's dtype (vLLM's name). auto: the model's. bfloat16 under a float32 model: half the bytes a
+    # token, so twice the tokens in the same memory and half the reads for attention, K and V rounded to
+    # bfloat16 as they are written (what a bfloat16 model's cache holds) and widened to float32 as they are
+    # read. CPU only.
+    kv_cache_dtype: str = "auto"
     # Weight-only int8/int4 decoder matrices (models/quant.py). auto: a GGUF's quantized matrices stay
     # quantized where torch's packed-int kernels are vectorised (bf16 on AVX-512), and are dequantized
     # elsewhere; none: always dequantized; int8/int4: every decoder matrix quantized on load.
@@ -90,6 +96,9 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, not {self.dtype!r}")
         check_quantization(self.quantization)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            choices = ", ".join(KV_CACHE_DTYPES)
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, not {self.kv_cache_dtype!r}")
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, not {tp!r}")
@@ -144,6 +153,17 @@ class EngineConfig:
             return torch.bfloat16
         # bf16 pays on CPUs with native bf16 matmuls (AVX-512 BF16 / AMX); elsewhere it is emulated and slow.
         return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+
+    def torch_kv_dtype(self, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+        """The KV cache's dtype under a model of `dtype` on `device`."""
+        if self.kv_cache_dtype == "auto" or DTYPES[self.kv_cache_dtype] == dtype:
+            return dtype
+        if dtype != torch.float32 or device.type != "cpu":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} is for a float32 model on CPU, not a "
+                f"{str(dtype).removeprefix('torch.')} one on {device.type} (use kv_cache_dtype auto)"
+            )
+        return DTYPES[self.kv_cache_dtype]
 
 
 def _cpu_has_bf16() -> bool:

@@ -144,7 +144,7 @@ class LLMEngine:
         checked = preflight(config)
         path = checked.path
         self.model_name = config.model or "SmolLM2-135M-Instruct"
-        self.device, self.dtype = checked.device, checked.dtype
+        self.device, self.dtype, self.kv_dtype = checked.device, checked.dtype, checked.kv_dtype
         tp_size = config.tensor_parallel_size
         # sharded ranks hold dense matrices: auto leaves a GGUF's quantization for the dequantized path
         self.quantization = (
@@ -157,6 +157,7 @@ class LLMEngine:
             config.attention_backend,
             self.quantization,
             config.batch_invariant,
+            self.kv_dtype,
         )
         # Before the weights: building a GGUF's tokenizer holds ~100 MiB of Python strings for a moment (its
         # vocabulary and merges), which on top of the weights was the load's peak (bench/load.py).
@@ -192,7 +193,7 @@ class LLMEngine:
         block_size = config.block_size
         mc = self.model_config
         # a rank holds its share of the KV heads; on CPU the ranks share the host's memory
-        per_token = mc.kv_bytes_per_token(self.dtype) * self.model.num_kv_heads // mc.num_kv_heads
+        per_token = mc.kv_bytes_per_token(self.kv_dtype) * self.model.num_kv_heads // mc.num_kv_heads
         share = tp_size if self.device.type == "cpu" else 1
         if config.num_kv_blocks:  # tests and benchmarks: an exact pool
             pool, why = config.num_kv_blocks * block_size * per_token, "num_kv_blocks"

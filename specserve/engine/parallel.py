@@ -45,6 +45,7 @@ class ModelSpec:
     attention_backend: str
     quantization: str
     batch_invariant: bool = False
+    kv_cache_dtype: torch.dtype | None = None  # None: the model's dtype
 
 
 def rank_device(device: str, rank: int) -> torch.device:
@@ -66,6 +67,7 @@ def build_model(spec: ModelSpec, tp: TensorParallel | None) -> tuple[LlamaModel,
         spec.quantization,
         tp,
         spec.batch_invariant,
+        spec.kv_cache_dtype,
     )
     return model, ckpt.config
 

@@ -23,12 +23,14 @@ class Preflight:
     header: ModelConfig  # the model's config, read without its weights
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV cache's (EngineConfig.kv_cache_dtype)
 
 
 def preflight(config: EngineConfig) -> Preflight:
     path = resolve_model(config.model, config.revision) if config.model else demo_model_path()
     device = config.torch_device()
     dtype = config.torch_dtype(device)
+    kv_dtype = config.torch_kv_dtype(dtype, device)
     header = ModelConfig.from_hf(read_config(path))
     if config.batch_invariant and (why := invariance_refusal(dtype, device)) is not None:
         raise ValueError(f"batch_invariant with dtype {str(dtype).removeprefix('torch.')}: {why}")
@@ -45,7 +47,7 @@ def preflight(config: EngineConfig) -> Preflight:
     if wanted is not None and (config.num_kv_blocks or config.kv_cache_bytes or device.type == "cpu"):
         # a rank holds its share of the KV heads (all of one where there are fewer heads than ranks)
         heads = max(1, header.num_kv_heads // tp)
-        per_token = header.kv_bytes_per_token(dtype) * heads // header.num_kv_heads
+        per_token = header.kv_bytes_per_token(kv_dtype) * heads // header.num_kv_heads
         if config.num_kv_blocks:
             pool, why = config.num_kv_blocks * config.block_size * per_token, "num_kv_blocks"
         else:  # the CPU pool and a given size do not depend on the activations' reserve
@@ -54,4 +56,4 @@ def preflight(config: EngineConfig) -> Preflight:
             if share > 1:
                 pool, why = pool // share, f"{why}, split between {share} ranks"
         check_max_model_len(pool, why, per_token, config.block_size, wanted)
-    return Preflight(path, header, device, dtype)
+    return Preflight(path, header, device, dtype, kv_dtype)

@@ -181,6 +181,7 @@ class LlamaModel:
         quantization: str = "none",
         tp: TensorParallel | None = None,
         batch_invariant: bool = False,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = cfg
         # every row's arithmetic the same whatever its step holds (models/linear.py, Args::invariant)
@@ -192,6 +193,8 @@ class LlamaModel:
             check_shardable(cfg, tp.size)
         self.num_heads, self.num_kv_heads = local_heads(cfg, tp.size if tp else 1)
         self.dtype = dtype
+        # the KV cache's: the model's, or bfloat16 under float32 (EngineConfig.kv_cache_dtype)
+        self.kv_dtype = kv_cache_dtype or dtype
         self.device = torch.device(device)
         self.backend: AttentionBackend = select_backend(self.device, attention_backend, batch_invariant)
         fam = cfg.family
@@ -340,7 +343,7 @@ class LlamaModel:
         if chain is None or native is None or native.tree_rows is not None:
             return None  # a draft tree's rows run the tree kernel, which the chain does not call
         block_size = kv_caches[0][0].shape[1]
-        if not cpu.attention.supports(self.dtype, block_size):
+        if not cpu.attention.supports(self.dtype, block_size, kv_caches[0][0].dtype):
             return None
         if not native.kernel_takes_all(self.dtype, self.cfg.head_dim, block_size):
             return None
@@ -361,7 +364,7 @@ class LlamaModel:
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.cfg.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.cfg.head_dim)
-        cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         advise_huge_pages(cache)  # before the first touch, so the pages fault in huge
         cache.zero_()
         return [(cache[i, 0], cache[i, 1]) for i in range(self.cfg.num_layers)]

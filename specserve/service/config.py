@@ -294,6 +294,13 @@ class ServiceConfig:
         "attention kernels (default auto: Triton on CUDA, the C++ kernel on CPU)",
         choices=[None, "auto", "torch", "cpu", "triton"],
     )
+    kv_cache_dtype: str | None = _opt(
+        "SPECSERVE_KV_CACHE_DTYPE",
+        None,
+        "the KV cache's dtype (default auto: the model's; bfloat16 under a float32 model on CPU holds twice "
+        "the tokens and reads half the bytes, K and V rounded to bfloat16)",
+        choices=[None, "auto", "bfloat16"],
+    )
     host: str = _opt("SPECSERVE_HOST", "127.0.0.1", "API bind address (0.0.0.0 in containers)")
     port: int = _opt("SPECSERVE_PORT", 8000, "API port")
     health_port: int = _opt("SPECSERVE_HEALTH_PORT", 8001, "worker's /healthz /readyz /metrics port (0: off)")
@@ -635,6 +642,7 @@ _ENGINE_KNOBS = (
     "prefill_tokens_beside_decode",
     "enable_prefix_caching",
     "attention_backend",
+    "kv_cache_dtype",
     "quantization",
     "batch_invariant",
     "enforce_eager",

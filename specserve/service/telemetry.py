@@ -193,7 +193,7 @@ def cache_config_info(engine: Any) -> dict[str, str]:
     config = llm.config
     return {
         "block_size": str(config.block_size),
-        "cache_dtype": str(llm.dtype).removeprefix("torch."),
+        "cache_dtype": str(llm.kv_dtype).removeprefix("torch."),
         "enable_prefix_caching": str(config.enable_prefix_caching),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "num_gpu_blocks": str(llm.block_manager.num_blocks),

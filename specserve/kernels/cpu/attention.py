@@ -4,8 +4,9 @@ the kernel or to the torch reference's gather + SDPA.
 
 The torch reference must gather every sequence's K/V into a padded tensor before SDPA can read it: per layer
 that copies the whole KV of the batch and reads it twice more. This kernel walks the block tables and reads
-each cached K and V row once, in float32 accumulation. For a dtype it does not handle (float16) or a block
-too large, the plan falls back to gather + SDPA for the whole batch.
+each cached K and V row once, in float32 accumulation. The caches are in q's dtype, or bfloat16 under float32
+queries (the engine's kv_cache_dtype), widened as they are read. For a dtype it does not handle (float16) or a
+block too large, the plan falls back to gather + SDPA for the whole batch.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from specserve.kernels import tree as tree_mask
 from specserve.kernels.cpu import build
 
 
-def supports(dtype: torch.dtype, block_size: int) -> bool:
-    return dtype in build.DTYPES and block_size <= 256
+def supports(dtype: torch.dtype, block_size: int, cache_dtype: torch.dtype | None = None) -> bool:
+    """Whether the kernel takes queries of `dtype` over caches of `cache_dtype` (None: the same)."""
+    return (dtype, cache_dtype or dtype) in build.KV_DTYPES and block_size <= 256
 
 
 def supports_long(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -41,8 +43,10 @@ def supports_long(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor) -> None:
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV caches must be contiguous")
-    if q.stride(2) != 1 or out.stride(2) != 1 or q.dtype != k_cache.dtype or out.dtype != q.dtype:
-        raise ValueError("q and out need head_dim innermost and the caches' dtype")
+    if q.stride(2) != 1 or out.stride(2) != 1 or out.dtype != q.dtype:
+        raise ValueError("q and out need head_dim innermost and one dtype")
+    if v_cache.dtype != k_cache.dtype or (q.dtype, k_cache.dtype) not in build.KV_DTYPES:
+        raise ValueError(f"no kernel for {q.dtype} queries over {k_cache.dtype} / {v_cache.dtype} caches")
 
 
 def paged_attention_short(
@@ -66,7 +70,8 @@ def paged_attention_short(
     else the call holds (rows of its sequence, other sequences), at some cost in float32 (Args::invariant).
 
     q and out are [tokens, heads, head_dim] with head_dim innermost; the caches contiguous; block_tables,
-    seq_lens and query_start_loc int32 and contiguous. The dtype of q, out and the caches must match.
+    seq_lens and query_start_loc int32 and contiguous. q and out of one dtype, the caches of it too or
+    bfloat16 under float32 (build.KV_DTYPES).
     """
     _check_layout(q, k_cache, v_cache, out)
     for t, dt in (
@@ -99,7 +104,7 @@ def paged_attention_short(
         out.data_ptr(),
         out.stride(0),
         out.stride(1),
-        build.DTYPES[q.dtype],
+        build.KV_DTYPES[q.dtype, k_cache.dtype],
         torch.get_num_threads(),
         window or 0,
         softcap or 0.0,
@@ -148,7 +153,7 @@ def paged_attention_tree(
         out.data_ptr(),
         out.stride(0),
         out.stride(1),
-        build.DTYPES[q.dtype],
+        build.KV_DTYPES[q.dtype, k_cache.dtype],
         torch.get_num_threads(),
         window or 0,
         softcap or 0.0,
@@ -193,7 +198,7 @@ class NativeShort:
         the prefill chunks the kernel leaves, or, for a dtype or block size it does not handle (float16,
         huge blocks), the whole batch."""
         block_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-        if not supports(q.dtype, block_size):
+        if not supports(q.dtype, block_size, k_cache.dtype):
             qsl = self.query_start_loc.tolist()
             tables = [
                 row[: -(-n // block_size)]

@@ -42,6 +42,13 @@ CFLAGS = ["-O3", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=native", "-mno-avx512f"], "portable": []}
 ISA_ENV = "SPECSERVE_KERNEL_ISA"
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The attention and rope entry points' dtype code by (activations, KV caches): their own dtypes, or float32
+# over bfloat16 caches (csrc/api.h: kDtypeF32Bf16Kv)
+KV_DTYPES = {
+    (torch.float32, torch.float32): 0,
+    (torch.bfloat16, torch.bfloat16): 1,
+    (torch.float32, torch.bfloat16): 2,
+}
 # specserve_paths() bits (csrc/api.h's kPath*): the fast attention kernels that take queries of any length
 # (prefill chunks too), the AVX2 + FMA weight-only int8 / int4 and dense products for float32 activations,
 # and the AVX512-BF16 ones for bfloat16 activations
@@ -85,7 +92,7 @@ _SIGNATURES = {
     "specserve_silu_mul": "p p i i i i c c",
     "specserve_gelu_tanh_mul": "p p i i i i c c",
     "specserve_rms_norm_heads": "p p i i i i f c c",
-    "specserve_decoder_layers": "p i p p p p i i i i i i i p p p i p p p i f f c c c",
+    "specserve_decoder_layers": "p i p p p p i i i i i i i p p p i p p p i f f c c c c",
 }
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "f": ctypes.c_float, "c": ctypes.c_int}
 

@@ -136,13 +136,16 @@ class LayerChain:
             heads = (self.num_kv_heads, self.head_dim)
             for k, v in mine:
                 if (
-                    k.dtype != self.dtype
-                    or v.dtype != self.dtype
+                    (self.dtype, k.dtype) not in build.KV_DTYPES
+                    or v.dtype != k.dtype
                     or not (k.is_contiguous() and v.is_contiguous())
                     or k.shape[2:] != heads
                     or v.shape != k.shape
                 ):
-                    raise ValueError(f"KV caches: contiguous {self.dtype} [blocks, size, *{heads}]")
+                    raise ValueError(
+                        f"KV caches: contiguous {self.dtype} (or bfloat16 under float32) "
+                        f"[blocks, size, *{heads}]"
+                    )
             self._kv = (
                 kv_caches,
                 torch.tensor([t.data_ptr() for kv in mine for t in kv], dtype=torch.int64),
@@ -196,7 +199,7 @@ class LayerChain:
             self.head_dim, block_size, positions.data_ptr(), slot_mapping.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_ids.data_ptr(),
             seq_ids.numel(), scale, eps, build.DTYPES[self.dtype], torch.get_num_threads(),
-            int(self.invariant),
+            int(self.invariant), build.KV_DTYPES[self.dtype, kv_caches[0][0].dtype],
         )  # fmt: skip
         if rc != 0:
             raise ValueError(f"decoder_layers refused its arguments (code {rc})")

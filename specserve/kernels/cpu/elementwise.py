@@ -26,7 +26,8 @@ def rope_write_kv(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Rotary embedding of qkv's q and k heads in place, then the new K and V into the cache (float32 or
-    bfloat16; tokens with a negative slot are not cached).
+    bfloat16, the caches of the same dtype or bfloat16 under float32, rounded to nearest even as they are
+    written; tokens with a negative slot are not cached).
 
     qkv [tokens, (num_heads + 2 * num_kv_heads) * head_dim] rows (q, k, v heads); cos/sin [max_pos, ...,
     head_dim] contiguous; positions and slot_mapping int64. Bit for bit what LlamaModel's torch path does.
@@ -37,10 +38,13 @@ def rope_write_kv(
         or qkv.stride(1) != 1
         or cos.dtype != qkv.dtype
         or sin.dtype != qkv.dtype
-        or k_cache.dtype != qkv.dtype
-        or v_cache.dtype != qkv.dtype
+        or v_cache.dtype != k_cache.dtype
+        or (qkv.dtype, k_cache.dtype) not in build.KV_DTYPES
     ):
-        raise ValueError("rope_write_kv takes float32 or bfloat16 qkv rows, rotary tables and caches alike")
+        raise ValueError(
+            "rope_write_kv takes float32 or bfloat16 qkv rows and rotary tables alike, over caches of that "
+            "dtype or bfloat16"
+        )
     if not (
         cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     ):
@@ -61,7 +65,7 @@ def rope_write_kv(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         slot_mapping.data_ptr(),
-        build.DTYPES[qkv.dtype],
+        build.KV_DTYPES[qkv.dtype, k_cache.dtype],
         torch.get_num_threads(),
     )
     build.check(rc, "rope_write_kv")

@@ -1,7 +1,8 @@
 // The library's C ABI, every entry point in one place: what kernels/cpu/build.py binds through ctypes (its
 // _SIGNATURES spell the same arguments), and what chain.cpp calls layer by layer.
 //
-// Every function returns an int status (below). dtype arguments: 0 float32, 1 bfloat16 (as uint16_t bits).
+// Every function returns an int status (below). dtype arguments: 0 float32, 1 bfloat16 (as uint16_t bits);
+// the attention and rope entry points also take kDtypeF32Bf16Kv: float32 activations over bfloat16 KV caches.
 // num_threads: the OpenMP threads a call may use (torch's own count, so the two share one libgomp pool).
 #pragma once
 
@@ -13,6 +14,10 @@ constexpr int kBadArguments = 1;    // shapes, strides or indices the kernel ref
 constexpr int kNotInBuild = 2;      // a dtype or fast path this build does not hold (see specserve_paths)
 constexpr int kUnknownProduct = 3;  // specserve_decoder_layers: a product kind it does not know
 constexpr int kLayerShapes = 4;     // specserve_decoder_layers: a layer's products disagree with the model
+
+// float32 q, k, v and outputs with the KV caches in bfloat16 (a cache of half the bytes: the engine's
+// kv_cache_dtype): K and V are rounded to bfloat16 as they are written, widened as they are read.
+constexpr int kDtypeF32Bf16Kv = 2;
 
 // specserve_paths() bits: the fast paths this build holds.
 constexpr int kPathAttentionF32 = 1;   // float32 attention on AVX2 + FMA, queries of any length
@@ -135,6 +140,6 @@ int specserve_decoder_layers(const int64_t* layers, int64_t num_layers, void* co
                              const int64_t* positions, const int64_t* slots, const int32_t* block_tables,
                              int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
                              const int64_t* seq_ids, int64_t num_seqs, float scale, float eps, int dtype,
-                             int threads, int invariant);
+                             int threads, int invariant, int kv_dtype);
 
 }  // extern "C"

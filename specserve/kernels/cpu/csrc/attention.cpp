@@ -32,6 +32,15 @@ extern "C" int specserve_paged_attention_short(
     if (head_dim == 64) run<uint16_t, 64>(a, num_threads);
     else if (head_dim == 128) run<uint16_t, 128>(a, num_threads);
     else run<uint16_t, 0>(a, num_threads);
+  } else if (dtype == kDtypeF32Bf16Kv) {
+#ifdef SPECSERVE_F32_PATH
+    if (block_size % 8 == 0 && head_dim == 64) return run_f32<64, uint16_t>(a, num_threads), kOk;
+    if (block_size % 8 == 0 && head_dim == 128) return run_f32<128, uint16_t>(a, num_threads), kOk;
+    if (block_size % 8 == 0 && head_dim == 256) return run_f32<256, uint16_t>(a, num_threads), kOk;
+#endif
+    if (head_dim == 64) run<float, 64, uint16_t>(a, num_threads);
+    else if (head_dim == 128) run<float, 128, uint16_t>(a, num_threads);
+    else run<float, 0, uint16_t>(a, num_threads);
   } else {
     return kNotInBuild;
   }

@@ -13,15 +13,27 @@ namespace {
 constexpr int64_t kQueryTileF32 = 16;
 constexpr int64_t kPrefetchAheadF32 = 4;
 
+// The caches' elements widened to float32: float32 as they are, bfloat16 (kDtypeF32Bf16Kv) by a shift.
+inline __m128 cache4(const float* p) { return _mm_loadu_ps(p); }
+inline __m256 cache8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m128 cache4(const uint16_t* p) {
+  const __m128i bits = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(bits), 16));
+}
+inline __m256 cache8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // 8 tokens' slices [8 x 8 floats] at rows p, p + stride, ...: out[j] = element j of every token. The
 // 128-bit halves come in by loads (a port of their own), leaving 16 in-lane shuffles instead of 24.
-inline void transpose8_load(const float* p, int64_t stride, __m256* out) {
+template <typename C>
+inline void transpose8_load(const C* p, int64_t stride, __m256* out) {
   __m256 r[8];
   for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + i * stride)),
-                                _mm_loadu_ps(p + (i + 4) * stride), 1);
-    r[i + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p + i * stride + 4)),
-                                    _mm_loadu_ps(p + (i + 4) * stride + 4), 1);
+    r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(cache4(p + i * stride)), cache4(p + (i + 4) * stride), 1);
+    r[i + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(cache4(p + i * stride + 4)),
+                                    cache4(p + (i + 4) * stride + 4), 1);
   }
   for (int h = 0; h < 8; h += 4) {
     const __m256 t0 = _mm256_unpacklo_ps(r[h], r[h + 1]), t1 = _mm256_unpackhi_ps(r[h], r[h + 1]);
@@ -73,21 +85,24 @@ inline void qk_rows2_f32(const float* q, const __m256* ka, const __m256* kb, flo
 // group) this skips the transposes, which cost more than the FMAs they save there. SmolLM2's 30 layers
 // (bench/kernel_ab.py, avx2-only build, Zen 4): 64 x 400 tokens 75.9 ms against 83.2 transposed, 12 x 800
 // 34.8 against 36.2; native build 18 x 600 30.7 against 33.4.
-// ahead and now, where given, are HD / 2 lines (as many as these loads read) for the caller's prefetching,
-// two of each asked for beside every four loads (see run_f32's trickle).
-template <int NR, int HD>
-inline void qk_direct_f32(const float* q, const float* k0, int64_t row, float* dst, int64_t stride,
+// ahead and now, where given, are HD * sizeof(C) / 8 lines (as many as these loads read) for the caller's
+// prefetching, sizeof(C) / 2 of each asked for beside every four loads (see run_f32's trickle).
+template <int NR, int HD, typename C>
+inline void qk_direct_f32(const float* q, const C* k0, int64_t row, float* dst, int64_t stride,
                           const char* ahead = nullptr, const char* now = nullptr) {
+  constexpr int64_t kStep = 32 * sizeof(C);  // bytes of the lines asked for beside four loads
   for (int t0 = 0; t0 < 8; t0 += 4) {
     __m256 acc[NR][4];
     for (int i = 0; i < NR; ++i)
       for (int t = 0; t < 4; ++t) acc[i][t] = _mm256_setzero_ps();
     for (int c = 0; c < HD / 8; ++c) {
-      const int64_t line = ((t0 / 4) * (HD / 8) + c) * 128;
-      if (ahead) __builtin_prefetch(ahead + line, 0, 3), __builtin_prefetch(ahead + line + 64, 0, 3);
-      if (now) __builtin_prefetch(now + line, 0, 3), __builtin_prefetch(now + line + 64, 0, 3);
+      const int64_t line = ((t0 / 4) * (HD / 8) + c) * kStep;
+      for (int64_t at = 0; at < kStep; at += 64) {
+        if (ahead) __builtin_prefetch(ahead + line + at, 0, 3);
+        if (now) __builtin_prefetch(now + line + at, 0, 3);
+      }
       __m256 k[4];
-      for (int t = 0; t < 4; ++t) k[t] = _mm256_loadu_ps(k0 + (t0 + t) * row + 8 * c);
+      for (int t = 0; t < 4; ++t) k[t] = cache8(k0 + (t0 + t) * row + 8 * c);
       for (int i = 0; i < NR; ++i) {
         const __m256 qv = _mm256_loadu_ps(q + i * HD + 8 * c);
         for (int t = 0; t < 4; ++t) acc[i][t] = _mm256_fmadd_ps(qv, k[t], acc[i][t]);
@@ -104,8 +119,8 @@ inline void qk_direct_f32(const float* q, const float* k0, int64_t row, float* d
 // 3 rows' 12 accumulators leave no register for V, so GCC loads V again for every row's FMA. W = 2, for
 // up to 6 rows: a token's two V vectors stay in registers for the rows (2 loads and NR broadcasts for
 // 2 NR FMAs), over twice the passes.
-template <int NR, int HD, int W = 4>
-inline void pv_rows_f32(const float* scores, int64_t stride, const float* vp, const int32_t* table, int64_t BS,
+template <int NR, int HD, int W = 4, typename C>
+inline void pv_rows_f32(const float* scores, int64_t stride, const C* vp, const int32_t* table, int64_t BS,
                         int64_t row, int64_t hoff, int64_t b0, int64_t n_pad, float* const* dst) {
   for (int dc = 0; dc < HD; dc += 8 * W) {
     __m256 acc[NR][W];
@@ -113,12 +128,12 @@ inline void pv_rows_f32(const float* scores, int64_t stride, const float* vp, co
       for (int c = 0; c < W; ++c) acc[i][c] = _mm256_setzero_ps();
     const int64_t nb = (n_pad + BS - 1) / BS;
     for (int64_t b = b0; b < nb; ++b) {
-      const float* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
+      const C* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
       const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
       const float* pt = scores + base;
       for (int64_t t = 0; t < nt; ++t) {
         __m256 v[W];
-        for (int c = 0; c < W; ++c) v[c] = _mm256_loadu_ps(vb + t * row + 8 * c);
+        for (int c = 0; c < W; ++c) v[c] = cache8(vb + t * row + 8 * c);
         if constexpr (W == 2) asm("" : "+x"(v[0]), "+x"(v[1]));
         for (int i = 0; i < NR; ++i) {
           const __m256 w = _mm256_broadcast_ss(pt + i * stride + t);
@@ -143,16 +158,18 @@ struct TaskF32 {
 // Fewer sequences than kSplitBelowTasksPerThread a thread split their keys into parts of whole blocks
 // (attention.h), each part all of the sequence's heads (run_f32).
 
-template <int HD>
+// C: the caches' element, float or bfloat16 bits (kDtypeF32Bf16Kv); q and out are float32 either way
+template <int HD, typename C = float>
 void run_f32(const Args& a, int num_threads) {
   static_assert(HD % 32 == 0, "whole 4-vector slices in PV");
   const float* qp = static_cast<const float*>(a.q);
-  const float* kp = static_cast<const float*>(a.k_cache);
-  const float* vp = static_cast<const float*>(a.v_cache);
+  const C* kp = static_cast<const C*>(a.k_cache);
+  const C* vp = static_cast<const C*>(a.v_cache);
   float* op = static_cast<float*>(a.out);
   const int64_t BS = a.block_size, group = a.num_heads / a.num_kv_heads, KVH = a.num_kv_heads;
   const int64_t row = KVH * HD;
-  const int64_t block_bytes = BS * row * 4;
+  constexpr int64_t kElem = sizeof(C);
+  const int64_t block_bytes = BS * row * kElem;
 
   // Short queries one task per sequence (all heads, one pass over whole blocks) when there is a sequence a
   // thread, else per head; long ones per head and query tile, latest tiles (the most keys) first. A task of
@@ -241,9 +258,9 @@ void run_f32(const Args& a, int num_threads) {
       // memory and the others' computed from L2 with memory idle. SmolLM2's 30 layers, each its own cache
       // (bench/kernel_ab.py, 2-core Zen 4): 64 x 400 tokens 73.3 ms against 81.5, 18 x 600 31.0 against
       // 34.2, verify of 5 at 18 x 600 56.3 against 59.8.
-      const int64_t fetch = H > 1 ? block_bytes : HD * 4;
-      auto prefetch_block = [&](const float* cache, int64_t b) {
-        const float* start = cache + static_cast<int64_t>(table[b]) * BS * row;
+      const int64_t fetch = H > 1 ? block_bytes : HD * kElem;
+      auto prefetch_block = [&](const C* cache, int64_t b) {
+        const C* start = cache + static_cast<int64_t>(table[b]) * BS * row;
         if (fetch == block_bytes) return prefetch(start, block_bytes);
         for (int64_t t = 0; t < BS; ++t) prefetch(start + t * row + task.h0 * HD, fetch);
       };
@@ -263,9 +280,9 @@ void run_f32(const Args& a, int num_threads) {
         fetch_tile(trickle, kp, vp, table, BS, row, kPrefetchAheadF32, num_blocks, pt, prefetch_block, k_ahead,
                    v_now);
       };
-      // a transposed chunk's share: 4 lines of each slab beside its 16 loads
+      // a transposed chunk's share: 4 lines of each slab (2 in bfloat16) beside its 16 loads
       const auto chunk_lines = [](const char* slab, int64_t hh, int c) {
-        if (slab) prefetch(slab + hh * HD * 32 + c * 256, 256);
+        if (slab) prefetch(slab + hh * HD * 8 * kElem + c * 64 * kElem, 64 * kElem);
       };
       for (int64_t u = b0 * BS / 8; u < num_tiles; ++u) {
         const int64_t p0 = u * 8, b = p0 / BS;
@@ -283,8 +300,8 @@ void run_f32(const Args& a, int num_threads) {
           fetch_at(p1, &k_ahead1, &v_now1);
           for (int64_t hh = 0; hh < H; ++hh) {
             const int64_t hoff = (task.h0 + hh) * HD;
-            const float* ka = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + hoff;
-            const float* kb = kp + (static_cast<int64_t>(table[b1]) * BS + p1 % BS) * row + hoff;
+            const C* ka = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + hoff;
+            const C* kb = kp + (static_cast<int64_t>(table[b1]) * BS + p1 % BS) * row + hoff;
             for (int c = 0; c < HD / 8; ++c) {
               for (const char* slab : {k_ahead, v_now, k_ahead1, v_now1}) chunk_lines(slab, hh, c);
               transpose8_load(ka + 8 * c, row, kt + 8 * c);
@@ -306,11 +323,11 @@ void run_f32(const Args& a, int num_threads) {
         }
         for (int64_t hh = 0; hh < H; ++hh) {
           // 8 tokens' head slices; the tile's tail past `end` is read (inside the block) but never used
-          const float* k0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + (task.h0 + hh) * HD;
+          const C* k0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + (task.h0 + hh) * HD;
           const float* q = qs.data() + hh * R * HD;
           float* out = scores.data() + hh * R * stride + p0;
           if (!a.invariant && r == 0 && R <= 4) {
-            const int64_t share = hh * HD * 32;  // this head's HD / 2 lines of the tile's, in bytes
+            const int64_t share = hh * HD * 8 * kElem;  // this head's share of the tile's lines, in bytes
             const char* ka = k_ahead ? k_ahead + share : nullptr;
             const char* vn = v_now ? v_now + share : nullptr;
             switch (R) {

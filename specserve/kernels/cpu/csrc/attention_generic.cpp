@@ -4,11 +4,12 @@
 
 namespace {
 
-template <typename T, int HD>
+// T: q and out; C: the KV caches
+template <typename T, int HD, typename C = T>
 void run(const Args& a, int num_threads) {
   const T* qp = static_cast<const T*>(a.q);
-  const T* kp = static_cast<const T*>(a.k_cache);
-  const T* vp = static_cast<const T*>(a.v_cache);
+  const C* kp = static_cast<const C*>(a.k_cache);
+  const C* vp = static_cast<const C*>(a.v_cache);
   T* op = static_cast<T*>(a.out);
   const int64_t D = HD > 0 ? HD : a.head_dim, BS = a.block_size, group = a.num_heads / a.num_kv_heads;
   const int64_t row = a.num_kv_heads * D;  // one token's K (or V) in the cache
@@ -19,11 +20,11 @@ void run(const Args& a, int num_threads) {
   const int64_t heads_per_task = a.num_seqs >= 4 * num_threads ? a.num_kv_heads : 1;
   const int64_t tasks_per_seq = a.num_kv_heads / heads_per_task;
   const int64_t num_tasks = a.num_seqs * tasks_per_seq;
-  const int64_t block_bytes = BS * row * static_cast<int64_t>(sizeof(T));
+  const int64_t block_bytes = BS * row * static_cast<int64_t>(sizeof(C));
 
   // The next block of a task's first head: whole block rows (all heads, contiguous) or one head's slices.
-  auto prefetch_rows = [&](const T* cache, int32_t block, int64_t h, int64_t bytes) {
-    const T* start = cache + static_cast<int64_t>(block) * BS * row;
+  auto prefetch_rows = [&](const C* cache, int32_t block, int64_t h, int64_t bytes) {
+    const C* start = cache + static_cast<int64_t>(block) * BS * row;
     if (bytes == block_bytes) return prefetch(start, bytes);
     for (int64_t t = 0; t < BS; ++t) prefetch(start + t * row + h * D, bytes);
   };
@@ -37,7 +38,7 @@ void run(const Args& a, int num_threads) {
     for (int64_t h = (task % tasks_per_seq) * heads_per_task, h_end = h + heads_per_task; h < h_end; ++h) {
       const int64_t s = a.seq_ids[task / tasks_per_seq];
       const bool first = h == (task % tasks_per_seq) * heads_per_task;
-      const int64_t fetch = heads_per_task > 1 ? block_bytes : D * static_cast<int64_t>(sizeof(T));
+      const int64_t fetch = heads_per_task > 1 ? block_bytes : D * static_cast<int64_t>(sizeof(C));
       const int64_t q0 = a.query_start_loc[s], q_len = a.query_start_loc[s + 1] - q0;
       const int64_t len = a.seq_lens[s];
       const int64_t R = q_len * group;  // rows: query token i, query head g -> i * group + g
@@ -58,9 +59,9 @@ void run(const Args& a, int num_threads) {
 
       for (int64_t b = b0; b < num_blocks; ++b) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;
-        const T* kblock = kp + static_cast<int64_t>(table[b]) * BS * row + h * D;
+        const C* kblock = kp + static_cast<int64_t>(table[b]) * BS * row + h * D;
         if (first && b + 1 < num_blocks) prefetch_rows(kp, table[b + 1], h, fetch);
-        qk_block<T, HD>(qf.data(), qp, R, limit.data(), kblock, row, D, base, nt, a.scale, kt.data(),
+        qk_block<C, HD>(qf.data(), kp, R, limit.data(), kblock, row, D, base, nt, a.scale, kt.data(),
                           scores.data(), len);
       }
 
@@ -69,9 +70,9 @@ void run(const Args& a, int num_threads) {
 
       for (int64_t b = b0; b < num_blocks; ++b) {
         const int64_t base = b * BS, nt = len - base < BS ? len - base : BS;
-        const T* vblock = vp + static_cast<int64_t>(table[b]) * BS * row + h * D;
+        const C* vblock = vp + static_cast<int64_t>(table[b]) * BS * row + h * D;
         if (first && b + 1 < num_blocks) prefetch_rows(vp, table[b + 1], h, fetch);
-        pv_block<T, HD>(R, limit.data(), vblock, row, D, base, nt, scores.data(), len, vb.data(), acc.data());
+        pv_block<C, HD>(R, limit.data(), vblock, row, D, base, nt, scores.data(), len, vb.data(), acc.data());
       }
 
       for (int64_t i = 0; i < q_len; ++i)

@@ -6,11 +6,12 @@
 
 namespace {
 
-template <typename T>
+// T: q and out; C: the KV caches
+template <typename T, typename C = T>
 void run_tree(const Args& a, const int64_t* tree_mask, const int32_t* tree_depth, int num_threads) {
   const T* qp = static_cast<const T*>(a.q);
-  const T* kp = static_cast<const T*>(a.k_cache);
-  const T* vp = static_cast<const T*>(a.v_cache);
+  const C* kp = static_cast<const C*>(a.k_cache);
+  const C* vp = static_cast<const C*>(a.v_cache);
   T* op = static_cast<T*>(a.out);
   const int64_t D = a.head_dim, BS = a.block_size, group = a.num_heads / a.num_kv_heads;
   const int64_t row = a.num_kv_heads * D;
@@ -45,7 +46,7 @@ void run_tree(const Args& a, const int64_t* tree_mask, const int32_t* tree_depth
           const T* src = qp + (q0 + i) * a.q_tok + head * a.q_head;
           for (int64_t d = 0; d < D; ++d) qf[d] = load(src, d) * a.scale;
           for (int64_t t = 0; t < n; ++t) {
-            const T* k = kp + slots[t];
+            const C* k = kp + slots[t];
             float dot = 0.f;
             for (int64_t d = 0; d < D; ++d) dot += qf[d] * load(k, d);
             scores[t] = dot;
@@ -53,7 +54,7 @@ void run_tree(const Args& a, const int64_t* tree_mask, const int32_t* tree_depth
           softmax_row(scores.data(), 0, 0, n, n, a.softcap);
           std::fill(acc.begin(), acc.end(), 0.f);
           for (int64_t t = 0; t < n; ++t) {
-            const T* v = vp + slots[t];
+            const C* v = vp + slots[t];
             const float w = scores[t];
             for (int64_t d = 0; d < D; ++d) acc[d] += w * load(v, d);
           }
@@ -84,6 +85,7 @@ extern "C" int specserve_paged_attention_tree(
                block_size, scale, out, o_tok, o_head, window, softcap, false};
   if (dtype == 0) run_tree<float>(a, tree_mask, tree_depth, num_threads);
   else if (dtype == 1) run_tree<uint16_t>(a, tree_mask, tree_depth, num_threads);
+  else if (dtype == kDtypeF32Bf16Kv) run_tree<float, uint16_t>(a, tree_mask, tree_depth, num_threads);
   else return kNotInBuild;
   return kOk;
 }

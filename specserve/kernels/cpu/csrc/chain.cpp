@@ -72,7 +72,8 @@ int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, in
 
 // Runs the layers over h [rows, hidden] (the residual stream, updated in place) and leaves the last layer's
 // MLP output in m [rows, hidden]: the model adds it to h, as its own loop does. kv holds each layer's K and V
-// cache pointers, ropes each rotary table's cos and sin. Returns 0, or the first nonzero code a kernel gave
+// cache pointers (in kv_dtype: dtype, or kDtypeF32Bf16Kv's bfloat16 under float32), ropes each rotary table's
+// cos and sin. Returns 0, or the first nonzero code a kernel gave
 // (the layers before it have run: the caller raises, and the step is lost, not half-applied silently).
 extern "C" int specserve_decoder_layers(const int64_t* layers, int64_t num_layers, void* const* kv,
                                         const void* const* ropes, void* h, void* m, int64_t rows, int64_t hidden,
@@ -81,8 +82,9 @@ extern "C" int specserve_decoder_layers(const int64_t* layers, int64_t num_layer
                                         const int64_t* slots, const int32_t* block_tables, int64_t table_stride,
                                         const int32_t* seq_lens, const int32_t* query_start_loc,
                                         const int64_t* seq_ids, int64_t num_seqs, float scale, float eps,
-                                        int dtype, int threads, int invariant) {
+                                        int dtype, int threads, int invariant, int kv_dtype) {
   if (dtype != 0 && dtype != 1) return kNotInBuild;
+  if (kv_dtype != dtype && !(dtype == 0 && kv_dtype == kDtypeF32Bf16Kv)) return kNotInBuild;
   const int64_t elem = dtype == 0 ? 4 : 2;
   const int64_t q_size = num_heads * head_dim, qkv_n = (num_heads + 2 * num_kv_heads) * head_dim;
   const auto* descs = reinterpret_cast<const LayerDesc*>(layers);
@@ -109,13 +111,13 @@ extern "C" int specserve_decoder_layers(const int64_t* layers, int64_t num_layer
       break;
     if ((rc = run_product(L.qkv, x, rows, qkv, threads))) break;
     if ((rc = specserve_rope_write_kv(qkv, qkv_n, rows, positions, ropes[2 * L.rope], ropes[2 * L.rope + 1],
-                                      num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots, dtype,
+                                      num_heads, num_kv_heads, head_dim, k_cache, v_cache, slots, kv_dtype,
                                       threads)))
       break;
     if ((rc = specserve_paged_attention_short(qkv, qkv_n, head_dim, k_cache, v_cache, block_tables, table_stride,
                                               seq_lens, query_start_loc, seq_ids, num_seqs, num_heads,
                                               num_kv_heads, head_dim, block_size, scale, attn, q_size, head_dim,
-                                              dtype, threads, 0, 0.f, invariant)))
+                                              kv_dtype, threads, 0, 0.f, invariant)))
       break;
     if ((rc = run_product(L.o, attn, rows, o, threads))) break;
     if ((rc = specserve_add_rms_norm(h, o, L.mlp_norm, x, rows, hidden, hidden, hidden, hidden, eps, dtype,

@@ -1,4 +1,4 @@
-// Rotary embedding + KV-cache write, fused (float32 and bfloat16, every build).
+// Rotary embedding + KV-cache write, fused (float32 and bfloat16, every build; float32 over bfloat16 caches).
 #include "api.h"
 #include "common.h"
 
@@ -41,26 +41,34 @@ extern "C" int specserve_rope_write_kv(void* qkv, int64_t tok_stride, int64_t nu
                                        const int64_t* positions, const void* cos, const void* sin,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, void* k_cache,
                                        void* v_cache, const int64_t* slots, int dtype, int num_threads) {
-  if ((dtype != 0 && dtype != 1) || head_dim % 2 != 0 || head_dim > 512) return kNotInBuild;
+  if ((dtype != 0 && dtype != 1 && dtype != kDtypeF32Bf16Kv) || head_dim % 2 != 0 || head_dim > 512)
+    return kNotInBuild;
   const int64_t half = head_dim / 2, kv = num_kv_heads * head_dim;
   // Threads only for prefill-sized batches: a decode step's 64 tokens take ~10 us on one AVX2 core
   // (bench/kernels.py), about what waking a second thread and meeting it at the barrier costs when idle,
   // and far less than that costs on a busy shared machine.
   const bool threaded = num_tokens >= 256;
-  if (dtype == 0) {
+  if (dtype == 0 || dtype == kDtypeF32Bf16Kv) {
     float* base = static_cast<float*>(qkv);
     const float* cp = static_cast<const float*>(cos);
     const float* sp = static_cast<const float*>(sin);
-    float* kc = static_cast<float*>(k_cache);
-    float* vc = static_cast<float*>(v_cache);
 #pragma omp parallel for num_threads(num_threads) if (threaded)
     for (int64_t i = 0; i < num_tokens; ++i) {
       float* row = base + i * tok_stride;
       for (int64_t h = 0; h < num_heads + num_kv_heads; ++h)
         rope_f32(row + h * head_dim, cp + positions[i] * head_dim, sp + positions[i] * head_dim, half);
       if (slots[i] < 0) continue;
-      std::memcpy(kc + slots[i] * kv, row + num_heads * head_dim, kv * sizeof(float));
-      std::memcpy(vc + slots[i] * kv, row + (num_heads + num_kv_heads) * head_dim, kv * sizeof(float));
+      const float* k = row + num_heads * head_dim;
+      const float* v = k + kv;
+      if (dtype == 0) {
+        std::memcpy(static_cast<float*>(k_cache) + slots[i] * kv, k, kv * sizeof(float));
+        std::memcpy(static_cast<float*>(v_cache) + slots[i] * kv, v, kv * sizeof(float));
+        continue;
+      }
+      // rounded to nearest even, as torch's .to(torch.bfloat16) rounds the reference's cache writes
+      uint16_t* kc = static_cast<uint16_t*>(k_cache) + slots[i] * kv;
+      uint16_t* vc = static_cast<uint16_t*>(v_cache) + slots[i] * kv;
+      for (int64_t d = 0; d < kv; ++d) store(kc, d, k[d]), store(vc, d, v[d]);
     }
     return kOk;
   }
