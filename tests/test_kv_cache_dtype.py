@@ -20,6 +20,18 @@ def _tokens(llm: LLM, prompts: list[str], params: SamplingParams = GREEDY) -> li
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
+def _bf16_cache_llm(path, backend: str, quantization: str) -> LLM:
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_dtype="bfloat16",
+        attention_backend=backend,
+        quantization=quantization,
+    )
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    return llm
+
+
 @pytest.fixture(scope="module")
 def torch_reference(tiny_model_factory):
     """Greedy tokens of the torch attention backend over a bfloat16 cache, per quantization mode."""
@@ -27,14 +39,7 @@ def torch_reference(tiny_model_factory):
 
     def get(quantization: str) -> list[list[int]]:
         if quantization not in cache:
-            llm = LLM(
-                str(tiny_model_factory()),
-                dtype="float32",
-                kv_cache_dtype="bfloat16",
-                attention_backend="torch",
-                quantization=quantization,
-            )
-            assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+            llm = _bf16_cache_llm(tiny_model_factory(), "torch", quantization)
             cache[quantization] = [_tokens(llm, [p])[0] for p in PROMPTS]
         return cache[quantization]
 
@@ -47,15 +52,8 @@ def test_cpu_kernels_over_a_bfloat16_cache_give_the_torch_reference_tokens(
 ) -> None:
     if cpu.build.load() is None:
         pytest.skip("no C++ compiler")
-    llm = LLM(
-        str(tiny_model_factory()),
-        dtype="float32",
-        kv_cache_dtype="bfloat16",
-        attention_backend="cpu",
-        quantization=quantization,
-    )
+    llm = _bf16_cache_llm(tiny_model_factory(), "cpu", quantization)
     model = llm.engine.model
-    assert llm.engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert model.chain_runs  # the steps run chained, attention and KV writes inside the library
     chained = _tokens(llm, PROMPTS)
     one_at_a_time = [_tokens(llm, [p])[0] for p in PROMPTS]
