@@ -30,11 +30,23 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out to outgoing connections (Linux's default range starts at 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
 def cluster_port(taken: set[int]) -> int:
-    """A free port whose cluster bus port (+10000) is free too; valkey refuses ports above 55535."""
+    """A free port whose cluster bus port (+10000) is free too; valkey refuses ports above 55535. Both below
+    the ephemeral range where it leaves room: a port free when checked but inside that range can be taken by
+    any outgoing connection before the node binds it (a bus port of 37288 was, failing a cluster's start)."""
     rng = random.Random()
+    top = _ephemeral_low() - 10_000
+    low, high = (10_000, top) if top - 10_000 >= 2_000 else (20_000, 45_000)
     while True:
-        port = rng.randrange(20_000, 45_000)
+        port = rng.randrange(low, high)
         if port not in taken and _bindable(port) and _bindable(port + 10_000):
             taken.add(port)
             return port
