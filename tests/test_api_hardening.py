@@ -460,7 +460,7 @@ def test_an_expired_request_is_a_408_with_openais_error_shape(valkey, tiny_model
 
     async def main():
         async with (
-            guarded_stack(valkey.url, tiny_model_dir, start_worker=False) as (base, worker, _c),
+            guarded_stack(valkey.url, tiny_model_dir, start_worker=False) as (base, worker, client),
             aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http,
         ):
             body = {"model": model, "prompt": "x", "max_tokens": 2, "timeout": 0.05}
@@ -470,7 +470,14 @@ def test_an_expired_request_is_a_408_with_openais_error_shape(valkey, tiny_model
                     return r.status, await r.json()
 
             asking = [asyncio.create_task(ask(False)), asyncio.create_task(ask(True))]
-            await asyncio.sleep(0.5)  # both deadlines pass while no worker runs
+
+            async def both_queued() -> bool:
+                return await client.fast.execute("XLEN", client.keys.requests) == 2
+
+            # both are queued and both deadlines pass while no worker runs (on a loaded machine a request
+            # can reach the API later than any fixed sleep; one a worker took in time would rightly stream)
+            await wait_for(both_queued, what="both requests queued")
+            await asyncio.sleep(0.2)
             await worker.start()
             return await asyncio.gather(*asking)
 
