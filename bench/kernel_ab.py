@@ -13,6 +13,7 @@ Not a test.
 - int8-bf16: the AVX512-BF16 int8 product (bf16 rows, codes in 16-output tiles, a scale per output);
 - head: the int8 LM head a Q8_0 GGUF keeps (SmolLM2's 49,152 x 576, a scale per 32 inputs), four copies
   in turn so that each comes from memory, at --rows rows;
+- head-a8: the same head as a w*a8 model runs it, on int8 activations (Q8_0 x Q8_0, float16 scales);
 - w4a8 / w8a8: the integer products (activations quantized per 32 inputs; int4 codes with float16 scales
   and offsets per group of 32, as a Q4_1 GGUF's layers keep them, or int8 a scale per output), float32 in
   and out, at --rows rows.
@@ -76,7 +77,7 @@ def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]
     from specserve.models import quant
 
     layers = []
-    shapes = ((49152, 576),) * 4 if args.case == "head" else SHAPES * LAYERS
+    shapes = ((49152, 576),) * 4 if args.case.startswith("head") else SHAPES * LAYERS
     for n, k in shapes:
         w = torch.randn(n, k)
         if args.case == "f32":
@@ -96,6 +97,9 @@ def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]
         elif args.case == "w8a8":
             q8 = quant.A8Weight.of(quant.quantize_int8(w)).w
             layers.append((k, (cpu.matmul.w8a8_tiles(q8.codes), q8.scales.contiguous())))
+        elif args.case == "head-a8":
+            q8 = quant.quantize_int8_grouped(w)
+            layers.append((k, (cpu.matmul.w8a8_tiles(q8.codes), cpu.matmul.by_tile(q8.scales).half())))
         else:
             q8 = quant.quantize_int8(w)
             codes, scales = (q8.codes, q8.scales) if args.case == "int8" else _q8_0(w)
@@ -111,6 +115,7 @@ def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]
         "int8-bf16": cpu.matmul.bind_int8_bf16,
         "w4a8": lambda *w: cpu.matmul.bind_w4a8(*w, torch.float32),
         "w8a8": lambda *w: cpu.matmul.bind_w8a8(*w, torch.float32),
+        "head-a8": cpu.matmul.bind_w8a8_grouped,
     }.get(args.case)
     bound: dict[object, list] = {}
 
@@ -128,7 +133,8 @@ def products(args: argparse.Namespace) -> tuple[Callable[[], torch.Tensor], str]
             sums.append(bits.sum(dim=0, dtype=torch.int64))
         return torch.cat(sums)
 
-    what = "the int8 head, 4 copies" if args.case == "head" else f"the four layer matrices, {LAYERS} layers"
+    head = args.case.startswith("head")
+    what = "the int8 head, 4 copies" if head else f"the four layer matrices, {LAYERS} layers"
     return run, f"{args.case} products of {what}, {args.rows} rows, {str(dtype).removeprefix('torch.')}"
 
 
@@ -169,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--base", required=True, help="git revision whose kernel source to compare against")
     p.add_argument(
         "--case",
-        choices=("attention", "f32", "int4", "int8", "int8-bf16", "head", "w4a8", "w8a8"),
+        choices=("attention", "f32", "int4", "int8", "int8-bf16", "head", "head-a8", "w4a8", "w8a8"),
         default="attention",
     )
     p.add_argument("--rows", type=int, default=2048, help="activation rows of the products")
