@@ -154,6 +154,27 @@ def test_speculation_on_an_a8_target_is_lossless(tiny_model_dir, mode, method):
     assert sum(o.usage.draft_accepted for o in got) > 0
 
 
+@pytest.mark.parametrize("method", ["suffix", "ngram"])
+def test_a8_speculation_a_request_at_a_time_gives_the_tokens_of_decoding(tiny_model_factory, method):
+    """Long contexts, where the float32 attention splits a lone sequence's keys in parts (at head size 64),
+    and the engine's adaptive team: a verify step's rows carry the decode steps' very bits (each token's
+    logprob equal to the last bit), so w4a8's activation codes, which turn a last-bit difference into a whole
+    code, never see one, and greedy tokens are the same one request at a time on real models too."""
+    path = tiny_model_factory("llama_hd64")
+    params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True, logprobs=0)
+    spec = {"method": method, "num_speculative_tokens": 16 if method == "suffix" else 8}
+    plain = LLM(str(path), dtype="float32", quantization="w4a8", num_kv_blocks=512)
+    drafted = LLM(str(path), dtype="float32", quantization="w4a8", num_kv_blocks=512, speculative_config=spec)
+    prompts = [(p * 40)[:1600] for p in PROMPTS]  # contexts past several of the split's octaves
+
+    def tokens(llm: LLM) -> list[list[tuple[int, float]]]:
+        outs = [llm.generate([p], params)[0] for p in prompts]
+        assert llm is plain or sum(o.usage.draft_accepted for o in outs) > 0
+        return [[(t, lp.logprob) for t, lp in zip(o.token_ids, o.logprobs)] for o in outs]
+
+    assert tokens(drafted) == tokens(plain)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", MODES)
 def test_without_integer_simd_the_torch_form_runs_the_same_arithmetic(monkeypatch, dtype, mode):

@@ -126,3 +126,50 @@ def test_batch_invariant_rows_are_alike_alone_and_among_others(threads, dtype) -
     assert torch.equal(alone[:5], among[:5])
     free = _attend(batch, [0], invariant=False, window=None, softcap=None)
     assert_close(free[:5], among[:5], NEAR[dtype])
+
+
+# (context before the verified tokens, drafts, KV heads, group, head dim, block size): rows whose decode steps
+# see one part where the verify step sees two, octave boundaries (64, 128, 256, 512) inside the drafts, suffix
+# decoding's 16 drafts and the most a short query takes (31), Llama's 8-way group and blocks of 32
+VERIFY_ROWS = [
+    (60, 16, 3, 3, 64, 16),
+    (61, 3, 3, 3, 64, 16),
+    (120, 9, 3, 3, 64, 16),
+    (250, 16, 3, 3, 64, 16),
+    (500, 31, 1, 8, 128, 32),
+    (1021, 4, 3, 3, 64, 16),
+]
+
+
+@pytest.mark.parametrize(("context", "drafts", "kv_heads", "group", "head_dim", "block"), VERIFY_ROWS)
+def test_float32_verify_rows_equal_their_decode_steps_whatever_the_team(
+    context, drafts, kv_heads, group, head_dim, block
+) -> None:
+    """A float32 step of few sequences splits its keys in parts fixed by position, scores every short query's
+    rows in one form, and gives a row that sees one part that part's output: each row of a verify step comes
+    out bit for bit as the decode step of its token, on teams of any size (the engine's adaptive team), so
+    greedy speculation gives the tokens decoding without it gives."""
+    if cpu.build.load() is None or "float32" not in cpu.build.fast_paths():
+        pytest.skip("this build has no fast float32 kernel")
+    rows = drafts + 1
+    batch = make_batch(
+        [rows], [context], num_kv_heads=kv_heads, group=group, head_dim=head_dim, block_size=block,
+        dtype=torch.float32, seed=context,
+    )  # fmt: skip
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        verify = _attend(batch, [0], invariant=False, window=None, softcap=None)
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for i in range(rows):
+                out = torch.full_like(batch.q[i : i + 1], float("nan"))
+                seq_len, starts = torch.tensor([context + i + 1], dtype=torch.int32), torch.tensor([0, 1])
+                cpu.attention.paged_attention_short(
+                    batch.q[i : i + 1].contiguous(), batch.k_cache, batch.v_cache, batch.block_tables,
+                    seq_len, starts.int(), torch.tensor([0]), batch.scale, out,
+                )  # fmt: skip
+                assert torch.equal(out[0], verify[i]), (threads, i)
+    finally:
+        torch.set_num_threads(before)
+    assert_close(verify, dense_window_attention(batch, None, None), tolerance(torch.float32))

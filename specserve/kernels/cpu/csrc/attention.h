@@ -149,9 +149,9 @@ struct Args {
 // Steps of fewer tasks than this many a thread split each short query's keys into parts of whole blocks,
 // each a task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three
 // KV heads are three tasks on two threads, and one thread waited a third of the step. The bfloat16 kernel
-// counts (sequence, KV head) tasks and splits each head; the float32 one counts sequences, and each part
-// holds all of its sequence's heads. Never in a batch-invariant step (Args::invariant): the parts a sequence
-// gets depend on the step's tasks.
+// counts (sequence, KV head) tasks and splits each head; the float32 one splits steps of few sequences in
+// parts fixed by position, each holding all of its sequence's heads (attention_f32_avx2.cpp). Never in a
+// batch-invariant step (Args::invariant): whether a sequence is split depends on the step's tasks.
 constexpr int64_t kSplitBelowTasksPerThread = 2;
 constexpr int64_t kMaxParts = 64, kMinPartTokens = 64;
 
@@ -189,19 +189,34 @@ inline void merge_parts(const Args& a, const TaskT* tasks, const Merge& m, const
       const float* st = parts + (tasks[m.first + c].part + hr) * (HD + 2) + HD;
       if (st[1] > 0.f) mx = std::max(mx, st[0]);
     }
-    float weight[kMaxParts], total = 0.f;
-    for (int64_t c = 0; c < m.count; ++c) {
-      const float* st = parts + (tasks[m.first + c].part + hr) * (HD + 2) + HD;
-      weight[c] = st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
-      total += weight[c];
+    T* dst = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
+    // A row that sees one part only takes its output as it is, as an unsplit task gives it (weight / total
+    // is not exactly 1 under -ffast-math's reciprocals); the f32 kernel's parts, fixed by position, then
+    // merge a row alike whatever the step's length (attention_f32_avx2.cpp, kPartTokensF32).
+    int64_t seen = 0, only = 0;
+    for (int64_t c = 0; c < m.count; ++c)
+      if (parts[(tasks[m.first + c].part + hr) * (HD + 2) + HD + 1] > 0.f) ++seen, only = c;
+    if (seen == 1) {
+      const float* part = parts + (tasks[m.first + only].part + hr) * (HD + 2);
+      for (int d = 0; d < HD; ++d) store(dst, d, part[d]);
+      continue;
     }
+    // a part's weight, taken twice (the same value both times: parts fixed by position have no bound on
+    // their count); the total summed in part order, never reassociated, so that parts the row sees nothing
+    // of add exact zeros
+    const auto weight = [&](int64_t c) {
+      const float* st = parts + (tasks[m.first + c].part + hr) * (HD + 2) + HD;
+      return st[1] > 0.f ? st[1] * std::exp(st[0] - mx) : 0.f;
+    };
+    float total = 0.f;
+    for (int64_t c = 0; c < m.count; ++c) total = rounded(total + weight(c));
     alignas(64) float o[HD] = {};
     for (int64_t c = 0; c < m.count; ++c) {
-      const float w = weight[c] / total;
+      const float w = weight(c) / total;
+      if (w == 0.f) continue;  // a part the row sees nothing of adds nothing
       const float* part = parts + (tasks[m.first + c].part + hr) * (HD + 2);
       for (int d = 0; d < HD; ++d) o[d] += w * part[d];
     }
-    T* dst = op + (q0 + r / group) * a.o_tok + (h * group + r % group) * a.o_head;
     for (int d = 0; d < HD; ++d) store(dst, d, o[d]);
   }
 }

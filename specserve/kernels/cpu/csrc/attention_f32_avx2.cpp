@@ -11,7 +11,36 @@ namespace {
 // PV keeps a tile of rows' accumulators for a slice of the head in registers (16 ymm: 3 rows x 4 vectors
 // + 4 for V). Long queries are cut into tiles of kQueryTileF32 tokens, each its own task.
 constexpr int64_t kQueryTileF32 = 16;
+// Queries of up to this many tokens (decode, and verify steps of up to 31 drafts) run as short ones: a task
+// of all their rows, keys split in parts at batch 1 (kPartTokensF32), scores by qk_direct_f32.
+constexpr int64_t kShortQueryF32 = 32;
 constexpr int64_t kPrefetchAheadF32 = 4;
+// A split sequence's keys in parts fixed by position alone: octaves [0, 64), [64, 128), [128, 256), ...
+// (each twice the last), each cut into kPiecesF32 parts of whole blocks, none under kPartTokensF32
+// positions. Whether a step splits, and a row's parts, and so its sums, depend on the step's sequence count
+// and the row's own position, not on the step's length or its team of threads (the engine's adaptive team
+// changes size now and then; its scores come from qk_direct_f32 at every query length up to
+// kShortQueryF32). A verify step's row then comes out bit for bit as the decode step of that token would
+// have it, so greedy speculation a request at a time gives the very tokens decoding without it gives. With
+// parts cut from the step's length and team, w4a8's activation codes carried a last-bit difference on until
+// 7 of 12 agentic requests took another token (`bench/suffix_traffic.py`). Octaves keep the parts few at
+// long contexts (each part starts its prefetch cold): fixed parts of 64 positions took 13.9 ms against 12.1
+// for 30 layers of batch-1 decode at 4,000 tokens, octaves 11.0 against 11.4 (`python bench/kernel_ab.py
+// --case attention --batch 1 --context 4000`, 2-core AVX2 EPYC).
+constexpr int64_t kPartTokensF32 = 64, kPiecesF32 = 2;
+// Steps of fewer sequences split their keys (two a thread of a 2-core team, as the bf16 kernel's rule)
+constexpr int64_t kSplitBelowSeqsF32 = 4;
+
+// The parts' first positions for a sequence of len positions, in order (the last part runs to its end).
+inline void part_starts(int64_t len, int64_t BS, std::vector<int64_t>& starts) {
+  starts.clear();
+  const int64_t base = (kPartTokensF32 + BS - 1) / BS * BS;
+  for (int64_t lo = 0, hi = base; lo < len; lo = hi, hi *= 2) {
+    const int64_t size = hi - lo, pieces = std::max<int64_t>(1, std::min(kPiecesF32, size / base));
+    const int64_t step = (size / pieces + BS - 1) / BS * BS;
+    for (int64_t at = lo; at < hi && at < len; at += step) starts.push_back(at);
+  }
+}
 
 // The caches' elements widened to float32: float32 as they are, bfloat16 (kDtypeF32Bf16Kv) by a shift.
 inline __m128 cache4(const float* p) { return _mm_loadu_ps(p); }
@@ -115,13 +144,14 @@ inline void qk_direct_f32(const float* q, const C* k0, int64_t row, float* dst, 
   }
 }
 
-// acc[rows][8 * W-float slice dc] += p * v over the tokens [0, n_pad) of the rows' softmaxed scores. W = 4:
+// acc[rows][8 * W-float slice dc] += p * v over the tokens [0, n_pad) of the rows' softmaxed scores (each
+// row's held from position z, blocks before b0 never read). W = 4:
 // 3 rows' 12 accumulators leave no register for V, so GCC loads V again for every row's FMA. W = 2, for
 // up to 6 rows: a token's two V vectors stay in registers for the rows (2 loads and NR broadcasts for
 // 2 NR FMAs), over twice the passes.
 template <int NR, int HD, int W = 4, typename C>
-inline void pv_rows_f32(const float* scores, int64_t stride, const C* vp, const int32_t* table, int64_t BS,
-                        int64_t row, int64_t hoff, int64_t b0, int64_t n_pad, float* const* dst) {
+inline void pv_rows_f32(const float* scores, int64_t stride, int64_t z, const C* vp, const int32_t* table,
+                        int64_t BS, int64_t row, int64_t hoff, int64_t b0, int64_t n_pad, float* const* dst) {
   for (int dc = 0; dc < HD; dc += 8 * W) {
     __m256 acc[NR][W];
     for (int i = 0; i < NR; ++i)
@@ -130,7 +160,7 @@ inline void pv_rows_f32(const float* scores, int64_t stride, const C* vp, const 
     for (int64_t b = b0; b < nb; ++b) {
       const C* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
       const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
-      const float* pt = scores + base;
+      const float* pt = scores + (base - z);
       for (int64_t t = 0; t < nt; ++t) {
         __m256 v[W];
         for (int c = 0; c < W; ++c) v[c] = cache8(vb + t * row + 8 * c);
@@ -155,8 +185,8 @@ struct TaskF32 {
   int64_t merge = -1;              // a part's index in merges
 };
 
-// Fewer sequences than kSplitBelowTasksPerThread a thread split their keys into parts of whole blocks
-// (attention.h), each part all of the sequence's heads (run_f32).
+// Steps of fewer than kSplitBelowSeqsF32 sequences split their keys into parts fixed by position
+// (part_starts), each part all of the sequence's heads (run_f32).
 
 // C: the caches' element, float or bfloat16 bits (kDtypeF32Bf16Kv); q and out are float32 either way
 template <int HD, typename C = float>
@@ -179,26 +209,27 @@ void run_f32(const Args& a, int num_threads) {
   std::vector<TaskF32> tasks;
   std::vector<Merge> merges;
   const bool all_heads = a.num_seqs >= num_threads;
-  // Fewer sequences than kSplitBelowTasksPerThread a thread: each short query's keys in parts, every part a
-  // task of all the sequence's heads (whole token rows of K and V, the trickled prefetch of all-heads tasks).
+  // Fewer sequences than kSplitBelowSeqsF32: each short query's keys in parts, every part a task of all the
+  // sequence's heads (whole token rows of K and V, the trickled prefetch of all-heads tasks).
   // Parts of one head each read a third of every row at a stride and streamed at ~10 GB/s: SmolLM2's 30
   // layers at 1,500 tokens (`python bench/kernel_ab.py --case attention --context 1500`, 2-core AVX2 EPYC)
   // batch 1 5.60 ms against 7.32, batch 2 11.9 against 17.0, batch 3 16.1 against 26.4 (shuffled blocks).
-  const bool split = !a.invariant && a.window == 0 && num_threads > 1 &&
-                     a.num_seqs < kSplitBelowTasksPerThread * num_threads;
+  const bool split = !a.invariant && a.window == 0 && a.num_seqs < kSplitBelowSeqsF32;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
+  std::vector<int64_t> starts;
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
-    if (q_len <= kQueryTileF32) {
-      const int64_t blocks = (a.seq_lens[s] + BS - 1) / BS;
-      const int64_t parts = split ? parts_for(a.num_seqs, num_threads, blocks * BS) : 1;
+    if (q_len <= kShortQueryF32) {
+      if (split) part_starts(a.seq_lens[s], BS, starts);
+      const int64_t parts = split ? static_cast<int64_t>(starts.size()) : 1;
       if (parts > 1) {
         const int64_t merge = static_cast<int64_t>(merges.size());
         merges.push_back({static_cast<int64_t>(tasks.size()), parts});
-        for (int64_t c = 0; c < parts; ++c, part_rows += KVH * q_len * group)
-          tasks.push_back({n, 0, KVH, 0, q_len, c * blocks / parts * BS,
-                           c + 1 < parts ? (c + 1) * blocks / parts * BS : INT64_MAX, part_rows, merge});
+        // the latest (the largest) first, so that the threads end together; merged in this order too
+        for (int64_t c = parts - 1; c >= 0; --c, part_rows += KVH * q_len * group)
+          tasks.push_back({n, 0, KVH, 0, q_len, starts[c], c + 1 < parts ? starts[c + 1] : INT64_MAX, part_rows,
+                           merge});
       } else if (all_heads) {
         tasks.push_back({n, 0, KVH, 0, q_len});
       } else {
@@ -233,12 +264,12 @@ void run_f32(const Args& a, int num_threads) {
       const int64_t len = a.seq_lens[s];
       const int32_t* table = a.block_tables + s * a.table_stride;
       const int64_t R = (task.i1 - task.i0) * group;  // row (i - i0) * group + g: query token i, head g
+      // decode and verify rows: every row's scores in one form, whatever the row count (kPartTokensF32)
+      const bool short_rows = !a.invariant && q_len <= kShortQueryF32;
       const int64_t H = task.h1 - task.h0;  // a head's rows are [hh * R, hh * R + R): hh = h - h0
       // the last row sees positions before len - q_len + i1; a part, those before its p1 too
       const int64_t end = std::min(len - q_len + task.i1, task.p1);
       const int64_t num_tiles = (end + 7) / 8;
-      const int64_t stride = num_tiles * 8;
-      scores.resize(H * R * stride);
       qs.resize(H * R * HD);
       limit.resize(R);
       dst.resize(H * R);
@@ -267,6 +298,9 @@ void run_f32(const Args& a, int num_threads) {
       const int64_t num_blocks = (end + BS - 1) / BS;
       // blocks before it are outside every window (or before the part)
       const int64_t b0 = std::max(window_start(a, limit[0]), task.p0) / BS;
+      // a row's scores for positions [z, num_tiles * 8): a part's, not every position before it
+      const int64_t z = b0 * BS, stride = num_tiles * 8 - z;
+      scores.resize(H * R * stride);
       for (int64_t b = b0; b < b0 + kPrefetchAheadF32 && b < num_blocks; ++b) prefetch_block(kp, b);
       // A task of every head reads each 8-token tile's whole rows of K: beside its loads it asks for the same
       // tile's lines kPrefetchAheadF32 blocks on and its V, a few at a time (each head a share of the lines),
@@ -293,7 +327,7 @@ void run_f32(const Args& a, int num_threads) {
         while (r < R && limit[r] <= p0) ++r;  // rows are ordered by limit: earlier rows end sooner
         // qk_rows2_f32 and qk_direct_f32 sum a score in other orders than qk_rows_f32: which one a key tile
         // gets depends on the task's rows and end, so the invariant form runs qk_rows_f32 for every tile
-        if (!a.invariant && R > 4 && u + 1 < num_tiles) {  // many rows (prefill tiles): two key tiles at once
+        if (!short_rows && !a.invariant && R > 4 && u + 1 < num_tiles) {  // prefill tiles: two key tiles at once
           const int64_t p1 = p0 + 8, b1 = p1 / BS;
           const char* k_ahead1;
           const char* v_now1;
@@ -308,7 +342,7 @@ void run_f32(const Args& a, int num_threads) {
               transpose8_load(kb + 8 * c, row, kt2 + 8 * c);
             }
             const float* q = qs.data() + hh * R * HD;
-            float* out = scores.data() + hh * R * stride + p0;
+            float* out = scores.data() + hh * R * stride + (p0 - z);
             int64_t rr = r;
             for (; rr + 4 <= R; rr += 4) qk_rows2_f32<4, HD>(q + rr * HD, kt, kt2, out + rr * stride, stride);
             switch (R - rr) {
@@ -325,16 +359,20 @@ void run_f32(const Args& a, int num_threads) {
           // 8 tokens' head slices; the tile's tail past `end` is read (inside the block) but never used
           const C* k0 = kp + (static_cast<int64_t>(table[b]) * BS + p0 % BS) * row + (task.h0 + hh) * HD;
           const float* q = qs.data() + hh * R * HD;
-          float* out = scores.data() + hh * R * stride + p0;
-          if (!a.invariant && r == 0 && R <= 4) {
+          float* out = scores.data() + hh * R * stride + (p0 - z);
+          if (short_rows) {
             const int64_t share = hh * HD * 8 * kElem;  // this head's share of the tile's lines, in bytes
             const char* ka = k_ahead ? k_ahead + share : nullptr;
             const char* vn = v_now ? v_now + share : nullptr;
-            switch (R) {
-              case 4: qk_direct_f32<4, HD>(q, k0, row, out, stride, ka, vn); break;
-              case 3: qk_direct_f32<3, HD>(q, k0, row, out, stride, ka, vn); break;
-              case 2: qk_direct_f32<2, HD>(q, k0, row, out, stride, ka, vn); break;
-              default: qk_direct_f32<1, HD>(q, k0, row, out, stride, ka, vn); break;
+            for (int64_t rr = r; rr < R; rr += 4, ka = vn = nullptr) {  // the lines asked for once
+              const float* qr = q + rr * HD;
+              float* o = out + rr * stride;
+              switch (std::min<int64_t>(4, R - rr)) {
+                case 4: qk_direct_f32<4, HD>(qr, k0, row, o, stride, ka, vn); break;
+                case 3: qk_direct_f32<3, HD>(qr, k0, row, o, stride, ka, vn); break;
+                case 2: qk_direct_f32<2, HD>(qr, k0, row, o, stride, ka, vn); break;
+                default: qk_direct_f32<1, HD>(qr, k0, row, o, stride, ka, vn); break;
+              }
             }
             continue;
           }
@@ -366,23 +404,23 @@ void run_f32(const Args& a, int num_threads) {
           float* sc = scores.data() + (hh * R + r0) * stride;
           float* const* d = dst.data() + hh * R + r0;
           for (int64_t r = 0; r < nr; ++r) {
-            const int64_t lo = std::max(window_start(a, limit[r0 + r]), b0 * BS);
-            softmax_row(sc + r * stride, b0 * BS, lo, std::max(std::min(limit[r0 + r], end), lo), n_pad,
+            const int64_t lo = std::max(window_start(a, limit[r0 + r]), z);
+            softmax_row(sc + r * stride, 0, lo - z, std::max(std::min(limit[r0 + r], end), lo) - z, n_pad - z,
                         a.softcap, task.part < 0 ? nullptr : d[r] + HD);
           }
           const int64_t hoff = (task.h0 + hh) * HD;
           if (rows_at_once == 6) {
             switch (nr) {
-              case 6: pv_rows_f32<6, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 5: pv_rows_f32<5, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 4: pv_rows_f32<4, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 3: pv_rows_f32<3, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              case 2: pv_rows_f32<2, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
-              default: pv_rows_f32<1, HD, 2>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 6: pv_rows_f32<6, HD, 2>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 5: pv_rows_f32<5, HD, 2>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 4: pv_rows_f32<4, HD, 2>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 3: pv_rows_f32<3, HD, 2>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              case 2: pv_rows_f32<2, HD, 2>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d); break;
+              default: pv_rows_f32<1, HD, 2>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d); break;
             }
-          } else if (nr == 3) pv_rows_f32<3, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);
-          else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);
-          else pv_rows_f32<1, HD>(sc, stride, vp, table, BS, row, hoff, b0, n_pad, d);
+          } else if (nr == 3) pv_rows_f32<3, HD>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d);
+          else if (nr == 2) pv_rows_f32<2, HD>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d);
+          else pv_rows_f32<1, HD>(sc, stride, z, vp, table, BS, row, hoff, b0, n_pad, d);
         }
       // acq_rel: the last part's thread sees every other part's rows before it merges them
       if (task.merge >= 0 && remaining[task.merge].fetch_sub(1, std::memory_order_acq_rel) == 1)
