@@ -27,8 +27,9 @@ nearest, groups of 32).
     python bench/quant.py --skip-ppl --in-flight --modes w8a8   # W1 at 64 in flight, w8a8 against dense
                                                                 # in the native dtype
     python bench/quant.py --skip-speed --ppl-modes w8a8,w4a8 --dtype float32   # their perplexity alone
-    # a mode with KV_SUFFIX runs over a bfloat16 KV cache (kv_cache_dtype; a float32 model's option)
-    python bench/quant.py --skip-ppl --batch1 --dtype float32 --modes w4a8,w4a8+kv-bf16
+    # a mode ending in +kv-bf16 runs over a bfloat16 KV cache (kv_cache_dtype; a float32 model's option),
+    # one ending in +invariant with batch-invariant arithmetic (batch_invariant)
+    python bench/quant.py --skip-ppl --batch1 --dtype float32 --modes w4a8,w4a8+kv-bf16,w4a8+invariant
 
 At batch 1 each mode also prints decode alone: the tokens after each request's first over the time after it,
 from the run's own request metrics (e2e - ttft); llama.cpp's from a max_tokens=1 run after each full run,
@@ -97,14 +98,17 @@ def perplexity(llm, ids: list[int], window: int) -> float:
     return math.exp(nll / count)
 
 
-KV_SUFFIX = "+kv-bf16"  # a mode name's ending that runs it over a bfloat16 KV cache
+# a mode name's endings, in any order: over a bfloat16 KV cache, with batch-invariant arithmetic
+SUFFIXES = {"+kv-bf16": {"kv_cache_dtype": "bfloat16"}, "+invariant": {"batch_invariant": True}}
 
 
-def engine_args(mode: str) -> dict[str, str]:
-    """A mode name's LLM arguments: its quantization, and kv_cache_dtype where it ends in KV_SUFFIX."""
-    if mode.endswith(KV_SUFFIX):
-        return {"quantization": mode.removesuffix(KV_SUFFIX), "kv_cache_dtype": "bfloat16"}
-    return {"quantization": mode}
+def engine_args(mode: str) -> dict[str, str | bool]:
+    """A mode name's LLM arguments: its quantization, and those of each of SUFFIXES it ends in."""
+    args: dict[str, str | bool] = {}
+    while ending := next((e for e in SUFFIXES if mode.endswith(e)), None):
+        args |= SUFFIXES[ending]
+        mode = mode.removesuffix(ending)
+    return {"quantization": mode, **args}
 
 
 def run_perplexity(args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -24,7 +24,7 @@ $SPECSERVE_VLLM_PYTHON or /work/vllm-venv) with speculation off, its n-gram and 
 demo model exported to --target-dir; vLLM's ratios are its own runs against each other.
 
     python bench/suffix_traffic.py [--requests 24] [--k 4] [--max-tokens 192] [--dtype float32] [--model M]
-        [--vllm] [--vllm-only]
+        [--quantization auto] [--vllm] [--vllm-only]
 """
 
 from __future__ import annotations
@@ -240,7 +240,9 @@ def make_engine(system: str, args: argparse.Namespace):
         spec = {"method": "ngram", "num_speculative_tokens": args.k}
     elif system == "suffix":
         spec = {"method": "suffix", "num_speculative_tokens": args.k}
-    return LLM(args.model, dtype=args.dtype, max_num_seqs=1, speculative_config=spec)
+    return LLM(
+        args.model, dtype=args.dtype, quantization=args.quantization, max_num_seqs=1, speculative_config=spec
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -250,6 +252,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=192, help="per request; EOS may end it sooner")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (outputs comparable)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--quantization", default="auto", help="of our engines (auto, none, w4a8, ...)")
     p.add_argument("--model", help="default: the demo model")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     p.add_argument("--vllm", action="store_true", help="also run vLLM's CPU build: off, ngram, suffix")
@@ -303,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     warm_traffic = build_traffic(2, 16, args.temperature, seed=1)
     order = ("off", "ngram", "suffix", "suffix", "ngram", "off")
     load0 = os.getloadavg()[0]
-    print(f"CPU: {cpu_line()} | {args.dtype} | k={args.k} | load {load0:.1f}", flush=True)
+    print(f"CPU: {cpu_line()} | {args.dtype} {args.quantization} | k={args.k} | load {load0:.1f}", flush=True)
     if args.vllm_only:
         vllm = run_vllm_systems(args, traffic)
         head = {"cpu": cpu_line(), "dtype": args.dtype, "k": args.k, "requests": args.requests}
@@ -348,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     payload = {
         "cpu": cpu_line(),
         "dtype": args.dtype,
+        "quantization": args.quantization,
         "k": args.k,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
