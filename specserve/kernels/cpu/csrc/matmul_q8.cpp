@@ -40,6 +40,9 @@ constexpr int kW8 = 0, kW4 = 1, kW8G = 2;
 constexpr int64_t kQ8Tile = 16;
 // rows a tile's pass keeps in registers: a tile's weights (16 x k bytes) stay in L1 across the passes
 constexpr int kQ8Rows = 4;
+// steps of more rows than this run tiles in pairs where the matrix has an even count of them; a step of a few
+// rows reads its weights from memory, where a pair's wider stride buys nothing
+constexpr int64_t kQ8PairBelow = 4;
 
 // A step's activations quantized: codes [rows][k], per block scales and code sums [rows][k / 32].
 struct Q8Rows {
@@ -166,6 +169,76 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
     _mm512_storeu_ps(res[r], acc[r]);
   }
 }
+
+// Two adjacent tiles (32 outputs) for rows [r0, r0 + R): the same sums as q8_tile on each, in the same order.
+// Each broadcast of four activation codes feeds two vpdpbusd and each block's scales are broadcast once for
+// both, where a lone tile spent a broadcast on each: on Zen 4 the broadcasts and the block's float epilogue
+// share the vector pipes with vpdpbusd, and steps of many rows are bound by those pipes.
+template <int R, int F, typename S>
+inline void q8_tile_pair(const Q8Rows& a, int64_t r0, const uint8_t* w, int64_t tile_bytes, const S* scales,
+                         const S* offsets, int64_t scale_stride, float (*res)[2 * kQ8Tile]) {
+  constexpr bool W4 = F == kW4;
+  const uint8_t* w1 = w + tile_bytes;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < a.nb; ++b) {
+    __m512i dot[R][2];
+    const int8_t* xb = a.codes + r0 * a.k + b * kQ8Block;
+    if constexpr (W4) {
+      for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm512_setzero_si512();
+      for (int q = 0; q < 4; ++q) {
+        const __m512i v0 = _mm512_loadu_si512(w + (b * 4 + q) * 64);
+        const __m512i v1 = _mm512_loadu_si512(w1 + (b * 4 + q) * 64);
+        const __m512i lo0 = _mm512_and_si512(v0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(v1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xb + r * a.k + q * 8;
+          const __m512i xl = _mm512_set1_epi32(four_codes(x)), xh = _mm512_set1_epi32(four_codes(x + 4));
+          dot[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][0], lo0, xl), hi0, xh);
+          dot[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dot[r][1], lo1, xl), hi1, xh);
+        }
+      }
+      const __m512 s[2] = {load16(scales + b * kQ8Tile), load16(scales + scale_stride + b * kQ8Tile)};
+      const __m512 o[2] = {load16(offsets + b * kQ8Tile), load16(offsets + scale_stride + b * kQ8Tile)};
+      for (int r = 0; r < R; ++r) {
+        const int64_t blk = (r0 + r) * a.nb + b;
+        const __m512 xs = _mm512_set1_ps(static_cast<float>(a.sums[blk])), xd = _mm512_set1_ps(a.scales[blk]);
+        for (int h = 0; h < 2; ++h) {
+          const __m512 sd = rounded(_mm512_mul_ps(s[h], _mm512_cvtepi32_ps(dot[r][h])));
+          const __m512 t = _mm512_add_ps(sd, rounded(_mm512_mul_ps(o[h], xs)));
+          acc[r][h] = _mm512_add_ps(acc[r][h], rounded(_mm512_mul_ps(xd, t)));
+        }
+      }
+    } else {
+      // the codes were stored + 128: each sum starts at minus 128 times the block's activation sum
+      for (int r = 0; r < R; ++r)
+        dot[r][0] = dot[r][1] = _mm512_set1_epi32(-128 * a.sums[(r0 + r) * a.nb + b]);
+      for (int q = 0; q < 8; ++q) {
+        const __m512i v0 = _mm512_loadu_si512(w + (b * 8 + q) * 64);
+        const __m512i v1 = _mm512_loadu_si512(w1 + (b * 8 + q) * 64);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = _mm512_set1_epi32(four_codes(xb + r * a.k + q * 4));
+          dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], v0, x);
+          dot[r][1] = _mm512_dpbusd_epi32(dot[r][1], v1, x);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 xd = _mm512_set1_ps(a.scales[(r0 + r) * a.nb + b]);
+        for (int h = 0; h < 2; ++h) {
+          __m512 p = _mm512_cvtepi32_ps(dot[r][h]);
+          if constexpr (F == kW8G) p = rounded(_mm512_mul_ps(load16(scales + h * scale_stride + b * kQ8Tile), p));
+          acc[r][h] = _mm512_add_ps(acc[r][h], rounded(_mm512_mul_ps(xd, p)));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (F == kW8) acc[r][h] = _mm512_mul_ps(acc[r][h], load16(scales + h * scale_stride));
+      _mm512_storeu_ps(res[r] + h * kQ8Tile, acc[r][h]);
+    }
+}
 #elif defined(SPECSERVE_INT_DOT_PATH)
 // AVX2: the tile's two halves of 8 outputs in turn (bytes [0, 32) and [32, 64) of each 64-byte group).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -286,11 +359,33 @@ int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const 
   const Q8Rows a{codes.data(), xd.data(), sums.data(), k, nb};
   constexpr bool W4 = F == kW4;
   const int64_t tile_bytes = kQ8Tile * (W4 ? k / 2 : k);
+  // a tile's scales (and w4a8's offsets) as they lie: per output (w8a8), or per block of each output
+  const int64_t scale_stride = F == kW8 ? kQ8Tile : nb * kQ8Tile;
+#ifdef SPECSERVE_INT_DOT_VNNI
+  if (rows > kQ8PairBelow && n % (2 * kQ8Tile) == 0) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
+    for (int64_t t = 0; t < n / kQ8Tile; t += 2) {
+      const uint8_t* w = tiles + t * tile_bytes;
+      const S* s = scales + t * scale_stride;
+      const S* o = W4 ? offsets + t * scale_stride : nullptr;
+      float res[kQ8Rows][2 * kQ8Tile];
+      for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
+        const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
+        with_rows<kQ8Rows>(nr, [&](auto r) {
+          q8_tile_pair<decltype(r)::value, F, S>(a, r0, w, tile_bytes, s, o, scale_stride, res);
+        });
+        for (int64_t r = 0; r < nr; ++r)
+          for (int64_t j = 0; j < 2 * kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
+      }
+    }
+    return kOk;
+  }
+#endif
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
   for (int64_t t = 0; t < n / kQ8Tile; ++t) {
     const uint8_t* w = tiles + t * tile_bytes;
-    const S* s = F == kW8 ? scales + t * kQ8Tile : scales + t * nb * kQ8Tile;
-    const S* o = W4 ? offsets + t * nb * kQ8Tile : nullptr;
+    const S* s = scales + t * scale_stride;
+    const S* o = W4 ? offsets + t * scale_stride : nullptr;
     float res[kQ8Rows][kQ8Tile];
     for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
       const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
