@@ -258,6 +258,10 @@ void run_bf16(const Args& a, int num_threads) {
           for (int64_t b = b0; b < nb; ++b) {
             const uint16_t* vb = vp + static_cast<int64_t>(table[b]) * BS * row + h * HD;
             const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
+            if (b + kPvAhead < nb) {
+              const uint16_t* va = vp + static_cast<int64_t>(table[b + kPvAhead]) * BS * row + h * HD;
+              for (int64_t u = 0; u < BS; ++u) prefetch(va + u * row, HD * 2);
+            }
             int64_t t = 0;
             for (; t + 2 <= nt; t += 2) {
               __m512i vv[HD / 16];

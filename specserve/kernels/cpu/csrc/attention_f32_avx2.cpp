@@ -160,6 +160,10 @@ inline void pv_rows_f32(const float* scores, int64_t stride, int64_t z, const C*
     for (int64_t b = b0; b < nb; ++b) {
       const C* vb = vp + static_cast<int64_t>(table[b]) * BS * row + hoff + dc;
       const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
+      if (b + kPvAhead < nb) {
+        const C* va = vp + static_cast<int64_t>(table[b + kPvAhead]) * BS * row + hoff + dc;
+        for (int64_t t = 0; t < BS; ++t) prefetch(va + t * row, 8 * W * sizeof(C));
+      }
       const float* pt = scores + (base - z);
       for (int64_t t = 0; t < nt; ++t) {
         __m256 v[W];
