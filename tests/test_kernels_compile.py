@@ -16,7 +16,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-_PTR_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.int32: "*i32"}
+_PTR_TYPES = {
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.float32: "*fp32",
+    torch.int32: "*i32",
+    torch.int64: "*i64",
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +66,18 @@ def _ptr(dtype: torch.dtype) -> torch.Tensor:
 
 
 ATTENTION_CONFIGS = {
-    # name: (dtype, head_dim, block_size, group, block_m, num_splits, num_seqs, arch)
-    "decode-f16-d128-b16-gqa4-sm80": (torch.float16, 128, 16, 4, 16, 1, 64, 80),
-    "splitk-bf16-d64-b32-gqa8-sm90": (torch.bfloat16, 64, 32, 8, 64, 4, 1, 90),
-    "prefill-f32-d128-b16-gqa3-sm80": (torch.float32, 128, 16, 3, 64, 1, 3, 80),
+    # name: (dtype, head_dim, block_size, group, block_m, num_splits, num_seqs, arch, switches on): the
+    # switches are the kernel's compile-time options (sliding window, soft-capping, tree verification)
+    "decode-f16-d128-b16-gqa4-sm80": (torch.float16, 128, 16, 4, 16, 1, 64, 80, False),
+    "splitk-bf16-d64-b32-gqa8-sm90": (torch.bfloat16, 64, 32, 8, 64, 4, 1, 90, False),
+    "prefill-f32-d128-b16-gqa3-sm80": (torch.float32, 128, 16, 3, 64, 1, 3, 80, False),
+    "tree-window-softcap-bf16-d64-b16-gqa3-sm90": (torch.bfloat16, 64, 16, 3, 16, 1, 4, 90, True),
 }
 
 
 @pytest.mark.parametrize("config", list(ATTENTION_CONFIGS.values()), ids=list(ATTENTION_CONFIGS))
 def test_attention_kernel_compiles(kernels: ModuleType, config) -> None:
-    dtype, head_dim, block_size, group, block_m, num_splits, num_seqs, arch = config
+    dtype, head_dim, block_size, group, block_m, num_splits, num_seqs, arch, switches = config
     values = _runtime_ints(kernels._paged_attention_kernel)
     values |= {
         "out_ptr": _ptr(dtype),
@@ -97,6 +105,13 @@ def test_attention_kernel_compiles(kernels: ModuleType, config) -> None:
             dtype
         ],
         "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "tree_mask_ptr": _ptr(torch.int64),
+        "tree_depth_ptr": _ptr(torch.int32),
+        "window": 7,
+        "softcap": 30.0,
+        "HAS_WINDOW": switches,
+        "HAS_SOFTCAP": switches,
+        "HAS_TREE": switches,
     }
     compiled = _compile(kernels._paged_attention_kernel, values, arch)
     assert compiled.asm["cubin"]
