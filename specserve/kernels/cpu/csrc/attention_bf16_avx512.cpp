@@ -141,8 +141,8 @@ void run_bf16(const Args& a, int num_threads) {
       const int64_t fetch = H > 1 ? block_bytes : HD * 2;
       auto prefetch_block = [&](const uint16_t* cache, int64_t b) {
         const uint16_t* start = cache + static_cast<int64_t>(table[b]) * BS * row;
-        if (fetch == block_bytes) return prefetch(start, block_bytes);
-        for (int64_t t = 0; t < BS; ++t) prefetch(start + t * row + task.h0 * HD, fetch);
+        if (fetch == block_bytes) return prefetch_l2(start, block_bytes);
+        for (int64_t t = 0; t < BS; ++t) prefetch_l2(start + t * row + task.h0 * HD, fetch);
       };
       for (int64_t h = task.h0; h < task.h1; ++h)
         for (int64_t i = task.i0; i < task.i1; ++i)
@@ -190,8 +190,8 @@ void run_bf16(const Args& a, int num_threads) {
               r16[t] = _mm512_loadu_si512(kt0 + t * row + 32 * c);
               if (trickle) {
                 const int64_t line = (((h - task.h0) * (HD / 32) + c) * 16 + t) * 64;
-                if (k_ahead) __builtin_prefetch(k_ahead + line, 0, 3);
-                __builtin_prefetch(v_now + line, 0, 3);
+                if (k_ahead) __builtin_prefetch(k_ahead + line, 0, 2);
+                __builtin_prefetch(v_now + line, 0, 2);
               }
             }
             transpose16(r16);
@@ -260,7 +260,7 @@ void run_bf16(const Args& a, int num_threads) {
             const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
             if (b + kPvAhead < nb) {
               const uint16_t* va = vp + static_cast<int64_t>(table[b + kPvAhead]) * BS * row + h * HD;
-              for (int64_t u = 0; u < BS; ++u) prefetch(va + u * row, HD * 2);
+              for (int64_t u = 0; u < BS; ++u) prefetch_l2(va + u * row, HD * 2);
             }
             int64_t t = 0;
             for (; t + 2 <= nt; t += 2) {

@@ -127,8 +127,8 @@ inline void qk_direct_f32(const float* q, const C* k0, int64_t row, float* dst, 
     for (int c = 0; c < HD / 8; ++c) {
       const int64_t line = ((t0 / 4) * (HD / 8) + c) * kStep;
       for (int64_t at = 0; at < kStep; at += 64) {
-        if (ahead) __builtin_prefetch(ahead + line + at, 0, 3);
-        if (now) __builtin_prefetch(now + line + at, 0, 3);
+        if (ahead) __builtin_prefetch(ahead + line + at, 0, 2);
+        if (now) __builtin_prefetch(now + line + at, 0, 2);
       }
       __m256 k[4];
       for (int t = 0; t < 4; ++t) k[t] = cache8(k0 + (t0 + t) * row + 8 * c);
@@ -162,7 +162,7 @@ inline void pv_rows_f32(const float* scores, int64_t stride, int64_t z, const C*
       const int64_t base = b * BS, nt = n_pad - base < BS ? n_pad - base : BS;
       if (b + kPvAhead < nb) {
         const C* va = vp + static_cast<int64_t>(table[b + kPvAhead]) * BS * row + hoff + dc;
-        for (int64_t t = 0; t < BS; ++t) prefetch(va + t * row, 8 * W * sizeof(C));
+        for (int64_t t = 0; t < BS; ++t) prefetch_l2(va + t * row, 8 * W * sizeof(C));
       }
       const float* pt = scores + (base - z);
       for (int64_t t = 0; t < nt; ++t) {
@@ -296,8 +296,8 @@ void run_f32(const Args& a, int num_threads) {
       const int64_t fetch = H > 1 ? block_bytes : HD * kElem;
       auto prefetch_block = [&](const C* cache, int64_t b) {
         const C* start = cache + static_cast<int64_t>(table[b]) * BS * row;
-        if (fetch == block_bytes) return prefetch(start, block_bytes);
-        for (int64_t t = 0; t < BS; ++t) prefetch(start + t * row + task.h0 * HD, fetch);
+        if (fetch == block_bytes) return prefetch_l2(start, block_bytes);
+        for (int64_t t = 0; t < BS; ++t) prefetch_l2(start + t * row + task.h0 * HD, fetch);
       };
       const int64_t num_blocks = (end + BS - 1) / BS;
       // blocks before it are outside every window (or before the part)
@@ -320,7 +320,7 @@ void run_f32(const Args& a, int num_threads) {
       };
       // a transposed chunk's share: 4 lines of each slab (2 in bfloat16) beside its 16 loads
       const auto chunk_lines = [](const char* slab, int64_t hh, int c) {
-        if (slab) prefetch(slab + hh * HD * 8 * kElem + c * 64 * kElem, 64 * kElem);
+        if (slab) prefetch_l2(slab + hh * HD * 8 * kElem + c * 64 * kElem, 64 * kElem);
       };
       for (int64_t u = b0 * BS / 8; u < num_tiles; ++u) {
         const int64_t p0 = u * 8, b = p0 / BS;

@@ -70,6 +70,17 @@ inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 3);
 }
 
+// Lines wanted some microseconds on, into L2 (prefetcht1) rather than L1: an L1 prefetch holds one of the
+// core's few L1 miss buffers until its line arrives from memory, so a stream asked for far ahead is throttled
+// to what those buffers carry in one memory latency; L2 tracks many more misses, and a load then finds its
+// line there. Paged attention's K and V, SmolLM2's 30 layers, shuffled blocks, outputs identical (`python
+// bench/kernel_ab.py --case attention`, Zen 4): bfloat16 64 x 400 tokens 27.4 ms against 42.7, 18 x 800
+// 14.7 against 24.2, batch 1 x 1,500 3.14 against 3.46; float32 64 x 400 56.8 against 75.1, a verify of 5
+// at 18 x 600 40.5 against 51.7, batch 1 x 1,000 one thread 3.88 against 5.06.
+inline void prefetch_l2(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(p) + off, 0, 2);
+}
+
 // Keeps a product in a register of its own, so that with -ffast-math the compiler cannot fuse it with the
 // following add into an FMA (one rounding instead of torch's two): float32 rope must match torch bit for bit.
 template <typename V>
