@@ -40,8 +40,8 @@ constexpr int kW8 = 0, kW4 = 1, kW8G = 2;
 constexpr int64_t kQ8Tile = 16;
 // rows a tile's pass keeps in registers: a tile's weights (16 x k bytes) stay in L1 across the passes
 constexpr int kQ8Rows = 4;
-// steps of more rows than this run tiles in pairs where the matrix has an even count of them; a step of a few
-// rows reads its weights from memory, where a pair's wider stride buys nothing
+// steps of more rows than this run tiles in pairs where the matrix has an even count of them (measured from 8
+// rows up); batch-1 and short verify steps, which read their weights from memory, keep lone tiles
 constexpr int64_t kQ8PairBelow = 4;
 
 // A step's activations quantized: codes [rows][k], per block scales and code sums [rows][k / 32].
@@ -346,6 +346,33 @@ inline void q8_tile(const Q8Rows& a, int64_t r0, const uint8_t* w, const S* scal
 }
 #endif
 
+// The matrix's tiles P at a time (P = 2: q8_tile_pair), each for every row in passes of kQ8Rows.
+template <int P, int F, typename T, typename S>
+void q8_tiles(const Q8Rows& a, int64_t rows, const uint8_t* tiles, int64_t tile_bytes, const S* scales,
+              const S* offsets, int64_t scale_stride, int64_t n, T* out, int64_t os, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, a.k))
+  for (int64_t t = 0; t < n / kQ8Tile; t += P) {
+    const uint8_t* w = tiles + t * tile_bytes;
+    const S* s = scales + t * scale_stride;
+    const S* o = F == kW4 ? offsets + t * scale_stride : nullptr;
+    float res[kQ8Rows][P * kQ8Tile];
+    for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
+      const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
+      with_rows<kQ8Rows>(nr, [&](auto r) {
+        constexpr int R = decltype(r)::value;
+#ifdef SPECSERVE_INT_DOT_VNNI
+        if constexpr (P == 2)
+          q8_tile_pair<R, F, S>(a, r0, w, tile_bytes, s, o, scale_stride, res);
+        else
+#endif
+          q8_tile<R, F, S>(a, r0, w, s, o, res);
+      });
+      for (int64_t r = 0; r < nr; ++r)
+        for (int64_t j = 0; j < P * kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
+    }
+  }
+}
+
 // x [rows, k] (row stride xs) times the tiled matrix -> out [rows, n] (row stride os), in T.
 template <int F, typename T, typename S = float>
 int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const S* scales, const S* offsets,
@@ -357,43 +384,16 @@ int q8_matmul(const T* x, int64_t xs, int64_t rows, const uint8_t* tiles, const 
   std::vector<int32_t> sums(rows * nb);
   quantize_q8(x, xs, rows, k, codes.data(), xd.data(), sums.data(), num_threads);
   const Q8Rows a{codes.data(), xd.data(), sums.data(), k, nb};
-  constexpr bool W4 = F == kW4;
-  const int64_t tile_bytes = kQ8Tile * (W4 ? k / 2 : k);
+  const int64_t tile_bytes = kQ8Tile * (F == kW4 ? k / 2 : k);
   // a tile's scales (and w4a8's offsets) as they lie: per output (w8a8), or per block of each output
   const int64_t scale_stride = F == kW8 ? kQ8Tile : nb * kQ8Tile;
 #ifdef SPECSERVE_INT_DOT_VNNI
   if (rows > kQ8PairBelow && n % (2 * kQ8Tile) == 0) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
-    for (int64_t t = 0; t < n / kQ8Tile; t += 2) {
-      const uint8_t* w = tiles + t * tile_bytes;
-      const S* s = scales + t * scale_stride;
-      const S* o = W4 ? offsets + t * scale_stride : nullptr;
-      float res[kQ8Rows][2 * kQ8Tile];
-      for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
-        const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
-        with_rows<kQ8Rows>(nr, [&](auto r) {
-          q8_tile_pair<decltype(r)::value, F, S>(a, r0, w, tile_bytes, s, o, scale_stride, res);
-        });
-        for (int64_t r = 0; r < nr; ++r)
-          for (int64_t j = 0; j < 2 * kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
-      }
-    }
+    q8_tiles<2, F>(a, rows, tiles, tile_bytes, scales, offsets, scale_stride, n, out, os, num_threads);
     return kOk;
   }
 #endif
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (threaded_for(n * rows, k))
-  for (int64_t t = 0; t < n / kQ8Tile; ++t) {
-    const uint8_t* w = tiles + t * tile_bytes;
-    const S* s = scales + t * scale_stride;
-    const S* o = W4 ? offsets + t * scale_stride : nullptr;
-    float res[kQ8Rows][kQ8Tile];
-    for (int64_t r0 = 0; r0 < rows; r0 += kQ8Rows) {
-      const int64_t nr = std::min<int64_t>(kQ8Rows, rows - r0);
-      with_rows<kQ8Rows>(nr, [&](auto r) { q8_tile<decltype(r)::value, F, S>(a, r0, w, s, o, res); });
-      for (int64_t r = 0; r < nr; ++r)
-        for (int64_t j = 0; j < kQ8Tile; ++j) store(out + (r0 + r) * os, t * kQ8Tile + j, res[r][j]);
-    }
-  }
+  q8_tiles<1, F>(a, rows, tiles, tile_bytes, scales, offsets, scale_stride, n, out, os, num_threads);
   return kOk;
 }
 
