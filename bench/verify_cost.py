@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.int4_rows_beside_copy is not None:
         linear.OwnInt4RowsBf16.BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
         linear.OwnInt4RowsBf16.AMX_BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
+        linear.OwnInt4TileRowsBf16.BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
         engines[f"int4 rows <= {args.int4_rows_beside_copy}"] = runner()
     rows = [int(r) for r in args.rows.split(",")]
     blocks = list(range((args.context + max(rows)) // 8 + 2))

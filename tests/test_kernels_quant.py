@@ -305,6 +305,79 @@ def test_bf16_int4_rows_refuses_what_it_cannot_take(monkeypatch) -> None:
         cpu.matmul.bind_int4_rows_bf16(cpu.matmul.pack_int4(w.codes), w.scales.bfloat16(), w.zeros)
 
 
+def _tile_rows(n: int, k: int, seed: int):
+    """A random int4 matrix in int4_tiles' layout with offsets in its zeros' place, its float64 weights, and
+    the magnitudes of their terms, |scale| code + |offset|."""
+    from specserve.kernels import cpu
+
+    torch.manual_seed(seed)
+    w = quant.quantize_int4(torch.randn(n, k) + torch.rand(n, 1))  # zeros away from 0
+    offsets = (w.zeros - 8.0 * w.scales).contiguous()
+    tiles = cpu.matmul.int4_tiles(w.codes, w.scales, offsets)
+    group = torch.arange(k) // quant.GROUP
+    s, o = w.scales.double()[:, group], offsets.double()[:, group]
+    return tiles, w.codes.double() * s + o, w.codes.double() * s.abs() + o.abs()
+
+
+# 1..8 rows: one pass of the tile kernel's registers; 9..32 passes of 8 and a tail
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32])
+def test_bf16_int4_tile_rows_is_the_product_of_the_exact_codes_summed_in_float32(monkeypatch, rows) -> None:
+    """Few bf16 rows on the int4 tiles: each code exact in bf16, its products with x exact and summed in
+    float32 a group at a time, scale and offset applied in float32, rounded to bf16 once: within bf16's
+    rounding of the float64 product plus float32's of the terms |x| (|scale| code + |offset|)."""
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
+        pytest.skip("the bf16 int4 tile product needs AVX512-BF16")
+    # SmolLM2's shapes, an odd number of groups (7), a single tile and group, three tiles of two groups
+    for i, (n, k) in enumerate([(960, 576), (576, 1536), (48, 224), (16, 32), (48, 64)]):
+        (tiles, scales, offsets), weights, magnitudes = _tile_rows(n, k, 10 * rows + i)
+        wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
+        x = wide[:, :k]
+        got = cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales, offsets)(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        exact = x.double() @ weights.t()
+        terms = x.double().abs() @ magnitudes.t()
+        bound = exact.abs() * 2.0**-8 + terms * (k + 2) * torch.finfo(torch.float32).eps
+        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+
+
+def test_bf16_int4_tile_rows_sums_every_row_as_a_one_row_call(monkeypatch) -> None:
+    """What speculation's exactness and batch-invariant plans rely on (linear.OwnInt4TileRowsBf16): a row's
+    result does not depend on the rows beside it, in any call of 1..INT4_TILE_ROWS_BF16_MAX rows."""
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
+        pytest.skip("the bf16 int4 tile product needs AVX512-BF16")
+    (tiles, scales, offsets), _, _ = _tile_rows(96, 224, 3)
+    product = cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales, offsets)
+    most = cpu.matmul.INT4_TILE_ROWS_BF16_MAX
+    x = torch.randn(most, 224).to(torch.bfloat16)
+    alone = torch.cat([product(x[r : r + 1]) for r in range(most)])
+    for rows in range(1, most + 1):
+        assert torch.equal(product(x[:rows]), alone[:rows]), rows
+    assert torch.equal(product(x[5:14]), alone[5:14])
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "generic"])
+def test_bf16_int4_tile_rows_refuses_what_it_cannot_take(monkeypatch, isa) -> None:
+    cpu = _variant(monkeypatch, isa)
+    (tiles, scales, offsets), _, _ = _tile_rows(32, 64, 0)
+    product = cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales, offsets)
+    x = torch.randn(cpu.matmul.INT4_TILE_ROWS_BF16_MAX + 1, 64).to(torch.bfloat16)
+    if not cpu.build.quant_bf16_fast():  # a build without AVX512-BF16 refuses the call instead of computing
+        with pytest.raises(ValueError, match="code 2"):
+            product(x[:1])
+        return
+    assert product(x[:0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="code 1"):  # past the few-row form
+        product(x)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        product(x[:1].float())
+    with pytest.raises(ValueError, match="float32 scales and offsets"):
+        cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales.bfloat16(), offsets)
+    with pytest.raises(ValueError, match="as int4_tiles gives them"):
+        cpu.matmul.bind_int4_tile_rows_bf16(tiles.view(-1), scales, offsets)
+
+
 def _grouped_rows_amx(monkeypatch):
     cpu = _variant(monkeypatch, "native")
     if not cpu.build.int8_grouped_rows_amx():

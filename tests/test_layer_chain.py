@@ -130,21 +130,26 @@ def test_a_step_in_a_run_of_sizes_without_a_chain_takes_the_loop(tiny_model_fact
 
 
 def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense_copy_for_more():
-    """The demo's Q4_1 under auto in bf16: steps of up to BF16_OWN_INT4_MAX_ROWS rows run our int4 product
-    on the GGUF's blocks, larger ones the dense copy's panels; both chained, bit for bit the loop's."""
+    """The demo's Q4_1 under auto in bf16: steps of up to the few-row form's rows (16 on its 16-output tiles,
+    linear.OwnInt4TileRowsBf16) run our int4 product on the GGUF's blocks, larger ones the dense copy's
+    panels; both chained, bit for bit the loop's."""
     if not (cpu.build.load() is not None and cpu.build.quant_bf16_fast()):
         pytest.skip("bf16 panels need AVX512-BF16")
     llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
     model = llm.engine.model
     if not isinstance(getattr(model.layers[0].qkv.many_rows, "__self__", None), quant.DensePanels):
         pytest.skip("auto's dense copy runs on oneDNN here (AMX)")
-    assert [most for most, _ in model.chain_runs] == [quant.BF16_OWN_INT4_MAX_ROWS, math.inf]
+    most = model.layers[0].qkv.kernel_max_rows
+    assert most == linear.OwnInt4TileRowsBf16.BESIDE_COPY_MAX_ROWS and model.layers[0].qkv.own_tile_rows_bf16
+    assert [m for m, _ in model.chain_runs] == [most, math.inf]
     assert all(chain is not None for _, chain in model.chain_runs)
     counters = _counting(model)
     runs = model.chain_runs
     chained, looped = ModelRunner(model, 32, BLOCK), ModelRunner(model, 32, BLOCK)
-    steps = [[(0, 0, 12)], [(0, 12, 1)], [(0, 13, 1), (1, 0, 1)], [(0, 14, 1), (1, 1, 3)], [(1, 4, 1)]]
-    tables = {0: [0, 1], 1: [2, 3]}
+    p = most + 4  # a prompt past the few-row form's rows
+    steps = [[(0, 0, p)], [(0, p, 1)], [(0, p + 1, 1), (1, 0, 1)], [(0, p + 2, 1), (1, 1, 3)]]
+    steps += [[(1, 4, most)], [(1, 4 + most, 1)]]
+    tables = {0: [0, 1, 2], 1: [3, 4, 5]}
     for step in steps:
         entries = [
             ForwardEntry(list(range(7, 7 + n)), start, tables[seq], num_logits=1) for seq, start, n in step
@@ -154,8 +159,8 @@ def test_bf16_auto_chains_every_step_our_int4_product_for_few_rows_and_the_dense
         model.chain_runs = []
         want, _ = looped.forward(entries)
         assert torch.equal(got, want), step
-    # 1, 2 and 1 rows on our int4 product; 12 and 4 on the copy's panels
-    assert [c.calls for c in counters] == [3, 2]
+    # 1, 2, 4, most and 1 rows on our int4 product; the prompt on the copy's panels
+    assert [c.calls for c in counters] == [5, 1]
 
 
 def test_bf16_auto_chains_verify_steps_on_the_amx_int4_product():

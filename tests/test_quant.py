@@ -292,11 +292,14 @@ def test_auto_serves_int4_from_its_kernels_and_a_dense_copy_only_where_that_is_f
         assert layer.qkv.many_rows == layer.qkv.kernel and hasattr(layer.qkv, "nibbles")
     else:
         # a dense copy serves many rows (oneDNN's prepacked matmul, or our bf16 product's panels where they
-        # pay); few rows run our bf16 product on the GGUF's nibbles where AVX512-BF16 is built, else
-        # torch's int4 kernel on its own packed layout (and then no nibbles are held)
+        # pay); few rows run our bf16 product where AVX512-BF16 is built (on the GGUF's nibbles where AMX
+        # tiles take its 2 or more rows, else on 16-output tiles of them), else torch's int4 kernel on its
+        # own packed layout (and then neither is held)
         copy = getattr(layer.qkv.many_rows, "__self__", None)
         assert isinstance(layer.qkv.many_rows, functools.partial) or isinstance(copy, quant.DensePanels)
-        assert hasattr(layer.qkv, "nibbles") == layer.qkv.own_rows_bf16 != hasattr(layer.qkv, "packed")
+        ours = layer.qkv.own_rows_bf16 or layer.qkv.own_tile_rows_bf16
+        assert hasattr(layer.qkv, "nibbles") == layer.qkv.own_rows_bf16
+        assert ours != hasattr(layer.qkv, "packed")
     # more sequences than bf16's few-row product takes (64 where AMX tiles run it), so that every bf16 step
     # runs the dense copy, whose values are the dense model's: the few-row product sums the GGUF's own values,
     # which round otherwise, and a near tie then picks another token
@@ -328,9 +331,9 @@ def _assert_one_bf16_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch
 
 def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
     """int4 asked for outright in bf16, where our AVX512-BF16 kernel is built: steps of many rows run on it
-    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 8 rows (32
-    where AMX tiles run them) on our few-row product, from the GGUF's own values (its nibbles and float32
-    scales)."""
+    (not widened per call), from the same bf16 values a dense copy would hold; steps of up to 32 rows (64
+    where AMX tiles run them) on our few-row product, from the GGUF's own values (its codes and float32
+    scales), on 16-output tiles of the many-row kernel's codes where no AMX tiles run it."""
     cpu = torch.device("cpu")
     o_proj = load_checkpoint(demo_model_path(), torch.float32, "auto").state_dict[
         "model.layers.0.self_attn.o_proj.weight"
@@ -339,8 +342,14 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
         pytest.skip("the bf16 int4 product needs AVX512-BF16")
     llm = LLM(None, dtype="bfloat16", quantization="int4", num_kv_blocks=128, batch_invariant=False)
     layer = llm.engine.model.layers[0]
-    assert layer.o.many_rows == layer.o.many_rows_bf16 and layer.o.own_rows_bf16
-    few = matmul.INT4_ROWS_BF16_MAX if cpu_build.int4_rows_amx() else matmul.INT4_ROWS_BF16_AVX512
+    assert layer.o.many_rows == layer.o.many_rows_bf16
+    if cpu_build.int4_rows_amx():
+        few = matmul.INT4_ROWS_BF16_MAX
+        assert layer.o.own_rows_bf16
+    else:
+        few = matmul.INT4_TILE_ROWS_BF16_MAX
+        assert layer.o.own_tile_rows_bf16 and not hasattr(layer.o, "nibbles")
+        assert layer.o._product._weights[0] is layer.o.tiles  # one copy of the codes for both kernels
     assert layer.o.kernel_max_rows == few and not hasattr(layer.o, "packed")
     weights = quant.dequantize(o_proj).to(torch.bfloat16).double()
     torch.manual_seed(0)
@@ -458,19 +467,22 @@ def test_a_bf16_q8_0_head_runs_verify_steps_on_amx_tiles_where_the_library_has_t
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product_where_amx_tiles_run_them(amx):
-    """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 2 rows on our few-row
-    product and the copy past them, or up to the 64 rows the tiles take (two passes of 32) where the library
-    runs the product's 2 or more rows on AMX tiles; batch-invariant passes only as many rows as sum a row
-    alike."""
+def test_bf16_int4_beside_a_copy_keeps_verify_steps_on_our_product(amx):
+    """The form table's int4 plan for a bf16 matrix with a dense copy: steps of up to 16 rows on our 16-output
+    tiles product and the copy past them, or up to the 64 rows the AMX tiles take (two passes of 32) where
+    the library runs the product's 2 or more rows on them; batch-invariant passes only as many rows as sum a
+    row alike."""
     isa = linear.Isa(
         cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True, int4_rows_amx=amx
     )
     copy = linear.Matrix(linear.INT4, (576, 1536), dense_copy=True)
     few, most, many = linear.plan(copy, torch.bfloat16, isa)
-    assert few is linear.OWN_INT4_ROWS_BF16 and many is linear.DENSE_COPY
-    assert most == (64 if amx else 2)
+    assert few is (linear.OWN_INT4_ROWS_BF16 if amx else linear.OWN_INT4_TILE_ROWS_BF16)
+    assert many is linear.DENSE_COPY and most == (64 if amx else 16)
     alone = linear.Matrix(linear.INT4, (576, 1536))
-    assert linear.plan(alone, torch.bfloat16, isa)[1] == (64 if amx else 8)
+    assert linear.plan(alone, torch.bfloat16, isa)[1] == (64 if amx else 32)
     invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
-    assert linear.plan(copy, torch.bfloat16, invariant) == (few, 1 if amx else 8, few)
+    assert linear.plan(copy, torch.bfloat16, invariant) == (few, 1 if amx else 32, few)
+    # outputs not in whole tiles of 16 keep the nibbles' product
+    ragged = linear.Matrix(linear.INT4, (584, 1536), dense_copy=True)
+    assert linear.plan(ragged, torch.bfloat16, isa)[0] is linear.OWN_INT4_ROWS_BF16

@@ -274,6 +274,34 @@ class TorchInt8(Form):
         return None if isa.cpu else "CPU only"
 
 
+class OwnInt4TileRowsBf16(Form):
+    """Our AVX512-BF16 int4 few-row product on 16-output tiles (cpu.matmul.bind_int4_tile_rows_bf16), on CPUs
+    without AMX int4 tiles: the lanes are outputs, so a row costs its vdpbf16ps and no per-output sums, and
+    every row of a call is summed as a one-row call sums it (a verify step's rows as their decode steps)."""
+
+    name = "ours int4 tile rows bf16"
+    kinds = (INT4,)
+    kernel = True
+    # beside a dense copy up to 16 rows: a step of 9 / 12 / 16 rows 17.0 / 19.4 / 23.6 ms against 18.0 / 21.0
+    # / 24.6 on the copy's bf16 panels, 17 / 24 rows 27.4 / 34.3 against 22.7 / 27.8 (`python
+    # bench/verify_cost.py --dtype bfloat16 --rows 1,9,12,16,17,24 --int4-rows-beside-copy N`, the whole
+    # step, 2-core Zen 4); without a copy up to the kernel's most rows, then the tiles' widened panels
+    BESIDE_COPY_MAX_ROWS = 16
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if isa.int4_rows_amx:
+            return "AMX tiles run the int4 rows"
+        if m.out % cpu.matmul.INT8_TILE:
+            return f"outputs not in whole tiles of {cpu.matmul.INT8_TILE}"
+        return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT4_TILE_ROWS_BF16_MAX
+
+    def invariant_rows(self, m: Matrix, isa: Isa) -> float:
+        return cpu.matmul.INT4_TILE_ROWS_BF16_MAX
+
+
 class OwnInt4RowsBf16(Form):
     """Our AVX512-BF16 int4 few-row product (cpu.matmul.bind_int4_rows_bf16), 2 or more rows on AMX tiles
     where the library runs them (Isa.int4_rows_amx): a layer chain can call it."""
@@ -474,6 +502,7 @@ OWN_INT8_F32 = OwnInt8F32()
 OWN_INT8_GROUPED_ROWS_AMX = OwnInt8GroupedRowsAmx()
 OWN_INT8_F32_ON_BF16 = OwnInt8F32OnBf16()
 TORCH_INT8 = TorchInt8()
+OWN_INT4_TILE_ROWS_BF16 = OwnInt4TileRowsBf16()
 OWN_INT4_ROWS_BF16 = OwnInt4RowsBf16()
 TORCH_INT4 = TorchInt4()
 OWN_INT4_F32 = OwnInt4F32()
@@ -494,6 +523,7 @@ FORMS: tuple[Form, ...] = (
     OWN_INT8_GROUPED_ROWS_AMX,
     OWN_INT8_F32_ON_BF16,
     TORCH_INT8,
+    OWN_INT4_TILE_ROWS_BF16,
     OWN_INT4_ROWS_BF16,
     TORCH_INT4,
     OWN_INT4_F32,

@@ -217,7 +217,6 @@ def cat(parts: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | Quantized
 KERNEL_MAX_ROWS = linear.TorchInt8.MAX_ROWS
 GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32.GROUPED_MAX_ROWS
 BF16_INT4_KERNEL_MAX_ROWS = linear.TorchInt4.BESIDE_COPY_MAX_ROWS
-BF16_OWN_INT4_MAX_ROWS = linear.OwnInt4RowsBf16.BESIDE_COPY_MAX_ROWS
 BF16_GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32OnBf16.MAX_ROWS
 BF16_GROUPED_AMX_MAX_ROWS = linear.OwnInt8GroupedRowsAmx.BESIDE_COPY_MAX_ROWS
 
@@ -411,10 +410,11 @@ class PackedInt8(_Packed):
 
 class PackedInt4(_Packed):
     """An int4 matrix at half a byte a value. float32 with our kernels: nibbles in their layout
-    (cpu.matmul.pack_int4), read by the kernel and by widening alike. bfloat16: for few rows the same
-    nibbles on our AVX512-BF16 product (so a layer chain runs batch-1 steps), or where it is not built
-    torch's packed layout (rows tiled by 16); for many rows, unless a dense copy serves them, our AVX512-BF16
-    kernel's tiles, or else the nibbles again to widen."""
+    (cpu.matmul.pack_int4), read by the kernel and by widening alike. bfloat16: for few rows our AVX512-BF16
+    product (so a layer chain runs batch-1 and verify steps) on 16-output tiles of the codes (int4_tiles,
+    shared with the many-row kernel where it runs), on the same nibbles where AMX tiles run its 2 or more
+    rows, or where it is not built torch's packed layout (rows tiled by 16); for many rows, unless a dense
+    copy serves them, our AVX512-BF16 kernel's tiles, or else the nibbles again to widen."""
 
     def __init__(
         self,
@@ -428,6 +428,7 @@ class PackedInt4(_Packed):
         self.own = self.few is linear.OWN_INT4_F32
         self.own_bf16 = self.many is linear.OWN_INT4_BF16_TILES
         self.own_rows_bf16 = self.few is linear.OWN_INT4_ROWS_BF16
+        self.own_tile_rows_bf16 = self.few is linear.OWN_INT4_TILE_ROWS_BF16
         self.own_widening = self.many is linear.LIBRARY_WIDEN
         if self.own_bf16:  # our tiles' kernel for many rows
             self.tiles, self.tile_scales, self.tile_zeros = cpu.matmul.int4_tiles(
@@ -452,8 +453,15 @@ class PackedInt4(_Packed):
             elif self.own_rows_bf16:
                 self._product = cpu.matmul.bind_int4_rows_bf16(self.nibbles, self.scales, self.offsets)
 
+        if self.own_tile_rows_bf16:  # the many-row tiles' codes and scales where they are kept, and offsets
+            codes, offsets = w.codes.to(device), (w.zeros.float() - 8.0 * w.scales.float()).to(device)
+            tiles, scales, tile_offsets = cpu.matmul.int4_tiles(codes, w.scales.to(device), offsets)
+            if self.own_bf16:
+                tiles, scales = self.tiles, self.tile_scales
+            self._product = cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales, tile_offsets)
+
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
-        if self.own or self.own_rows_bf16:
+        if self.own or self.own_rows_bf16 or self.own_tile_rows_bf16:
             return self._product(x)
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
 

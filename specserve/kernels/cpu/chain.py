@@ -20,6 +20,7 @@ _CHAIN_KINDS = {
     "int8_matmul_bf16": 5,
     "int4_matmul_bf16": 6,
     "int4_rows_bf16": 7,
+    "int4_tile_rows_bf16": 8,
     # apart from the weight-only kinds, so that either list can grow without renumbering the other
     "w8a8_matmul": 16,
     "w4a8_matmul": 17,

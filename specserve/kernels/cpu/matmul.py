@@ -252,6 +252,25 @@ def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: tor
     return Product("int4_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, packed, scales, offsets)
 
 
+# The most rows int4_tile_rows_bf16 takes (csrc/matmul.cpp's kInt4TileRowsMax)
+INT4_TILE_ROWS_BF16_MAX = 32
+
+
+def bind_int4_tile_rows_bf16(tiles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
+    """x [rows, k] bfloat16 (1..INT4_TILE_ROWS_BF16_MAX rows) times w^T -> [rows, n] bfloat16, w = code *
+    scale + offset per group of 32 inputs, the codes in int4_tiles' layout and the offsets in its scales' (its
+    zeros' place): codes exact in bf16 products on vdpbf16ps, the 16 lanes 16 outputs, sums in float32,
+    rounded once; each row summed alike whatever the rows beside it. Needs build.quant_bf16_fast()."""
+    if tiles.dtype != torch.uint8 or tiles.dim() != 3 or not tiles.is_contiguous():
+        raise ValueError("int4_tile_rows_bf16 takes the codes as int4_tiles gives them")
+    n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
+    shape = (tiles.shape[0], k // INT4_GROUP, INT8_TILE)
+    for t in (scales, offsets):
+        if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous():
+            raise ValueError(f"int4_tile_rows_bf16: float32 scales and offsets {list(shape)} (int4_tiles)")
+    return Product("int4_tile_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, tiles, scales, offsets)
+
+
 # The most rows int8_grouped_rows_bf16 takes (csrc/matmul.cpp's kInt8GroupedRowsMax), and the most a call
 # runs as the float32 product does (kInt8GroupedAmxFromRows - 1): the row summed as a one-row call sums it.
 # Past them the AMX tiles, whose sums of the weights rounded to bf16 come in another order.

@@ -25,7 +25,7 @@ struct LayerDesc {
 static_assert(sizeof(ProductDesc) == 7 * 8 && sizeof(LayerDesc) == 31 * 8, "LayerChain's words");
 
 enum ProductKind : int64_t {
-  kF32Panels, kInt8, kInt8Grouped, kInt4, kBf16Panels, kInt8Bf16, kInt4Bf16, kInt4RowsBf16,
+  kF32Panels, kInt8, kInt8Grouped, kInt4, kBf16Panels, kInt8Bf16, kInt4Bf16, kInt4RowsBf16, kInt4TileRowsBf16,
   kW8a8 = 16, kW4a8, kW8a8Bf16, kW4a8Bf16, kW4a8Half, kW4a8HalfBf16
 };
 
@@ -54,6 +54,7 @@ int run_product(const ProductDesc& p, const void* x, int64_t rows, void* out, in
     case kInt8Bf16: rc = specserve_int8_matmul_bf16(xb, k, rows, i8, s, n, k, ob, n, threads); break;
     case kInt4Bf16: rc = specserve_int4_matmul_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
     case kInt4RowsBf16: rc = specserve_int4_rows_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
+    case kInt4TileRowsBf16: rc = specserve_int4_tile_rows_bf16(xb, k, rows, u8, s, z, n, k, ob, n, threads); break;
     case kW8a8: rc = specserve_w8a8_matmul(xf, k, rows, u8, s, n, k, of, n, threads); break;
     case kW4a8: rc = specserve_w4a8_matmul(xf, k, rows, u8, s, z, n, k, of, n, threads); break;
     case kW8a8Bf16: rc = specserve_w8a8_matmul_bf16(xb, k, rows, u8, s, n, k, ob, n, threads); break;

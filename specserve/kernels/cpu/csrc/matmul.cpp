@@ -17,6 +17,10 @@ constexpr int64_t kInt4RowsMax = 64;
 constexpr int64_t kInt4AmxFromRows = 2;
 constexpr int64_t kInt4AmxPassRows = 32;
 
+// specserve_int4_tile_rows_bf16's most rows: past them a step's widened panels (or a dense copy) read the
+// weights once for many rows
+constexpr int64_t kInt4TileRowsMax = 32;
+
 // specserve_int8_grouped_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest on AMX tiles: below
 // them q8g_rows on the row widened to float32, what the float32 head runs at one row (the file's own
 // weights at batch-1 decode, as fast there). Two rows on the tiles: 1.99 / 2.49 ms against 2.30 / 2.68 on
@@ -141,6 +145,23 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 // runs q4_bf16_row; 2 or more the AMX tiles (passes of up to 32 rows) where the build and the kernel allow
 // them (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
 // Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+// x [rows, k] bf16 (row stride xs), 1..kInt4TileRowsMax rows, times the int4 matrix in int4_tiles' layout
+// with offsets in place of zeros (w = code * scale + offset) -> out [rows, n] bf16 (row stride os): codes
+// exact in bf16 products on vdpbf16ps, sums in float32, rounded once, each row summed alike for any rows
+// (q4_bf16_tile_rows). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+extern "C" int specserve_int4_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
+                                             const float* scales, const float* offsets, int64_t n, int64_t k,
+                                             uint16_t* out, int64_t os, int num_threads) {
+  if (rows < 1 || rows > kInt4TileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  q4_bf16_tile_rows(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+  return kOk;
+#else
+  (void)x, (void)xs, (void)tiles, (void)scales, (void)offsets, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
 extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
                                         const float* scales, const float* offsets, int64_t n, int64_t k,
                                         uint16_t* out, int64_t os, int num_threads) {
