@@ -1,9 +1,10 @@
 // Paged attention on CPU: what its three forms share (attention_bf16_avx512.cpp, attention_f32_avx2.cpp,
 // attention_generic.cpp; attention.cpp picks one).
 //
-// One task per (sequence, KV head): the group's query heads times the sequence's new tokens form R rows.
-// A step of too few such tasks for the threads splits each short query's keys into parts (see
-// kSplitBelowTasksPerThread), each part a task of its own, merged per row after by its max and sum of exps.
+// A task per sequence (all its KV heads) or per (sequence, KV head): the group's query heads times the
+// sequence's new tokens form R rows a head. A step of too few sequences for the threads splits each short
+// query's keys into parts (see parts_for), each part a task of its own, merged per row after by its max and
+// sum of exponentials.
 // Scores are computed a block at a time against a transposed float copy of the block's K, so the inner
 // loop runs across the block's tokens (one vector register for 16 tokens) with no horizontal sums; a
 // two-pass softmax then weights V rows. Every cached row is read once. Causal masking is done by loop
@@ -154,18 +155,16 @@ struct Args {
   bool invariant;
 };
 
-// Steps of fewer tasks than this many a thread split each short query's keys into parts of whole blocks,
-// each a task, merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three
-// KV heads are three tasks on two threads, and one thread waited a third of the step. The bfloat16 kernel
-// counts (sequence, KV head) tasks and splits each head; the float32 one splits steps of few sequences in
-// parts fixed by position, each holding all of its sequence's heads (attention_f32_avx2.cpp). Never in a
-// batch-invariant step (Args::invariant): whether a sequence is split depends on the step's tasks.
-constexpr int64_t kSplitBelowTasksPerThread = 2;
+// Steps of few sequences split each short query's keys into parts, each a task of all the sequence's heads,
+// merged after by their softmax statistics (flash-decoding's split): at batch 1 SmolLM2's three KV heads
+// as three tasks on two threads left one thread waiting a third of the step. The bfloat16 kernel cuts
+// equal parts of whole blocks (parts_for); the float32 one parts fixed by position
+// (attention_f32_avx2.cpp). Never in a batch-invariant step (Args::invariant): whether a sequence is split
+// depends on the step's sequences.
 constexpr int64_t kMaxParts = 64, kMinPartTokens = 64;
 
-// Parts per split task: at least enough for two tasks a thread, then the fewest (up to twice that) whose
-// total divides evenly among the threads (3 heads on 2 threads: 2 parts, 6 tasks, 3 a thread, where 3 parts
-// would leave one thread a part behind), then no more than the keys hold parts of kMinPartTokens.
+// Parts per split sequence: at least enough for two tasks a thread, then the fewest (up to twice that) whose
+// total divides evenly among the threads, then no more than the keys hold parts of kMinPartTokens.
 inline int64_t parts_for(int64_t tasks, int64_t threads, int64_t keys) {
   int64_t parts = (2 * threads + tasks - 1) / tasks;
   for (int64_t p = parts; p < 2 * parts; ++p)

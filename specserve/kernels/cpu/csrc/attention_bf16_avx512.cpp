@@ -42,6 +42,9 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
+// Steps of fewer sequences split their keys (as the float32 kernel's kSplitBelowSeqsF32)
+constexpr int64_t kSplitBelowSeqsBf16 = 4;
+
 struct Task {
   int64_t seq;       // index into seq_ids
   int64_t h0, h1;    // KV heads [h0, h1)
@@ -63,20 +66,18 @@ void run_bf16(const Args& a, int num_threads) {
   const int64_t block_bytes = BS * row * 2;
   constexpr int kRowTile = HD == 64 ? 6 : (HD == 128 ? 3 : 1);  // PV accumulators: kRowTile * HD / 16
 
-  // Short queries: one task per sequence, taking all KV heads when there are enough sequences to keep the
-  // threads busy (the first head prefetches whole blocks, which the others then find in cache). Long
-  // queries: a task per head and query tile. Tiles ending later read more keys: they go first.
+  // Short queries: one task per sequence, taking all KV heads (whole token rows of K and V, one stream
+  // the trickled prefetch keeps ahead of) when there is a sequence a thread, else a task per head; steps of
+  // fewer sequences than kSplitBelowSeqsBf16 split each one's keys into parts, each part all its heads.
+  // Long queries: a task per head and query tile. Tiles ending later read more keys: they go first.
+  // A task of one head reads a third of each of SmolLM2's token rows at a stride, and parts of one head
+  // streamed at ~10 GB/s: see the float32 kernel's figures (attention_f32_avx2.cpp), and this kernel's at
+  // kSplitBelowSeqsBf16.
   std::vector<Task> tasks;
   std::vector<Merge> merges;
-  const bool all_heads = a.num_seqs >= 4 * num_threads;
-  int64_t whole_tasks = 0;
-  for (int64_t n = 0; n < a.num_seqs; ++n) {
-    const int64_t s = a.seq_ids[n];
-    const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
-    whole_tasks += q_len <= kQueryTile ? (all_heads ? 1 : KVH) : (q_len + kQueryTile - 1) / kQueryTile * KVH;
-  }
-  // which parts a sequence gets depends on the step's tasks, so a batch-invariant step never splits
-  const bool split = !a.invariant && num_threads > 1 && whole_tasks < kSplitBelowTasksPerThread * num_threads;
+  const bool all_heads = a.num_seqs >= num_threads;
+  // which parts a sequence gets depends on the step's sequences, so a batch-invariant step never splits
+  const bool split = !a.invariant && num_threads > 1 && a.num_seqs < kSplitBelowSeqsBf16;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
@@ -85,19 +86,18 @@ void run_bf16(const Args& a, int num_threads) {
       // the parts share the blocks the task reads: from the one holding its first row's window start
       const int64_t len = a.seq_lens[s], b_lo = window_start(a, len - q_len + 1) / BS;
       const int64_t blocks = (len + BS - 1) / BS - b_lo;
-      const int64_t parts = split ? parts_for(whole_tasks, num_threads, len - b_lo * BS) : 1;
-      if (all_heads) tasks.push_back({n, 0, KVH, 0, q_len});
-      else if (parts <= 1)
+      const int64_t parts = split ? parts_for(a.num_seqs, num_threads, len - b_lo * BS) : 1;
+      if (parts > 1) {
+        const int64_t merge = static_cast<int64_t>(merges.size());
+        merges.push_back({static_cast<int64_t>(tasks.size()), parts});
+        for (int64_t c = 0; c < parts; ++c, part_rows += KVH * q_len * group)
+          tasks.push_back({n, 0, KVH, 0, q_len, (b_lo + c * blocks / parts) * BS,
+                           c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows, merge});
+      } else if (all_heads) {
+        tasks.push_back({n, 0, KVH, 0, q_len});
+      } else {
         for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
-      else
-        for (int64_t h = 0; h < KVH; ++h) {
-          const int64_t merge = static_cast<int64_t>(merges.size());
-          merges.push_back({static_cast<int64_t>(tasks.size()), parts});
-          for (int64_t c = 0; c < parts; ++c, part_rows += q_len * group)
-            tasks.push_back({n, h, h + 1, 0, q_len, (b_lo + c * blocks / parts) * BS,
-                             c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows,
-                             merge});
-        }
+      }
       continue;
     }
     for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTile)
@@ -227,7 +227,8 @@ void run_bf16(const Args& a, int num_threads) {
       }
 
       for (int64_t h = task.h0; h < task.h1; ++h) {
-        float* const sh = scores.data() + (h - task.h0) * R * stride;
+        const int64_t hr0 = (h - task.h0) * R;  // the head's first row in the task's (and its part's) rows
+        float* const sh = scores.data() + hr0 * stride;
         // softmax and PV, a tile of rows at a time (their accumulators stay in registers). Tokens go in
         // pairs: the two tokens' V rows interleaved (unpacklo/hi_epi16) against the pair of their bf16
         // weights, one vdpbf16ps per 16 dims and row, where widening V to fp32 for an FMA a token took
@@ -243,7 +244,7 @@ void run_bf16(const Args& a, int num_threads) {
             // a part's row may see none of its keys (a window starting past it): sum 0, weight 0 in the merge
             const int64_t lo = std::min(std::max(window_start(a, limit[r]), z0), n_pad);
             softmax_row(sr, z0, lo, std::max(std::min(limit[r], end), lo), n_pad, a.softcap,
-                        task.part < 0 ? nullptr : parts.data() + (task.part + r) * (HD + 2) + HD);
+                        task.part < 0 ? nullptr : parts.data() + (task.part + hr0 + r) * (HD + 2) + HD);
             uint16_t* pr = pairs.data() + (r - r0) * stride;
             int64_t i = z0;
             for (; i + 32 <= n_pad; i += 32)
@@ -304,7 +305,7 @@ void run_bf16(const Args& a, int num_threads) {
               return tmp[16 * (2 * c + (w >= 4)) + 4 * lane + (w % 4)];
             };
             if (task.part >= 0) {
-              float* dst = parts.data() + (task.part + r) * (HD + 2);
+              float* dst = parts.data() + (task.part + hr0 + r) * (HD + 2);
               for (int d = 0; d < HD; ++d) dst[d] = dim(d);
               continue;
             }
