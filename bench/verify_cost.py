@@ -5,7 +5,7 @@ k drafts make (1 - a^(k+1)) / (1 - a) tokens a step, so a verify that costs 3 de
 proposer at a third of that. Times ModelRunner.run (the engine's forward and logits) for one sequence at a
 context of --context tokens, at each --rows, the median of --repeats; rounds alternate between the engine
 as built and (--int4-rows-beside-copy N) one whose int4 few-row product runs steps of up to N rows beside
-its dense copy, so both see the same load.
+its dense copy, or (--head-rows-beside-copy N) one whose Q8_0 head's does, so both see the same load.
 
     python bench/verify_cost.py [--dtype bfloat16] [--rows 1,2,3,5,9,17,33] [--int4-rows-beside-copy 2]
 """
@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=600)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--int4-rows-beside-copy", type=int, help="also time an engine with this few-row limit")
+    p.add_argument("--head-rows-beside-copy", type=int, help="... or this Q8_0 head's limit")
     args = p.parse_args(argv)
 
     from specserve import LLM
@@ -47,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
         linear.OwnInt4RowsBf16.AMX_BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
         linear.OwnInt4TileRowsBf16.BESIDE_COPY_MAX_ROWS = args.int4_rows_beside_copy
         engines[f"int4 rows <= {args.int4_rows_beside_copy}"] = runner()
+    if args.head_rows_beside_copy is not None:
+        linear.OwnInt8GroupedTileRowsBf16.BESIDE_COPY_MAX_ROWS = args.head_rows_beside_copy
+        linear.OwnInt8GroupedRowsAmx.BESIDE_COPY_MAX_ROWS = args.head_rows_beside_copy
+        engines[f"Q8_0 head rows <= {args.head_rows_beside_copy}"] = runner()
     rows = [int(r) for r in args.rows.split(",")]
     blocks = list(range((args.context + max(rows)) // 8 + 2))
     for r in engines.values():

@@ -343,13 +343,13 @@ def test_bf16_int4_tile_rows_is_the_product_of_the_exact_codes_summed_in_float32
 
 def test_bf16_int4_tile_rows_sums_every_row_as_a_one_row_call(monkeypatch) -> None:
     """What speculation's exactness and batch-invariant plans rely on (linear.OwnInt4TileRowsBf16): a row's
-    result does not depend on the rows beside it, in any call of 1..INT4_TILE_ROWS_BF16_MAX rows."""
+    result does not depend on the rows beside it, in any call of 1..TILE_ROWS_BF16_MAX rows."""
     cpu = _variant(monkeypatch, "native")
     if not cpu.build.quant_bf16_fast():
         pytest.skip("the bf16 int4 tile product needs AVX512-BF16")
     (tiles, scales, offsets), _, _ = _tile_rows(96, 224, 3)
     product = cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales, offsets)
-    most = cpu.matmul.INT4_TILE_ROWS_BF16_MAX
+    most = cpu.matmul.TILE_ROWS_BF16_MAX
     x = torch.randn(most, 224).to(torch.bfloat16)
     alone = torch.cat([product(x[r : r + 1]) for r in range(most)])
     for rows in range(1, most + 1):
@@ -362,7 +362,7 @@ def test_bf16_int4_tile_rows_refuses_what_it_cannot_take(monkeypatch, isa) -> No
     cpu = _variant(monkeypatch, isa)
     (tiles, scales, offsets), _, _ = _tile_rows(32, 64, 0)
     product = cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales, offsets)
-    x = torch.randn(cpu.matmul.INT4_TILE_ROWS_BF16_MAX + 1, 64).to(torch.bfloat16)
+    x = torch.randn(cpu.matmul.TILE_ROWS_BF16_MAX + 1, 64).to(torch.bfloat16)
     if not cpu.build.quant_bf16_fast():  # a build without AVX512-BF16 refuses the call instead of computing
         with pytest.raises(ValueError, match="code 2"):
             product(x[:1])
@@ -376,6 +376,54 @@ def test_bf16_int4_tile_rows_refuses_what_it_cannot_take(monkeypatch, isa) -> No
         cpu.matmul.bind_int4_tile_rows_bf16(tiles, scales.bfloat16(), offsets)
     with pytest.raises(ValueError, match="as int4_tiles gives them"):
         cpu.matmul.bind_int4_tile_rows_bf16(tiles.view(-1), scales, offsets)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 32])
+def test_bf16_q8_0_tile_rows_is_the_product_of_the_exact_codes_summed_in_float32(monkeypatch, rows) -> None:
+    """Few bf16 rows on a Q8_0 matrix in 16-output tiles, float32 out: each code exact in bf16, its products
+    with x exact and summed in float32 a group at a time, the group's scale applied in float32; and every row
+    as a one-row call gives it."""
+    cpu = _variant(monkeypatch, "native")
+    if not cpu.build.quant_bf16_fast():
+        pytest.skip("the bf16 Q8_0 tile product needs AVX512-BF16")
+    for i, (n, k) in enumerate([(16, 32), (48, 64), (960, 576), (48, 224)]):
+        codes, scales = _q8_0(n, k, 10 * rows + i)
+        product = cpu.matmul.bind_int8_grouped_tile_rows_bf16(*cpu.matmul.int8_grouped_tiles(codes, scales))
+        wide = torch.randn(rows, k + 8).to(torch.bfloat16)  # a row stride past the width
+        x = wide[:, :k]
+        got = product(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, n)
+        weights = codes.double() * scales.double().repeat_interleave(quant.GROUP, dim=1)
+        exact = x.double() @ weights.t()
+        terms = x.double().abs() @ weights.abs().t()
+        bound = terms * (k + 2) * torch.finfo(torch.float32).eps
+        assert ((got.double() - exact).abs() <= bound).all(), (n, k)
+        alone = torch.cat([product(x[r : r + 1]) for r in range(rows)])
+        assert torch.equal(got, alone), (n, k)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "generic"])
+def test_bf16_q8_0_tile_rows_refuses_what_it_cannot_take(monkeypatch, isa) -> None:
+    cpu = _variant(monkeypatch, isa)
+    codes, scales = _q8_0(32, 64, 0)
+    tiles, tile_scales = cpu.matmul.int8_grouped_tiles(codes, scales)
+    product = cpu.matmul.bind_int8_grouped_tile_rows_bf16(tiles, tile_scales)
+    x = torch.randn(cpu.matmul.TILE_ROWS_BF16_MAX + 1, 64).to(torch.bfloat16)
+    if not cpu.build.quant_bf16_fast():
+        with pytest.raises(ValueError, match="code 2"):
+            product(x[:1])
+        return
+    assert product(x[:0]).shape == (0, 32)
+    with pytest.raises(ValueError, match="code 1"):
+        product(x)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        product(x[:1].float())
+    with pytest.raises(ValueError, match="float32 scales"):
+        cpu.matmul.bind_int8_grouped_tile_rows_bf16(tiles, tile_scales.bfloat16())
+    with pytest.raises(ValueError, match="as int8_grouped_tiles gives them"):
+        cpu.matmul.bind_int8_grouped_tile_rows_bf16(codes, tile_scales)
+    with pytest.raises(ValueError, match="int8_grouped_tiles takes"):
+        cpu.matmul.int8_grouped_tiles(codes, scales[:, :1])
 
 
 def _grouped_rows_amx(monkeypatch):

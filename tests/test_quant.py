@@ -125,11 +125,12 @@ def test_a_bf16_quantized_model_keeps_the_gguf_q8_0_head_as_its_blocks():
 
 
 def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
-    """bf16 auto on the demo: steps of up to BF16_GROUPED_KERNEL_MAX_ROWS rows read the head's Q8_0 blocks on
-    our float32 kernel (float32 logits of the file's own weights), larger ones the dense bf16 head. Where the
-    library runs the Q8_0 rows product on AMX tiles, up to BF16_GROUPED_AMX_MAX_ROWS rows read the blocks
-    there: one row as the float32 kernel does, more with each weight rounded to bf16 (the dense head's
-    values), float32 logits still."""
+    """bf16 auto on the demo: steps of few rows read the head's Q8_0 blocks (float32 logits of the file's own
+    weights), larger ones the dense bf16 head: on AVX512-BF16 up to BF16_GROUPED_TILE_MAX_ROWS rows on our
+    16-output tiles product, else up to BF16_GROUPED_KERNEL_MAX_ROWS on our float32 kernel. Where the library
+    runs the Q8_0 rows product on AMX tiles, up to BF16_GROUPED_AMX_MAX_ROWS rows read the blocks there: one
+    row as the float32 kernel does, more with each weight rounded to bf16 (the dense head's values), float32
+    logits still."""
     if not quant.kernels_fast(torch.device("cpu"), torch.float32):
         pytest.skip("our float32 kernels are not built here")
     if quant.effective_mode("auto", torch.device("cpu"), torch.bfloat16) == "none":
@@ -138,9 +139,14 @@ def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
     llm = LLM(None, dtype="bfloat16", quantization="auto", num_kv_blocks=32, batch_invariant=False)
     model = llm.engine.model
     head = model.lm_head
-    amx = cpu_build.int8_grouped_rows_amx()
-    most = quant.BF16_GROUPED_AMX_MAX_ROWS if amx else quant.BF16_GROUPED_KERNEL_MAX_ROWS
-    assert isinstance(head, quant.PackedInt8) and (head.grouped_rows_amx if amx else head.float32_rows)
+    amx, tiles = cpu_build.int8_grouped_rows_amx(), cpu_build.quant_bf16_fast()
+    if amx:
+        most, form = quant.BF16_GROUPED_AMX_MAX_ROWS, head.grouped_rows_amx
+    elif tiles:
+        most, form = quant.BF16_GROUPED_TILE_MAX_ROWS, head.grouped_tile_rows
+    else:
+        most, form = quant.BF16_GROUPED_KERNEL_MAX_ROWS, head.float32_rows
+    assert isinstance(head, quant.PackedInt8) and form
     assert head.kernel_max_rows == most
     assert head.library_products()[0] == (most, None)  # not a bf16 product
     dense = load_checkpoint(demo_model_path(), torch.float32, "none").state_dict
@@ -155,6 +161,8 @@ def test_a_bf16_quantized_model_reads_few_row_logits_from_the_q8_0_blocks():
         else:
             want = F.linear(x.float(), weights)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        if tiles and not amx:  # each row as a one-row step gives it
+            assert torch.equal(got[-1:], model.linear(x[-1:], head))
     x = torch.randn(most + 1, weights.shape[1]).to(torch.bfloat16)
     assert model.linear(x, head).dtype == torch.bfloat16  # the dense head's panels
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -347,7 +355,7 @@ def test_bf16_int4_runs_many_rows_on_our_kernel_with_the_dense_forms_values():
         few = matmul.INT4_ROWS_BF16_MAX
         assert layer.o.own_rows_bf16
     else:
-        few = matmul.INT4_TILE_ROWS_BF16_MAX
+        few = matmul.TILE_ROWS_BF16_MAX
         assert layer.o.own_tile_rows_bf16 and not hasattr(layer.o, "nibbles")
         assert layer.o._product._weights[0] is layer.o.tiles  # one copy of the codes for both kernels
     assert layer.o.kernel_max_rows == few and not hasattr(layer.o, "packed")
@@ -438,7 +446,8 @@ def test_a_bf16_q8_0_head_runs_verify_steps_on_amx_tiles_where_the_library_has_t
     product on AMX tiles, steps of up to a 16-draft verify step's 17 rows (a 5-row step among them) on it
     and the copy past them; without, the float32 product's 3 rows. Batch-invariant plans keep the float32
     product (its 8 rows a pass sum each row as one-row calls do; the tiles sum in another order), as do
-    float32 models, and a head whose outputs are not whole tiles of 16."""
+    float32 models, and a head whose outputs are not whole tiles of 16. Without AMX, AVX512-BF16's 16-output
+    tiles product takes up to 8 rows beside the copy, and batch-invariant plans' passes of 32 rows."""
     isa = linear.Isa(
         cpu=True, library=True, avx2_fma=True, avx512_bf16=True, amx=amx, onednn_bf16=True,
         int4_rows_amx=amx, int8_grouped_rows_amx=amx,
@@ -451,13 +460,12 @@ def test_a_bf16_q8_0_head_runs_verify_steps_on_amx_tiles_where_the_library_has_t
         assert linear.choose(head, 5, torch.bfloat16, isa) is linear.OWN_INT8_GROUPED_ROWS_AMX
         assert linear.choose(head, 18, torch.bfloat16, isa) is linear.DENSE_COPY
     else:
-        assert few is linear.OWN_INT8_F32_ON_BF16 and most == 3
+        assert few is linear.OWN_INT8_GROUPED_TILE_ROWS_BF16 and most == 8
     invariant = linear.Isa(**{**isa.__dict__, "batch_invariant": True})
-    assert linear.plan(head, torch.bfloat16, invariant) == (
-        linear.OWN_INT8_F32_ON_BF16,
-        8,
-        linear.OWN_INT8_F32_ON_BF16,
-    )
+    passes = (linear.OWN_INT8_F32_ON_BF16, 8) if amx else (linear.OWN_INT8_GROUPED_TILE_ROWS_BF16, 32)
+    assert linear.plan(head, torch.bfloat16, invariant) == (*passes, passes[0])
+    without_bf16 = linear.Isa(**{**isa.__dict__, "avx512_bf16": False, "int8_grouped_rows_amx": False})
+    assert linear.plan(head, torch.bfloat16, without_bf16)[:2] == (linear.OWN_INT8_F32_ON_BF16, 3)
     assert linear.choose(head, 5, torch.float32, isa) is linear.OWN_INT8_F32
     ragged = linear.Matrix(linear.INT8_GROUPED, (49160, 576), dense_copy=True)
     assert linear.choose(ragged, 5, torch.bfloat16, isa) is not linear.OWN_INT8_GROUPED_ROWS_AMX

@@ -241,6 +241,33 @@ class OwnInt8GroupedRowsAmx(Form):
         return cpu.matmul.INT8_GROUPED_ROWS_BF16_BELOW_AMX
 
 
+class OwnInt8GroupedTileRowsBf16(Form):
+    """A bf16 model's Q8_0 head on our AVX512-BF16 product of bf16 rows on 16-output tiles
+    (cpu.matmul.bind_int8_grouped_tile_rows_bf16), float32 logits out, on CPUs without its AMX form: the
+    head's own values (codes exact in bf16 products), every row summed as a one-row call sums it."""
+
+    name = "ours Q8_0 tile rows bf16"
+    kinds = (INT8_GROUPED,)
+    kernel = True
+    # beside the dense bf16 head up to 8 rows: past them level or behind it, a step of 9 / 12 / 17 rows 19.0 /
+    # 23.0 / 25.3 ms on the tiles against 17.7 / 22.6 / 23.8 (`python bench/verify_cost.py --dtype bfloat16
+    # --head-rows-beside-copy 16`, the whole step, 2-core Zen 4)
+    BESIDE_COPY_MAX_ROWS = 8
+
+    def refuse(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> str | None:
+        if isa.int8_grouped_rows_amx:
+            return "AMX tiles run the Q8_0 rows"
+        if m.out % cpu.matmul.INT8_TILE or m.inner % cpu.matmul.INT4_GROUP:
+            return f"outputs not in tiles of {cpu.matmul.INT8_TILE} or inputs not in groups"
+        return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
+
+    def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.TILE_ROWS_BF16_MAX
+
+    def invariant_rows(self, m: Matrix, isa: Isa) -> float:
+        return cpu.matmul.TILE_ROWS_BF16_MAX
+
+
 class OwnInt8F32OnBf16(Form):
     """A bf16 model's Q8_0 head on our float32 int8 product, the rows widened to float32 and float32 logits
     out: the head's own values, which the dense bf16 head rounds."""
@@ -296,10 +323,10 @@ class OwnInt4TileRowsBf16(Form):
         return _needs(dtype, torch.bfloat16, isa, "avx512_bf16")
 
     def max_rows(self, m: Matrix, dtype: torch.dtype, isa: Isa) -> float:
-        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.INT4_TILE_ROWS_BF16_MAX
+        return self.BESIDE_COPY_MAX_ROWS if m.dense_copy else cpu.matmul.TILE_ROWS_BF16_MAX
 
     def invariant_rows(self, m: Matrix, isa: Isa) -> float:
-        return cpu.matmul.INT4_TILE_ROWS_BF16_MAX
+        return cpu.matmul.TILE_ROWS_BF16_MAX
 
 
 class OwnInt4RowsBf16(Form):
@@ -500,6 +527,7 @@ def _own_panels(m: Matrix) -> bool:
 OWN_INT8_BF16 = OwnInt8Bf16()
 OWN_INT8_F32 = OwnInt8F32()
 OWN_INT8_GROUPED_ROWS_AMX = OwnInt8GroupedRowsAmx()
+OWN_INT8_GROUPED_TILE_ROWS_BF16 = OwnInt8GroupedTileRowsBf16()
 OWN_INT8_F32_ON_BF16 = OwnInt8F32OnBf16()
 TORCH_INT8 = TorchInt8()
 OWN_INT4_TILE_ROWS_BF16 = OwnInt4TileRowsBf16()
@@ -521,6 +549,7 @@ FORMS: tuple[Form, ...] = (
     OWN_INT8_BF16,
     OWN_INT8_F32,
     OWN_INT8_GROUPED_ROWS_AMX,
+    OWN_INT8_GROUPED_TILE_ROWS_BF16,
     OWN_INT8_F32_ON_BF16,
     TORCH_INT8,
     OWN_INT4_TILE_ROWS_BF16,

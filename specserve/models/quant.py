@@ -219,6 +219,7 @@ GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32.GROUPED_MAX_ROWS
 BF16_INT4_KERNEL_MAX_ROWS = linear.TorchInt4.BESIDE_COPY_MAX_ROWS
 BF16_GROUPED_KERNEL_MAX_ROWS = linear.OwnInt8F32OnBf16.MAX_ROWS
 BF16_GROUPED_AMX_MAX_ROWS = linear.OwnInt8GroupedRowsAmx.BESIDE_COPY_MAX_ROWS
+BF16_GROUPED_TILE_MAX_ROWS = linear.OwnInt8GroupedTileRowsBf16.BESIDE_COPY_MAX_ROWS
 
 
 DenseMatmul = Callable[[torch.Tensor], torch.Tensor]
@@ -370,8 +371,11 @@ class PackedInt8(_Packed):
         self.float32_rows = self.few is linear.OWN_INT8_F32_ON_BF16
         # ... or our product of bf16 rows (AMX tiles from 3 rows), float32 logits out likewise
         self.grouped_rows_amx = self.few is linear.OWN_INT8_GROUPED_ROWS_AMX
+        # ... or our AVX512-BF16 product of bf16 rows on 16-output tiles, float32 logits out likewise
+        self.grouped_tile_rows = self.few is linear.OWN_INT8_GROUPED_TILE_ROWS_BF16
         self.own_widening = self.many is linear.LIBRARY_WIDEN
-        kept = torch.float32 if self.float32_rows or self.grouped_rows_amx else dtype
+        float32_scales = self.float32_rows or self.grouped_rows_amx or self.grouped_tile_rows
+        kept = torch.float32 if float32_scales else dtype
         self.scales = w.scales.to(device=device, dtype=kept).contiguous()
         if self.own_bf16:
             self.tiles = cpu.matmul.int8_tiles(w.codes.to(device))
@@ -385,13 +389,16 @@ class PackedInt8(_Packed):
                 self._float32_product = cpu.matmul.bind_int8(self.codes, self.scales)
             elif self.grouped_rows_amx:  # float32 out: not a layer chain's product either
                 self._float32_product = cpu.matmul.bind_int8_grouped_rows_bf16(self.codes, self.scales)
+            elif self.grouped_tile_rows:
+                tiles = cpu.matmul.int8_grouped_tiles(self.codes, self.scales)
+                self._float32_product = cpu.matmul.bind_int8_grouped_tile_rows_bf16(*tiles)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_bf16 or self.own:
             return self._product(x)
         if self.float32_rows:
             return self._float32_product(x.float())
-        if self.grouped_rows_amx:
+        if self.grouped_rows_amx or self.grouped_tile_rows:
             return self._float32_product(x)
         return torch._weight_int8pack_mm(x, self.codes, self.scales)
 

@@ -76,6 +76,7 @@ _SIGNATURES = {
     "specserve_int4_widen": "p p p i i p c",
     "specserve_int4_rows_bf16": "p i i p p p i i p i c",
     "specserve_int4_tile_rows_bf16": "p i i p p p i i p i c",
+    "specserve_int8_grouped_tile_rows_bf16": "p i i p p i i p i c",
     "specserve_int8_grouped_rows_bf16": "p i i p p i i p i c",
     "specserve_bf16_matmul": "p i i p i i p i c",
     "specserve_f32_matmul": "p i i p i i p i c",

@@ -253,11 +253,11 @@ def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: tor
 
 
 # The most rows int4_tile_rows_bf16 takes (csrc/matmul.cpp's kInt4TileRowsMax)
-INT4_TILE_ROWS_BF16_MAX = 32
+TILE_ROWS_BF16_MAX = 32
 
 
 def bind_int4_tile_rows_bf16(tiles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> Product:
-    """x [rows, k] bfloat16 (1..INT4_TILE_ROWS_BF16_MAX rows) times w^T -> [rows, n] bfloat16, w = code *
+    """x [rows, k] bfloat16 (1..TILE_ROWS_BF16_MAX rows) times w^T -> [rows, n] bfloat16, w = code *
     scale + offset per group of 32 inputs, the codes in int4_tiles' layout and the offsets in its scales' (its
     zeros' place): codes exact in bf16 products on vdpbf16ps, the 16 lanes 16 outputs, sums in float32,
     rounded once; each row summed alike whatever the rows beside it. Needs build.quant_bf16_fast()."""
@@ -269,6 +269,30 @@ def bind_int4_tile_rows_bf16(tiles: torch.Tensor, scales: torch.Tensor, offsets:
         if t.dtype != torch.float32 or t.shape != shape or not t.is_contiguous():
             raise ValueError(f"int4_tile_rows_bf16: float32 scales and offsets {list(shape)} (int4_tiles)")
     return Product("int4_tile_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, tiles, scales, offsets)
+
+
+def int8_grouped_tiles(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 matrix (int8 codes [n, k], float32 scales [n, k // 32], n a multiple of 16) -> the layout
+    int8_grouped_tile_rows_bf16 reads: the codes as int8_tiles gives them, the scales [n // 16, k // 32,
+    16]."""
+    n, k = codes.shape
+    if scales.shape != (n, k // INT4_GROUP) or k % INT4_GROUP:
+        raise ValueError(f"int8_grouped_tiles takes codes [n, k] and scales [n, k // {INT4_GROUP}]")
+    tiles = int8_tiles(codes)
+    return tiles, scales.float().view(n // INT8_TILE, INT8_TILE, -1).permute(0, 2, 1).contiguous()
+
+
+def bind_int8_grouped_tile_rows_bf16(tiles: torch.Tensor, scales: torch.Tensor) -> Product:
+    """A Q8_0 matrix in int8_grouped_tiles' layout times x [rows, k] bfloat16 (1..TILE_ROWS_BF16_MAX
+    rows) -> [rows, n] float32: codes exact in bf16 products on vdpbf16ps, the 16 lanes 16 outputs, sums and
+    scales in float32; each row summed alike whatever the rows beside it. Needs build.quant_bf16_fast()."""
+    if tiles.dtype != torch.int8 or tiles.dim() != 4 or not tiles.is_contiguous():
+        raise ValueError("int8_grouped_tile_rows_bf16 takes the codes as int8_grouped_tiles gives them")
+    n, k = tiles.shape[0] * INT8_TILE, tiles.shape[1] * 2
+    shape = (tiles.shape[0], k // INT4_GROUP, INT8_TILE)
+    if scales.dtype != torch.float32 or scales.shape != shape or not scales.is_contiguous():
+        raise ValueError(f"int8_grouped_tile_rows_bf16: float32 scales {list(shape)} (int8_grouped_tiles)")
+    return Product("int8_grouped_tile_rows_bf16", torch.bfloat16, torch.float32, n, k, tiles, scales)
 
 
 # The most rows int8_grouped_rows_bf16 takes (csrc/matmul.cpp's kInt8GroupedRowsMax), and the most a call

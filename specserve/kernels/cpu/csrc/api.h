@@ -90,6 +90,9 @@ int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const 
 int specserve_int4_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                   const float* scales, const float* offsets, int64_t n, int64_t k, uint16_t* out,
                                   int64_t os, int num_threads);
+int specserve_int8_grouped_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* tiles,
+                                          const float* scales, int64_t n, int64_t k, float* out, int64_t os,
+                                          int num_threads);
 int specserve_int8_grouped_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const int8_t* codes,
                                      const float* scales, int64_t n, int64_t k, float* out, int64_t os,
                                      int num_threads);

@@ -17,8 +17,8 @@ constexpr int64_t kInt4RowsMax = 64;
 constexpr int64_t kInt4AmxFromRows = 2;
 constexpr int64_t kInt4AmxPassRows = 32;
 
-// specserve_int4_tile_rows_bf16's most rows: past them a step's widened panels (or a dense copy) read the
-// weights once for many rows
+// specserve_int4_tile_rows_bf16's and specserve_int8_grouped_tile_rows_bf16's most rows: past them a
+// step's widened panels (or a dense copy) read the weights once for many rows
 constexpr int64_t kInt4TileRowsMax = 32;
 
 // specserve_int8_grouped_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest on AMX tiles: below
@@ -148,16 +148,34 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 // x [rows, k] bf16 (row stride xs), 1..kInt4TileRowsMax rows, times the int4 matrix in int4_tiles' layout
 // with offsets in place of zeros (w = code * scale + offset) -> out [rows, n] bf16 (row stride os): codes
 // exact in bf16 products on vdpbf16ps, sums in float32, rounded once, each row summed alike for any rows
-// (q4_bf16_tile_rows). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
+// (tile_rows). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
 extern "C" int specserve_int4_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                              const float* scales, const float* offsets, int64_t n, int64_t k,
                                              uint16_t* out, int64_t os, int num_threads) {
   if (rows < 1 || rows > kInt4TileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
 #ifdef SPECSERVE_QUANT_BF16_PATH
-  q4_bf16_tile_rows(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
+  tile_rows<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
   return kOk;
 #else
   (void)x, (void)xs, (void)tiles, (void)scales, (void)offsets, (void)out, (void)os, (void)num_threads;
+  return kNotInBuild;
+#endif
+}
+
+// x [rows, k] bf16 (row stride xs), 1..kInt4TileRowsMax rows, times a Q8_0 matrix in int8_tiles' layout with
+// its scales [n / 16, k / 32, 16] float32 -> out [rows, n] float32 (row stride os): codes exact in bf16
+// products on vdpbf16ps, sums and scales in float32, each row summed alike for any rows (tile_rows): a
+// bf16 model's head at decode and verify steps. Returns 2 where the build has no AVX512-BF16.
+extern "C" int specserve_int8_grouped_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows,
+                                                     const int8_t* tiles, const float* scales, int64_t n,
+                                                     int64_t k, float* out, int64_t os, int num_threads) {
+  if (rows < 1 || rows > kInt4TileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
+#ifdef SPECSERVE_QUANT_BF16_PATH
+  tile_rows<false>(x, xs, rows, reinterpret_cast<const uint8_t*>(tiles), scales, nullptr, n, k, out, os,
+                   num_threads);
+  return kOk;
+#else
+  (void)x, (void)xs, (void)tiles, (void)scales, (void)out, (void)os, (void)num_threads;
   return kNotInBuild;
 #endif
 }

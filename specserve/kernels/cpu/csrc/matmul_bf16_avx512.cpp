@@ -264,68 +264,84 @@ void q4_bf16_rows(const uint16_t* xi, int64_t xis, const uint8_t* packed, const 
   }
 }
 
-// int4 in int4_tiles' layout (codes [n / 16, k / 2, 16], scales and offsets [n / 16, k / 32, 16] float32,
-// w = code * scale + offset) for few bf16 rows, on vdpbf16ps with the 16 lanes 16 outputs: a tile's input
-// pair is 16 bytes, each widened to the exact bf16 of its two codes by one table lookup (vpermw), and one
-// vdpbf16ps takes it against a row's broadcast input pair. A row's sums never cross lanes, so there is no
-// per-output reduction (q4_bf16_row pays two every output and row), and the codes are widened once a pass of
-// up to kQ4TileRows rows. Each row sums its groups alike whatever the rows of the call: a group's pairs in
-// four chains (p % 4), added (0 + 1) + (2 + 3), then acc += scale * D and acc += offset * xsum, so a verify
-// step's rows come out as the decode steps of those tokens would have them.
-constexpr int kQ4TileRows = 8;
-constexpr int kQ4Chains = 2;
+// Few bf16 rows on 16-output tiles, on vdpbf16ps with the 16 lanes 16 outputs: int4 in int4_tiles' layout
+// (codes [n / 16, k / 2, 16], scales and offsets [n / 16, k / 32, 16] float32, w = code * scale + offset,
+// bf16 out), or a Q8_0 matrix in int8_tiles' layout (codes [n / 16, k / 2, 16, 2], scales [n / 16, k / 32,
+// 16] float32, w = code * scale, float32 out: a bf16 model's head). A tile's input pair is one vdpbf16ps
+// operand, its codes widened to their exact bf16 values (int4: one table lookup, vpermw; int8: by float32),
+// against a row's broadcast input pair. A row's sums never cross lanes, so there is no per-output reduction
+// (q4_bf16_row pays two every output and row), and the codes are widened once a pass of up to kTileRows
+// rows. Each row sums its groups alike whatever the rows of the call: a group's pairs in kTileChains chains
+// (p % kTileChains) added in order, then acc += scale * D (and int4's acc += offset * xsum), so a verify
+// step's rows come out as the decode steps of those tokens would have them. Eight rows a pass in two chains
+// against four in four: SmolLM2's int4 layers (30, random codes from memory, both alternated in one process,
+// 2-core Zen 4) level at 1-2 rows, 5 / 8 / 16 rows 4.8 / 6.6 / 11.5 ms against 6.5 / 8.1 / 14.7.
+constexpr int kTileRows = 8, kTileChains = 2;
 
-template <int R>
-inline void q4_tile_pass(const uint16_t* x, int64_t xs, const float* xsum, int64_t groups, const uint8_t* codes,
-                         const float* scales, const float* offsets, uint16_t* out, int64_t os, __m512i table) {
+template <int R, bool Int4, typename Out>
+inline void tile_pass(const uint16_t* x, int64_t xs, const float* xsum, int64_t groups, const uint8_t* codes,
+                      const float* scales, const float* offsets, Out* out, int64_t os, __m512i table) {
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 d[R][kQ4Chains];
+    __m512 d[R][kTileChains];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kQ4Chains; ++c) d[r][c] = _mm512_setzero_ps();
-    const uint8_t* cg = codes + g * 16 * 16;
+      for (int c = 0; c < kTileChains; ++c) d[r][c] = _mm512_setzero_ps();
 #pragma GCC unroll 16
     for (int p = 0; p < 16; ++p) {
-      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(cg + p * 16)));
-      // (b | b << 12) & 0x000F000F: the first code in the low word, the second in the high one
-      const __m512i at = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
-      const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(at, table);
+      __m512bh w;
+      if constexpr (Int4) {
+        const uint8_t* at = codes + (g * 16 + p) * 16;
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+        // (b | b << 12) & 0x000F000F: the first code in the low word, the second in the high one
+        const __m512i index = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), nibbles, 0xA8);
+        w = (__m512bh)_mm512_permutexvar_epi16(index, table);
+      } else {
+        w = (__m512bh)widen_codes_bf16(reinterpret_cast<const int8_t*>(codes) + (g * 16 + p) * 32);
+      }
       for (int r = 0; r < R; ++r) {
         int32_t xp;
         std::memcpy(&xp, x + r * xs + g * 32 + 2 * p, 4);
-        d[r][p % kQ4Chains] = _mm512_dpbf16_ps(d[r][p % kQ4Chains], w, (__m512bh)_mm512_set1_epi32(xp));
+        d[r][p % kTileChains] = _mm512_dpbf16_ps(d[r][p % kTileChains], w, (__m512bh)_mm512_set1_epi32(xp));
       }
     }
-    const __m512 s = _mm512_loadu_ps(scales + g * 16), o = _mm512_loadu_ps(offsets + g * 16);
+    const __m512 s = _mm512_loadu_ps(scales + g * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512 dot = _mm512_add_ps(d[r][0], d[r][1]);
+      __m512 dot = d[r][0];
+      for (int c = 1; c < kTileChains; ++c) dot = _mm512_add_ps(dot, d[r][c]);
       acc[r] = _mm512_fmadd_ps(s, dot, acc[r]);
-      acc[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
+      if constexpr (Int4)
+        acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(offsets + g * 16), _mm512_set1_ps(xsum[r * groups + g]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * os), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  for (int r = 0; r < R; ++r) {
+    if constexpr (std::is_same_v<Out, float>)
+      _mm512_storeu_ps(out + r * os, acc[r]);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * os), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+  }
 }
 
-void q4_bf16_tile_rows(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
-                       const float* offsets, int64_t n, int64_t k, uint16_t* out, int64_t os, int num_threads) {
+template <bool Int4, typename Out>
+void tile_rows(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles, const float* scales,
+               const float* offsets, int64_t n, int64_t k, Out* out, int64_t os, int num_threads) {
   const int64_t groups = k / 32, num_tiles = n / 16;
-  const std::vector<float> xsum = group_sums(x, xs, rows, k);
+  const std::vector<float> xsum = Int4 ? group_sums(x, xs, rows, k) : std::vector<float>();
   alignas(64) uint16_t words[32];
   for (int i = 0; i < 32; ++i) store(words, i, static_cast<float>(i % 16));  // bf16 of 0..15, twice
   const __m512i table = _mm512_load_si512(words);
+  const int64_t tile_bytes = groups * 16 * (Int4 ? 16 : 32);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (n * k >= (int64_t{1} << 16))
   for (int64_t t = 0; t < num_tiles; ++t) {
-    const uint8_t* codes = tiles + t * groups * 256;
+    const uint8_t* codes = tiles + t * tile_bytes;
     const float* s = scales + t * groups * 16;
-    const float* o = offsets + t * groups * 16;
-    for (int64_t r0 = 0; r0 < rows; r0 += kQ4TileRows) {
-      const int64_t nr = std::min<int64_t>(kQ4TileRows, rows - r0);
-      with_rows<kQ4TileRows>(nr, [&](auto r) {
-        q4_tile_pass<decltype(r)::value>(x + r0 * xs, xs, xsum.data() + r0 * groups, groups, codes, s, o,
-                                         out + r0 * os + t * 16, os, table);
+    const float* o = Int4 ? offsets + t * groups * 16 : nullptr;
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int64_t nr = std::min<int64_t>(kTileRows, rows - r0);
+      with_rows<kTileRows>(nr, [&](auto r) {
+        tile_pass<decltype(r)::value, Int4>(x + r0 * xs, xs, Int4 ? xsum.data() + r0 * groups : nullptr, groups,
+                                            codes, s, o, out + r0 * os + t * 16, os, table);
       });
     }
   }
