@@ -42,11 +42,12 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Steps of fewer sequences split their keys (as the float32 kernel's kSplitBelowSeqsF32). Tasks and parts
-// of all heads against tasks and parts of one head, SmolLM2's 30 layers (`python bench/kernel_ab.py --case
-// attention --dtype bfloat16 --order shuffled`, 2-core Zen 4): batch 1 x 800 tokens 1.94 ms against 2.62,
-// 1 x 2,000 3.33 against 5.52, batch 2 / 3 / 5 x 800 2.51 / 5.31 / 6.78 against 4.23 / 8.08 / 12.78, a
-// verify of 5 at 1 x 600 3.17 against 3.49; 64 x 400 level.
+// Steps of fewer sequences split their keys (as the float32 kernel's kSplitBelowSeqsF32). Tasks of all heads
+// and parts fixed by position against tasks and equal parts of one head, SmolLM2's 30 layers (`python
+// bench/kernel_ab.py --case attention --dtype bfloat16 --order shuffled`, 2-core Zen 4): batch 1 x 800
+// tokens 2.69 ms against 3.10, 1 x 2,000 3.53 against 5.58, batch 2 / 5 x 800 3.55 / 6.01 against 4.54 /
+// 11.25; a verify of 5 at 1 x 600 and 64 x 400 level. Equal parts of all heads ran batch 1 10-15 % faster
+// than the parts fixed by position, but a verify step's row then summed otherwise than its decode step.
 constexpr int64_t kSplitBelowSeqsBf16 = 4;
 
 struct Task {
@@ -80,23 +81,35 @@ void run_bf16(const Args& a, int num_threads) {
   std::vector<Task> tasks;
   std::vector<Merge> merges;
   const bool all_heads = a.num_seqs >= num_threads;
-  // which parts a sequence gets depends on the step's sequences, so a batch-invariant step never splits
-  const bool split = !a.invariant && num_threads > 1 && a.num_seqs < kSplitBelowSeqsBf16;
+  // which parts a sequence gets depends on the step's sequences, so a batch-invariant step never splits; not
+  // on the team of threads (the engine's adaptive team changes size now and then), as the float32 kernel's
+  const bool split = !a.invariant && a.num_seqs < kSplitBelowSeqsBf16;
   int64_t part_rows = 0;  // rows in the parts' buffer so far
+  std::vector<int64_t> starts;
   for (int64_t n = 0; n < a.num_seqs; ++n) {
     const int64_t s = a.seq_ids[n];
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kQueryTile) {
-      // the parts share the blocks the task reads: from the one holding its first row's window start
+      // Without a window, parts fixed by position (part_starts), so that a verify step's row sums as the
+      // decode step of its token would; with one, equal parts of the blocks the window leaves (from the one
+      // holding its first row's window start)
       const int64_t len = a.seq_lens[s], b_lo = window_start(a, len - q_len + 1) / BS;
-      const int64_t blocks = (len + BS - 1) / BS - b_lo;
-      const int64_t parts = split ? parts_for(a.num_seqs, num_threads, len - b_lo * BS) : 1;
+      if (split && a.window == 0) {
+        part_starts(len, BS, starts);
+      } else {
+        starts.clear();
+        const int64_t blocks = (len + BS - 1) / BS - b_lo;
+        const int64_t parts = split ? parts_for(a.num_seqs, num_threads, len - b_lo * BS) : 1;
+        for (int64_t c = 0; c < parts; ++c) starts.push_back((b_lo + c * blocks / parts) * BS);
+      }
+      const int64_t parts = static_cast<int64_t>(starts.size());
       if (parts > 1) {
         const int64_t merge = static_cast<int64_t>(merges.size());
         merges.push_back({static_cast<int64_t>(tasks.size()), parts});
-        for (int64_t c = 0; c < parts; ++c, part_rows += KVH * q_len * group)
-          tasks.push_back({n, 0, KVH, 0, q_len, (b_lo + c * blocks / parts) * BS,
-                           c + 1 < parts ? (b_lo + (c + 1) * blocks / parts) * BS : INT64_MAX, part_rows, merge});
+        // the latest (the largest) first, so that the threads end together; merged in this order too
+        for (int64_t c = parts - 1; c >= 0; --c, part_rows += KVH * q_len * group)
+          tasks.push_back({n, 0, KVH, 0, q_len, starts[c], c + 1 < parts ? starts[c + 1] : INT64_MAX, part_rows,
+                           merge});
       } else if (all_heads) {
         tasks.push_back({n, 0, KVH, 0, q_len});
       } else {

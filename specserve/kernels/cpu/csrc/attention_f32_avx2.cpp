@@ -12,12 +12,11 @@ namespace {
 // + 4 for V). Long queries are cut into tiles of kQueryTileF32 tokens, each its own task.
 constexpr int64_t kQueryTileF32 = 16;
 // Queries of up to this many tokens (decode, and verify steps of up to 31 drafts) run as short ones: a task
-// of all their rows, keys split in parts at batch 1 (kPartTokensF32), scores by qk_direct_f32.
+// of all their rows, keys split in parts at batch 1 (part_starts), scores by qk_direct_f32.
 constexpr int64_t kShortQueryF32 = 32;
 constexpr int64_t kPrefetchAheadF32 = 4;
-// A split sequence's keys in parts fixed by position alone: octaves [0, 64), [64, 128), [128, 256), ...
-// (each twice the last), each cut into kPiecesF32 parts of whole blocks, none under kPartTokensF32
-// positions. Whether a step splits, and a row's parts, and so its sums, depend on the step's sequence count
+// A split sequence's keys in parts fixed by position alone (part_starts: octaves of whole blocks). Whether a
+// step splits, and a row's parts, and so its sums, depend on the step's sequence count
 // and the row's own position, not on the step's length or its team of threads (the engine's adaptive team
 // changes size now and then; its scores come from qk_direct_f32 at every query length up to
 // kShortQueryF32). A verify step's row then comes out bit for bit as the decode step of that token would
@@ -27,20 +26,8 @@ constexpr int64_t kPrefetchAheadF32 = 4;
 // long contexts (each part starts its prefetch cold): fixed parts of 64 positions took 13.9 ms against 12.1
 // for 30 layers of batch-1 decode at 4,000 tokens, octaves 11.0 against 11.4 (`python bench/kernel_ab.py
 // --case attention --batch 1 --context 4000`, 2-core AVX2 EPYC).
-constexpr int64_t kPartTokensF32 = 64, kPiecesF32 = 2;
 // Steps of fewer sequences split their keys (two a thread of a 2-core team, as the bf16 kernel's rule)
 constexpr int64_t kSplitBelowSeqsF32 = 4;
-
-// The parts' first positions for a sequence of len positions, in order (the last part runs to its end).
-inline void part_starts(int64_t len, int64_t BS, std::vector<int64_t>& starts) {
-  starts.clear();
-  const int64_t base = (kPartTokensF32 + BS - 1) / BS * BS;
-  for (int64_t lo = 0, hi = base; lo < len; lo = hi, hi *= 2) {
-    const int64_t size = hi - lo, pieces = std::max<int64_t>(1, std::min(kPiecesF32, size / base));
-    const int64_t step = (size / pieces + BS - 1) / BS * BS;
-    for (int64_t at = lo; at < hi && at < len; at += step) starts.push_back(at);
-  }
-}
 
 // The caches' elements widened to float32: float32 as they are, bfloat16 (kDtypeF32Bf16Kv) by a shift.
 inline __m128 cache4(const float* p) { return _mm_loadu_ps(p); }
@@ -268,7 +255,7 @@ void run_f32(const Args& a, int num_threads) {
       const int64_t len = a.seq_lens[s];
       const int32_t* table = a.block_tables + s * a.table_stride;
       const int64_t R = (task.i1 - task.i0) * group;  // row (i - i0) * group + g: query token i, head g
-      // decode and verify rows: every row's scores in one form, whatever the row count (kPartTokensF32)
+      // decode and verify rows: every row's scores in one form, whatever the row count (part_starts)
       const bool short_rows = !a.invariant && q_len <= kShortQueryF32;
       const int64_t H = task.h1 - task.h0;  // a head's rows are [hh * R, hh * R + R): hh = h - h0
       // the last row sees positions before len - q_len + i1; a part, those before its p1 too
