@@ -32,10 +32,9 @@ def test_bf16_speculation_a_request_at_a_time_gives_the_tokens_of_decoding(metho
     _bf16_tiles()
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, logprobs=0)
     spec = {"method": method, "num_speculative_tokens": DRAFTS}
-    plain = LLM(None, dtype="bfloat16", quantization="auto", max_num_seqs=1, num_kv_blocks=128)
-    drafted = LLM(
-        None, dtype="bfloat16", quantization="auto", max_num_seqs=1, num_kv_blocks=128, speculative_config=spec
-    )
+    engine = {"dtype": "bfloat16", "quantization": "auto", "max_num_seqs": 1, "num_kv_blocks": 128}
+    plain = LLM(None, **engine)
+    drafted = LLM(None, **engine, speculative_config=spec)
     # contexts across several of the split's octaves (64, 128, 256, 512 positions)
     prompts = [plain.tokenizer.encode(text * 30)[: 150 + 150 * i] for i, text in enumerate(TEXTS)]
 
