@@ -2,7 +2,8 @@
 greedy speculation a request at a time gives the tokens and logprobs decoding without it gives. Every part of
 such a step sums a row as a one-row step does: the int4 layers and the Q8_0 head on 16-output tiles
 (linear.OwnInt4TileRowsBf16, OwnInt8GroupedTileRowsBf16), attention's split parts fixed by position
-(attention.h: part_starts) and chosen by the step's sequences, not its team of threads."""
+(attention.h: part_starts) and chosen by the step's sequences, not its team of threads. Layers with a
+sliding window (Gemma 3) split by the window instead and are not held to it."""
 
 from __future__ import annotations
 
