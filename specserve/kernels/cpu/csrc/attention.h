@@ -199,6 +199,26 @@ struct Merge {
   int64_t first, count;
 };
 
+// A short query's tasks (TaskT: either kernel's, fields {seq, h0, h1, i0, i1, p0, p1, part, merge}): a part
+// a task of all heads where starts holds more than one (the latest, the largest, first, so that the threads
+// end together; merged in this order too), else one task of all heads, else a task a head.
+template <typename TaskT>
+inline void short_query_tasks(int64_t n, int64_t q_len, int64_t heads, int64_t group, bool all_heads,
+                              const std::vector<int64_t>& starts, std::vector<TaskT>& tasks,
+                              std::vector<Merge>& merges, int64_t& part_rows) {
+  const int64_t parts = static_cast<int64_t>(starts.size());
+  if (parts > 1) {
+    const int64_t merge = static_cast<int64_t>(merges.size());
+    merges.push_back({static_cast<int64_t>(tasks.size()), parts});
+    for (int64_t c = parts - 1; c >= 0; --c, part_rows += heads * q_len * group)
+      tasks.push_back({n, 0, heads, 0, q_len, starts[c], c + 1 < parts ? starts[c + 1] : INT64_MAX, part_rows, merge});
+  } else if (all_heads) {
+    tasks.push_back({n, 0, heads, 0, q_len});
+  } else {
+    for (int64_t h = 0; h < heads; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
+  }
+}
+
 // A split task's rows from its parts' (each HD outputs normalized over the part, then the part's max and sum
 // of exps, at parts[task.part + hh * R + r] for its head h0 + hh): each weighted by its share of the row's
 // exponentials, summed in float32 and stored in T once. A part that saw none of a row's keys has sum 0 and

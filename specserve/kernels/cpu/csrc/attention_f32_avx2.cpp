@@ -213,19 +213,8 @@ void run_f32(const Args& a, int num_threads) {
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (q_len <= kShortQueryF32) {
       if (split) part_starts(a.seq_lens[s], BS, starts);
-      const int64_t parts = split ? static_cast<int64_t>(starts.size()) : 1;
-      if (parts > 1) {
-        const int64_t merge = static_cast<int64_t>(merges.size());
-        merges.push_back({static_cast<int64_t>(tasks.size()), parts});
-        // the latest (the largest) first, so that the threads end together; merged in this order too
-        for (int64_t c = parts - 1; c >= 0; --c, part_rows += KVH * q_len * group)
-          tasks.push_back({n, 0, KVH, 0, q_len, starts[c], c + 1 < parts ? starts[c + 1] : INT64_MAX, part_rows,
-                           merge});
-      } else if (all_heads) {
-        tasks.push_back({n, 0, KVH, 0, q_len});
-      } else {
-        for (int64_t h = 0; h < KVH; ++h) tasks.push_back({n, h, h + 1, 0, q_len});
-      }
+      else starts.clear();
+      short_query_tasks(n, q_len, KVH, group, all_heads, starts, tasks, merges, part_rows);
       continue;
     }
     for (int64_t i1 = q_len; i1 > 0; i1 -= kQueryTileF32)
