@@ -252,7 +252,7 @@ def bind_int4_rows_bf16(packed: torch.Tensor, scales: torch.Tensor, offsets: tor
     return Product("int4_rows_bf16", torch.bfloat16, torch.bfloat16, n, k, packed, scales, offsets)
 
 
-# The most rows int4_tile_rows_bf16 takes (csrc/matmul.cpp's kInt4TileRowsMax)
+# The most rows int4_tile_rows_bf16 and int8_grouped_tile_rows_bf16 take (csrc/matmul.cpp's kTileRowsMax)
 TILE_ROWS_BF16_MAX = 32
 
 

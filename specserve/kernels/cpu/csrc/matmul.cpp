@@ -19,7 +19,7 @@ constexpr int64_t kInt4AmxPassRows = 32;
 
 // specserve_int4_tile_rows_bf16's and specserve_int8_grouped_tile_rows_bf16's most rows: past them a
 // step's widened panels (or a dense copy) read the weights once for many rows
-constexpr int64_t kInt4TileRowsMax = 32;
+constexpr int64_t kTileRowsMax = 32;
 
 // specserve_int8_grouped_rows_bf16's most rows (a verify step of 1 + 31 drafts), and the fewest on AMX tiles: below
 // them q8g_rows on the row widened to float32, what the float32 head runs at one row (the file's own
@@ -137,22 +137,14 @@ extern "C" int specserve_int4_matmul_bf16(const uint16_t* x, int64_t xs, int64_t
 #endif
 }
 
-// x [rows, k] bf16 (row stride xs), 1..kInt4RowsMax rows, times the int4 matrix of specserve_int4_matmul
-// (pack_int4's nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32,
-// rounded once: products of the codes exact in q4_bf16_row, of the weights rounded to bf16 on the AMX tiles.
-// For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode, verify steps): the
-// library's own, so a layer chain runs them, where torch's int4 kernel had to be called from Python. One row
-// runs q4_bf16_row; 2 or more the AMX tiles (passes of up to 32 rows) where the build and the kernel allow
-// them (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
-// Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
-// x [rows, k] bf16 (row stride xs), 1..kInt4TileRowsMax rows, times the int4 matrix in int4_tiles' layout
+// x [rows, k] bf16 (row stride xs), 1..kTileRowsMax rows, times the int4 matrix in int4_tiles' layout
 // with offsets in place of zeros (w = code * scale + offset) -> out [rows, n] bf16 (row stride os): codes
 // exact in bf16 products on vdpbf16ps, sums in float32, rounded once, each row summed alike for any rows
 // (tile_rows). Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
 extern "C" int specserve_int4_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* tiles,
                                              const float* scales, const float* offsets, int64_t n, int64_t k,
                                              uint16_t* out, int64_t os, int num_threads) {
-  if (rows < 1 || rows > kInt4TileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
+  if (rows < 1 || rows > kTileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
 #ifdef SPECSERVE_QUANT_BF16_PATH
   tile_rows<true>(x, xs, rows, tiles, scales, offsets, n, k, out, os, num_threads);
   return kOk;
@@ -162,14 +154,14 @@ extern "C" int specserve_int4_tile_rows_bf16(const uint16_t* x, int64_t xs, int6
 #endif
 }
 
-// x [rows, k] bf16 (row stride xs), 1..kInt4TileRowsMax rows, times a Q8_0 matrix in int8_tiles' layout with
+// x [rows, k] bf16 (row stride xs), 1..kTileRowsMax rows, times a Q8_0 matrix in int8_tiles' layout with
 // its scales [n / 16, k / 32, 16] float32 -> out [rows, n] float32 (row stride os): codes exact in bf16
 // products on vdpbf16ps, sums and scales in float32, each row summed alike for any rows (tile_rows): a
 // bf16 model's head at decode and verify steps. Returns 2 where the build has no AVX512-BF16.
 extern "C" int specserve_int8_grouped_tile_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows,
                                                      const int8_t* tiles, const float* scales, int64_t n,
                                                      int64_t k, float* out, int64_t os, int num_threads) {
-  if (rows < 1 || rows > kInt4TileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
+  if (rows < 1 || rows > kTileRowsMax || n < 16 || n % 16 != 0 || k < 32 || k % 32 != 0) return kBadArguments;
 #ifdef SPECSERVE_QUANT_BF16_PATH
   tile_rows<false>(x, xs, rows, reinterpret_cast<const uint8_t*>(tiles), scales, nullptr, n, k, out, os,
                    num_threads);
@@ -180,6 +172,14 @@ extern "C" int specserve_int8_grouped_tile_rows_bf16(const uint16_t* x, int64_t 
 #endif
 }
 
+// x [rows, k] bf16 (row stride xs), 1..kInt4RowsMax rows, times the int4 matrix of specserve_int4_matmul
+// (pack_int4's nibbles, float32 scales and offsets) -> out [rows, n] bf16 (row stride os), sums in float32,
+// rounded once: products of the codes exact in q4_bf16_row, of the weights rounded to bf16 on the AMX tiles.
+// For the few-row steps of a bf16 model whose int4 matrices keep their blocks (decode, verify steps): the
+// library's own, so a layer chain runs them, where torch's int4 kernel had to be called from Python. One row
+// runs q4_bf16_row; 2 or more the AMX tiles (passes of up to 32 rows) where the build and the kernel allow
+// them (specserve_paths() bit 64, outputs in whole tiles of 16), else q4_bf16_row in passes of up to 8 rows.
+// Returns 2 where the build has no AVX512-BF16 (specserve_paths() bit 8 clear).
 extern "C" int specserve_int4_rows_bf16(const uint16_t* x, int64_t xs, int64_t rows, const uint8_t* packed,
                                         const float* scales, const float* offsets, int64_t n, int64_t k,
                                         uint16_t* out, int64_t os, int num_threads) {
