@@ -20,8 +20,12 @@ from specserve.spec.policy import (
     ACCEPTANCE_PRIOR,
     CALIBRATED_PLACES,
     CALIBRATION_PRIOR,
+    GUARD_MIN_STEPS,
+    GUARD_PROBE_FIRST,
+    GUARD_PROBE_MOST,
     AdaptivePolicy,
     DraftCalibration,
+    SpeculationGuard,
 )
 from specserve.spec.verifier import VerifyBatch, verify
 
@@ -229,6 +233,76 @@ def test_a_new_request_starts_from_the_workloads_acceptance():
         seq = make_seq(i, [1, 2, 3])
         spec.update(SchedulerOutput((ScheduledSeq(seq, 1, 4),)), [Accepted((9, 9, 9, 9, 9), 4, 4)])
     assert spec.acceptance(1000) > 0.6
+
+
+# ---- the guard: whether auto requests draft at a load, by what whole steps made ----------------------------
+
+
+def _run_guard(
+    guard: SpeculationGuard, steps: int, on_rate: float, off_rate: float, decoding: int = 8
+) -> str:
+    """`steps` steps at a load where a second of speculating steps makes on_rate tokens and one of plain steps
+    off_rate; the choices taken, "+" speculating, "." not."""
+    taken = ""
+    for _ in range(steps):
+        on = guard.speculates(decoding)
+        guard.observe(decoding, on, round(on_rate if on else off_rate), 1.0, measured=True)
+        taken += "+" if on else "."
+    return taken
+
+
+def test_the_guard_speculates_until_plain_steps_are_measured_faster():
+    guard = SpeculationGuard()
+    taken = _run_guard(guard, GUARD_PROBE_FIRST * GUARD_MIN_STEPS + GUARD_MIN_STEPS, on_rate=90, off_rate=100)
+    # a plain step every GUARD_PROBE_FIRST + 1 steps until both are measured, then plain
+    probe = "+" * GUARD_PROBE_FIRST + "."
+    assert taken.startswith(probe * GUARD_MIN_STEPS)
+    assert taken.endswith(".")
+    assert not guard.speculates(8)
+
+
+def test_the_guard_probes_ever_more_rarely_while_its_choice_holds_and_turns_when_it_does_not():
+    guard = SpeculationGuard(decay=0.5)
+    taken = _run_guard(guard, 600, on_rate=100, off_rate=120)
+    decided = (GUARD_PROBE_FIRST + 1) * GUARD_MIN_STEPS  # from here on plain, with speculating probes
+    probes = [i for i, c in enumerate(taken) if c == "+" and i >= decided]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[-1] == GUARD_PROBE_MOST + 1  # a speculating probe between GUARD_PROBE_MOST plain steps
+    assert gaps == sorted(gaps)
+    # the load changes: speculating now makes more, and the next probe says so
+    taken = _run_guard(guard, 2 * GUARD_PROBE_MOST + 2, on_rate=150, off_rate=120)
+    assert taken.endswith("+" * GUARD_PROBE_FIRST)
+    assert guard.speculates(8)
+
+
+def test_the_guard_keeps_loads_apart_and_does_not_time_steps_with_prompt_chunks():
+    guard = SpeculationGuard()
+    _run_guard(guard, 100, on_rate=50, off_rate=100, decoding=32)
+    assert not guard.speculates(32) and not guard.speculates(63)
+    assert guard.speculates(1) and guard.speculates(8)  # other octaves are their own
+    fresh = SpeculationGuard()
+    for _ in range(100):  # every step also computed a prompt chunk: nothing measured, nothing decided
+        on = fresh.speculates(8)
+        fresh.observe(8, on, 1 if on else 100, 1.0, measured=False)
+    assert fresh.speculates(8)
+
+
+def test_the_decoder_drafts_for_auto_requests_only_where_the_guard_lets_it():
+    spec = SpeculativeDecoder(NgramProposer(), num_speculative_tokens=4, max_model_len=100)
+    spec.policy = policy(MEMORY_BOUND)
+    auto = make_seq(0, [1, 2, 3], speculation="auto")
+    fixed = make_seq(1, [1, 2, 3], speculation=2)
+    for seq in (auto, fixed):
+        seq.token_ids.append(5)
+        seq.num_computed_tokens += 1
+    plan = SchedulerOutput((ScheduledSeq(auto, 1, 4), ScheduledSeq(fixed, 1, 2)))
+    assert spec.lookahead([auto, fixed]) == {0: 4, 1: 2}
+    # the steps the guard times are whole: their tokens (drafts kept and the next one) over their seconds
+    spec.record_step(plan, [Accepted((3, 4, 7), 2, 4), Accepted((3, 7), 1, 2)], 0.5)
+    measured = spec.guard.loads[2].on
+    assert (measured.tokens, measured.seconds, measured.steps) == (5, 0.5, 1)
+    _run_guard(spec.guard, 200, on_rate=10, off_rate=20, decoding=2)
+    assert spec.lookahead([auto, fixed]) == {0: 0, 1: 2}  # a fixed-k request drafts as it asks
 
 
 # ---- priced drafts: DraftCalibration, AdaptivePolicy.prune, the decoder's cut ----------------------------

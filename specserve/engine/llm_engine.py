@@ -7,6 +7,7 @@ accepted = sample / spec.verify(...)            one Accepted per scheduled seque
 scheduler.update(plan, accepted)                cache positions, tokens, token stops, KV rollback
 outputs.process(plan, accepted)                 text, stop strings, deltas
 spec.update(plan, accepted)                     acceptance estimates, draft cache, forgetting finished ones
+spec.record_step(plan, accepted, seconds)       the whole step's time: does drafting pay at this load
 """
 
 from __future__ import annotations
@@ -505,6 +506,7 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[StepDelta]:
+        step_started = time.perf_counter()
         lap = self._totals.times.lap()
         deltas = self.outputs.aborted(self._aborted)
         self._aborted.clear()
@@ -542,6 +544,7 @@ class LLMEngine:
             grammar.advance(plan, accepted)
         if self.spec is not None:
             self.spec.update(plan, accepted)
+            self.spec.record_step(plan, accepted, time.perf_counter() - step_started)
         for s in plan.scheduled:
             if s.seq.is_finished:
                 self._requests.pop(s.seq.request_id, None)

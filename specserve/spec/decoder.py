@@ -2,7 +2,8 @@
 
 Per step: lookahead(running) from the scheduler (k per decoding sequence; no side effects), propose(plan)
 before the target forward (one DraftBatch), verify() on the target's logits, update(plan, accepted) after
-the scheduler has applied the step. Each request's acceptance estimate lives here, keyed by seq_id.
+the scheduler has applied the step, record_step(plan, accepted, seconds) with the whole step's time (the
+guard on whether drafting pays at its load). Each request's acceptance estimate lives here, keyed by seq_id.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from specserve.engine.sampler import RowParams
 from specserve.engine.sampling_params import InvalidParameter
 from specserve.engine.sequence import Sequence
 from specserve.engine.step import Accepted, DraftBatch, SchedulerOutput
-from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy, DraftCalibration
+from specserve.spec.policy import ACCEPTANCE_PRIOR, AdaptivePolicy, DraftCalibration, SpeculationGuard
 from specserve.spec.proposer import Draft, Proposer
 from specserve.spec.suffix import FleetTree, SuffixProposer
 from specserve.spec.verifier import VerifyBatch, VerifyResult, verify
@@ -81,6 +82,9 @@ class SpeculativeDecoder:
         self.max_model_len = max_model_len
         self.policy = AdaptivePolicy(num_speculative_tokens)
         self.calibration = DraftCalibration()
+        self.guard = SpeculationGuard()
+        # the last lookahead's (decoding sequences, whether its auto requests could draft), for record_step
+        self._step: tuple[int, bool] | None = None
         # the proposers whose drafts are priced token by token (_price): an "auto" request drafting with one
         # of them drafts with each every step and verifies the draft worth most (_choose)
         self.priced_methods = tuple(
@@ -185,10 +189,14 @@ class SpeculativeDecoder:
         return self.policy.method_rate(acceptance, method, method_costs) or 0.0
 
     def lookahead(self, running: list[Sequence]) -> dict[int, int]:
-        """k per decoding sequence this step: fixed-k requests as asked, "auto" ones by the policy."""
+        """k per decoding sequence this step: fixed-k requests as asked, "auto" ones by the policy where the
+        guard lets them draft at this load (SpeculationGuard), else 0."""
         ks: dict[int, int] = {}
         auto: list[Sequence] = []
         other_tokens = 0
+        decoding = sum(1 for seq in running if seq.in_decode)
+        speculating = self.guard.speculates(decoding)
+        self._step = (decoding, speculating)
         costs: dict[str, list[float] | None] = {}
         if len(self.methods) > 1:
             costs = {m: self.policy.method_costs(m) for m in self.methods}
@@ -205,7 +213,10 @@ class SpeculativeDecoder:
             else:
                 other_tokens += 1
         if auto:
-            chosen = self.policy.choose_ks([self._lookahead_acceptance(s) for s in auto], other_tokens)
+            if speculating:
+                chosen = self.policy.choose_ks([self._lookahead_acceptance(s) for s in auto], other_tokens)
+            else:
+                chosen = [0] * len(auto)
             for seq, k in zip(auto, chosen):
                 ks[seq.seq_id] = self._cap(seq, k)
         return ks
@@ -490,6 +501,19 @@ class SpeculativeDecoder:
                 self.observe(seq, 0, 0)
         self._priced.clear()
         self._scored.clear()
+
+    def record_step(self, plan: SchedulerOutput, accepted: Seq[Accepted], seconds: float) -> None:
+        """A whole step's seconds (schedule to update), for the guard on whether auto requests draft at its
+        load: what it made, under the choice its lookahead followed."""
+        if self._step is None:
+            return
+        decoding, speculated = self._step
+        self._step = None
+        if not any(self.is_auto(s.seq) for s in plan.scheduled):
+            return  # the choice changed nothing this step
+        tokens = sum(len(a.token_ids) for s, a in zip(plan.scheduled, accepted) if s.samples)
+        measured = all(s.num_tokens == 1 for s in plan.scheduled)
+        self.guard.observe(decoding, speculated, tokens, seconds, measured)
 
     def _score(self, key: tuple[str, bool, int], draft: list[int], emitted: Seq[int]) -> None:
         """What a greedy request's draft would have had accepted, verified whole: as many tokens as it
