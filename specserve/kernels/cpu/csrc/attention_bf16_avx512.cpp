@@ -14,7 +14,14 @@ namespace {
 // per token for a tile of rows held in registers. A long query is cut into tiles of kQueryTile tokens, each
 // a task of its own that reads keys only up to its last token, so prefill chunks spread over the threads.
 constexpr int64_t kQueryTile = 16;
-constexpr int64_t kPrefetchAhead = 4;
+// K is asked for one block ahead of the tile in hand: into L2 (prefetch_l2), whose latency a block's work
+// covers, while more blocks in flight (a task asks for its first ones whole) only queued behind each other.
+// SmolLM2's 30 layers (`python bench/kernel_ab.py --case attention --dtype bfloat16 --order shuffled`,
+// 2-core Zen 4), one block ahead against four: batch 1 x 700 / 1,500 / 3,000 tokens 1.25 / 2.48 / 4.23 ms
+// against 1.43 / 2.83 / 4.70, batch 2 x 1,500 4.16 against 4.97, a verify of 4 at 1 x 600 2.00 against
+// 2.37, of 5 at 18 x 200 9.21 against 10.36, 64 x 400 31.8 against 34.7, 18 x 800 level; two ahead was
+// between.
+constexpr int64_t kPrefetchAhead = 1;
 
 inline void transpose16(__m512i r[16]) {
   __m512i t[16];
@@ -176,7 +183,7 @@ void run_bf16(const Args& a, int num_threads) {
       // a block's 96 lines filled the core's miss buffers and stalled it; spread, memory streams during
       // the work, bit for bit the same (bench/kernel_ab.py --dtype bfloat16 --order shuffled, 30 layers,
       // 2-core Zen 4): 18 x 800 tokens 24.9 ms against 27.2, 64 x 400 43.1 against 47.2, 8 x 1,600 21.1
-      // against 23.1, verify of 5 at 18 x 200 10.1 against 11.5. Two to eight blocks ahead: all alike.
+      // against 23.1, verify of 5 at 18 x 200 10.1 against 11.5 (four blocks ahead then).
       const bool trickle = H == KVH;  // then a tile has as many loads as its rows have lines
       for (int64_t u = b0 * BS / 16; u < num_tiles; ++u) {
         const int64_t p0 = u * 16, b = p0 / BS;

@@ -14,7 +14,10 @@ constexpr int64_t kQueryTileF32 = 16;
 // Queries of up to this many tokens (decode, and verify steps of up to 31 drafts) run as short ones: a task
 // of all their rows, keys split in parts at batch 1 (part_starts), scores by qk_direct_f32.
 constexpr int64_t kShortQueryF32 = 32;
-constexpr int64_t kPrefetchAheadF32 = 4;
+// One block ahead, as the bfloat16 kernel's kPrefetchAhead: against four (`python bench/kernel_ab.py --case
+// attention --dtype float32 --order shuffled`, 2-core Zen 4) batch 1 x 700 / 1,500 tokens 2.03 / 3.57 ms
+// against 2.52 / 4.03, batch 2 x 1,500 7.52 against 8.57, 64 x 400 and a verify of 5 at 18 x 600 -3 %.
+constexpr int64_t kPrefetchAheadF32 = 1;
 // A split sequence's keys in parts fixed by position alone (part_starts: octaves of whole blocks). Whether a
 // step splits, and a row's parts, and so its sums, depend on the step's sequence count
 // and the row's own position, not on the step's length or its team of threads (the engine's adaptive team
