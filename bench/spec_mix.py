@@ -17,6 +17,8 @@ each level within noise, and >= 1.0x off everywhere.
 
     python bench/spec_mix.py [--concurrency 1,8,32] [--requests 12,32,64] [--k 4] [--max-tokens 128]
         [--dtype bfloat16] [--head DIR (adds eagle3)] [--model M]
+    # what auto's guard (spec/policy.py SpeculationGuard) adds, against auto without it and off
+    python bench/spec_mix.py --concurrency 8,32 --requests 64,128 --engines off,auto,auto-unguarded
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def spec_configs(args: argparse.Namespace) -> dict[str, dict | None]:
     for m in methods:
         configs[m] = {"method": m, "num_speculative_tokens": args.k}
     configs["auto"] = {"method": ",".join(methods), "num_speculative_tokens": args.k}
+    configs["auto-unguarded"] = dict(configs["auto"])  # only where --engines names it
     for c in configs.values():
         if c is not None and "eagle3" in c["method"]:
             c["model"] = str(args.head)
@@ -75,6 +78,10 @@ def one_run(args, name: str, config: dict | None, prompts, traffic, conc: int) -
     from specserve import LLM
 
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=conc, speculative_config=config)
+    if name == "auto-unguarded":
+        # `auto` as its policy prices drafts, without the guard that times whole steps of each choice
+        # (spec/policy.py SpeculationGuard): what the guard adds
+        llm.engine.spec.guard.speculates = lambda decoding: True
     if args.zero_k and llm.engine.spec is not None:
         # every request proposes nothing: what the proposers' own work each step costs, drafts aside
         llm.engine.spec.policy.choose_ks = lambda acceptances, other_tokens: [0] * len(acceptances)
@@ -110,7 +117,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--head", type=Path, help="an EAGLE-3 head (speculators format): adds eagle3")
     p.add_argument("--zero-k", action="store_true", help="k = 0 for every request: overhead only")
-    p.add_argument("--engines", help="a subset of off,suffix,ngram,auto[,eagle3], in this order")
+    p.add_argument(
+        "--engines",
+        help="a subset of off,suffix,ngram,auto[,eagle3][,auto-unguarded] (auto without its guard), in order",
+    )
     p.add_argument("--model", help="default: the demo model")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
@@ -125,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = spec_configs(args)
     if args.engines:
         configs = {name: configs[name] for name in args.engines.split(",")}
+    else:
+        del configs["auto-unguarded"]
     traffic = build_mix(max(args.requests), args.max_tokens)
     tokenizer_llm = LLM(args.model, dtype=args.dtype, max_num_seqs=1)
     prompts = [tokenizer_llm.engine.encode_chat(r.messages) for r in traffic]
@@ -145,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         # the ratios a subset of --engines allows (--engines off,auto --zero-k has no single method)
-        singles = [m for m in order if m not in ("off", "auto")]
+        singles = [m for m in order if m not in ("off", "auto", "auto-unguarded")]
         passes = []
         for j in (0, 1):
             tok_s = {name: runs[name][j].tok_s for name in order}
