@@ -327,17 +327,23 @@ async def deliver_to_frozen(r: aioredis.Redis, worker: Proc, entries: list[dict[
     one MULTI and the server answers that read with all of them: they are pending under the worker's name,
     and the reply sits unread in its socket. The worker leaves this function frozen; it either resumes
     (SIGCONT) or dies (SIGKILL) with the batch read and not yet handled, at the test's choice.
+
+    The server is watched with the worker running, and the worker frozen only once a fresh read is seen:
+    freezing it on every look kept it from sending its next read, and on a loaded machine the moment
+    came only after its long requests had ended.
     """
-    for _ in range(300):
-        await worker.freeze()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         # A read sent under a second ago: at least a second of its 2 s block is left for the XADD.
         if await fresh_blocked_reader(r):
-            ids = await xadd_multi(r, entries)
-            pending = await pending_of(r, worker.name)
-            assert set(ids) <= set(pending), "the frozen worker's read did not take the whole batch"
-            return ids
-        worker.thaw()  # between two reads: let it block again
-        await asyncio.sleep(0.05)
+            await worker.freeze()
+            if await fresh_blocked_reader(r):  # still held (or a newer one) now that the worker is stopped
+                ids = await xadd_multi(r, entries)
+                pending = await pending_of(r, worker.name)
+                assert set(ids) <= set(pending), "the frozen worker's read did not take the whole batch"
+                return ids
+            worker.thaw()
+        await asyncio.sleep(0.02)
     raise AssertionError(f"{worker.name} was never caught blocked in XREADGROUP")
 
 
