@@ -11,8 +11,13 @@
                       checks: a compile past its budget is killed with its process, so a refused grammar
                       stops costing CPU at once (a thread would compile on in the background)
 
-Every child and thread here runs at the lowest CPU priority (lowest_priority).
+Every child here runs at the lowest CPU priority (lowest_priority). The preparation threads do not: they
+share the engine's GIL, and a lowered thread holding it while a neighbour process takes its core stalls the
+step thread until the scheduler runs it again.
 
+A budget is CPU time spent by the thread or child doing the work (Spend), not time waited for a core: on a
+node shared with busy neighbours, a prompt that tokenizes in a millisecond waited seconds for a core and was
+refused. Waiting is bounded too, at WALL_FACTOR times the budget, so work the node never runs still ends.
 Both refuse an over-budget request as InvalidParameter naming the field: a 400 at the API, `failed` with
 `error_field` on the wire. Neither module-level nor here imports torch.
 """
@@ -37,15 +42,20 @@ T = TypeVar("T")
 Check = tuple[str, str, str]
 # a child importing xgrammar (and torch) on a loaded machine; not the request's budget
 READY_TIMEOUT_S = 120.0
+# how many times its CPU budget a field may wait in all: a node that gives the work less than this share of
+# a core for that long does not serve it
+WALL_FACTOR = 30.0
+# how often a budget is looked at while the work runs
+POLL_S = 0.25
 
 
 def lowest_priority() -> None:
-    """Lower the calling thread (on Linux both calls act on the calling thread alone) to the lowest CPU
-    priority. A CPU worker's engine threads want every core, and preparation at their priority took one:
-    a concurrent 8-token request ran 1.70x as slow beside a regex `[a-z]{1,60000}` being compiled
-    (`cd bench && python stall.py`, quiet 2-core Xeon). SCHED_IDLE runs it only on time the engine leaves;
-    where it is refused, nice 19 comes closest. A lowered thread holding the GIL gets a core as soon as the
-    engine waits for it, since the engine's cores then go idle."""
+    """Lower the calling process to the lowest CPU priority. A CPU worker's engine threads want every core,
+    and a grammar compile at their priority took one: a concurrent 8-token request ran 1.70x as slow beside
+    a regex `[a-z]{1,60000}` being compiled (`cd bench && python stall.py`, quiet 2-core Xeon), and 1.86x
+    and 2.46x at nice 10 against 1.40x and 1.26x at SCHED_IDLE (the same, quiet 2-core Zen 4). SCHED_IDLE
+    runs it only on time the engine leaves; where it is refused, nice 19 comes closest. Beside busy
+    neighbours a compile then waits long for a core: the budget counts its CPU time, not that wait."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -53,8 +63,66 @@ def lowest_priority() -> None:
             os.nice(19)
 
 
+def thread_cpu_clock() -> Callable[[], float | None]:
+    """A reader of the calling thread's CPU seconds, callable from any thread; it reads None where the clock
+    cannot be read."""
+    try:
+        clock = time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return lambda: None
+
+    def read() -> float | None:
+        try:
+            return time.clock_gettime(clock)
+        except OSError:
+            return None
+
+    return read
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds process `pid` has run (Linux's scheduler statistics); None where they cannot be read."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Spend:
+    """One piece of work against its budget: CPU seconds read from `cpu` (wall seconds where it reads None),
+    and at most WALL_FACTOR times the budget waited in all."""
+
+    def __init__(self, budget_s: float, cpu: Callable[[], float | None]) -> None:
+        self.budget_s = budget_s
+        self._cpu = cpu
+        self._wall0 = time.monotonic()
+        self._cpu0 = cpu()
+
+    def left(self) -> float:
+        """Seconds before the budget can be spent, at the fastest (one core); <= 0 once it is."""
+        wall = time.monotonic() - self._wall0
+        now = self._cpu()
+        used = wall if now is None or self._cpu0 is None else now - self._cpu0
+        return min(self.budget_s - used, self.budget_s * WALL_FACTOR - wall)
+
+    def wait_s(self) -> float:
+        """How long to wait before looking again."""
+        return max(0.0, min(self.left(), POLL_S))
+
+
 def over_budget(field: str, budget_s: float) -> InvalidParameter:
-    return InvalidParameter(field, f"took more than {budget_s:g} s to prepare; make it smaller or simpler")
+    return InvalidParameter(
+        field, f"took more than {budget_s:g} s of CPU time to prepare; make it smaller or simpler"
+    )
 
 
 def _serve(conn: Connection) -> None:
@@ -187,12 +255,15 @@ class GrammarPool:
             child.ready = True
         child.conn.send(job)
         field = job[0][0]
-        end = time.monotonic() + self.budget_s
+        pid = child.process.pid
+        spend = Spend(self.budget_s, lambda: process_cpu_s(pid))
         while True:
             try:
-                kind, value = await _receive(child.conn, max(0.0, end - time.monotonic()))
+                kind, value = await _receive(child.conn, spend.wait_s())
             except TimeoutError:
-                raise over_budget(field, self.budget_s) from None
+                if spend.left() <= 0:
+                    raise over_budget(field, self.budget_s) from None
+                continue
             if kind == "done":
                 return value
             field = job[value][0]
@@ -221,8 +292,11 @@ class GrammarCompilers:
         mark(field)
         try:
             child.conn.send((kind, text))
-            if not child.conn.poll(self.budget_s):
-                raise over_budget(field, self.budget_s)
+            pid = child.process.pid
+            spend = Spend(self.budget_s, lambda: process_cpu_s(pid))
+            while not child.conn.poll(spend.wait_s()):
+                if spend.left() <= 0:
+                    raise over_budget(field, self.budget_s)
             status, value = child.conn.recv()
         except BaseException:
             self._drop(child)
@@ -286,18 +360,15 @@ class GrammarCompilers:
 class PreparePool:
     """The worker's preparation: `run(work)` calls work(mark) on one of `workers` threads, where work calls
     mark(field) as it starts on each field, and mark(None) before work that is the process's, not the
-    request's (loading the grammar engine and the tokenizer's tables, once). Each field gets `budget_s`
-    from its mark; past it the request is refused naming that field. Grammar compiles go to `compilers`
-    (child processes, stopped at the budget); the rest finishes its call in the background (a thread cannot
-    be stopped), costing one pool thread at the lowest priority for a while, never the step thread or the
-    loop."""
+    request's (loading the grammar engine and the tokenizer's tables, once). Each field gets `budget_s` of
+    its thread's CPU time from its mark; past it the request is refused naming that field. Grammar compiles
+    go to `compilers` (child processes, stopped at the budget); the rest finishes its call in the background
+    (a thread cannot be stopped), costing one pool thread for a while, never the step thread or the loop."""
 
     def __init__(self, workers: int, budget_s: float) -> None:
         self.compilers = GrammarCompilers(workers, budget_s)
         self.budget_s = budget_s
-        self._pool = ThreadPoolExecutor(
-            max_workers=workers, thread_name_prefix="specserve-prepare", initializer=lowest_priority
-        )
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="specserve-prepare")
 
     @property
     def budget_s(self) -> float:
@@ -310,27 +381,30 @@ class PreparePool:
 
     async def run(self, work: Callable[[Callable[[str | None], None]], T], first_field: str) -> T:
         loop = asyncio.get_running_loop()
-        # (field or None, when it began), replaced whole by the worker thread: the loop reads one tuple
-        at: list[tuple[str | None, float]] = []
-
-        def mark(field: str | None) -> None:
-            at.append((field, time.monotonic()))
+        # (field or None, its spending), appended by the worker thread: the loop reads the last
+        at: list[tuple[str | None, Spend]] = []
+        budget_s = self.budget_s
 
         def call() -> T:
+            clock = thread_cpu_clock()
+
+            def mark(field: str | None) -> None:
+                at.append((field, Spend(budget_s, clock)))
+
             mark(first_field)
             return work(mark)
 
         # the budget runs from when a thread takes the work: waiting behind other requests is not this one's
         future = loop.run_in_executor(self._pool, call)
         while True:
-            field, since = at[-1] if at else (None, time.monotonic())
-            left = None if field is None else since + self.budget_s - time.monotonic()
-            if left is not None and left <= 0:
+            field, spend = at[-1] if at else (None, None)
+            if field is not None and spend is not None and spend.left() <= 0:
                 # the thread ends on its own (a compile with the refusal it raised too): its outcome is
                 # taken here so that asyncio does not log it as never retrieved
                 future.add_done_callback(lambda f: f.cancelled() or f.exception())
-                raise over_budget(field, self.budget_s)
-            done, _ = await asyncio.wait({future}, timeout=min(left, 0.5) if left is not None else 0.05)
+                raise over_budget(field, budget_s)
+            wait = spend.wait_s() if field is not None and spend is not None else 0.05
+            done, _ = await asyncio.wait({future}, timeout=wait)
             if done:
                 return future.result()
 

@@ -407,8 +407,9 @@ class ServiceConfig:
     prepare_timeout: float = _opt(
         "SPECSERVE_PREPARE_TIMEOUT",
         _API.prepare_timeout_s,
-        "seconds one request's preparation may take; past it the request is refused naming the field "
-        "(structured_outputs, tools, bad_words, prompt, messages)",
+        "CPU seconds one request's preparation may spend (time waited for a core is not counted, up to 30 "
+        "times this); past it the request is refused naming the field (structured_outputs, tools, bad_words, "
+        "prompt, messages)",
     )
     max_logprobs: int = _opt(
         "SPECSERVE_MAX_LOGPROBS",
