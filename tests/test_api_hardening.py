@@ -738,6 +738,33 @@ def test_json_nested_past_the_limit_is_a_400_naming_the_field_on_every_route(val
     assert queued == 0
 
 
+def test_a_grammar_checker_that_does_not_start_is_a_503_with_retry_after(valkey, monkeypatch):
+    """A grammar child that is not ready in time (a node too loaded to run its imports) is no fault of the
+    request: a retryable 503 naming the cause, nothing queued, never a 500; the next request gets a fresh
+    child and is checked as usual."""
+    from specserve.engine import prepare
+
+    body = {"id": "g1", "prompt": "x", "structured_outputs": {"regex": "[a-z]+"}}
+
+    async def main():
+        async with guarded_stack(valkey.url, None) as (base, _w, client):
+            async with aiohttp.ClientSession(timeout=HTTP_TIMEOUT) as http:
+                monkeypatch.setattr(prepare, "READY_TIMEOUT_S", 0.001)
+                async with http.post(base + "/v1/requests", json=body) as r:
+                    first = (r.status, r.headers.get("Retry-After"), (await r.json())["error"]["code"])
+                queued = await client.r.exists(KEYS.req("g1"))
+                monkeypatch.setattr(prepare, "READY_TIMEOUT_S", 120.0)
+                bad = {**body, "id": "g2", "structured_outputs": {"regex": "[a-z"}}
+                async with http.post(base + "/v1/requests", json=bad) as r:
+                    second = (r.status, (await r.json())["error"]["param"])
+            return first, queued, second
+
+    first, queued, second = run(main())
+    assert first[0] == 503 and first[1] and first[2] == "grammar_unavailable", first
+    assert queued == 0
+    assert second == (400, "structured_outputs.regex")
+
+
 def test_a_raw_entry_nested_past_the_limit_fails_naming_the_field(valkey, tiny_model_dir):
     from specserve.queue.wire import WireError, decode_body
 

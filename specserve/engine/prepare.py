@@ -11,9 +11,9 @@
                       checks: a compile past its budget is killed with its process, so a refused grammar
                       stops costing CPU at once (a thread would compile on in the background)
 
-Every child here runs at the lowest CPU priority (lowest_priority). The preparation threads do not: they
-share the engine's GIL, and a lowered thread holding it while a neighbour process takes its core stalls the
-step thread until the scheduler runs it again.
+Every child here builds at the lowest CPU priority (lowest_priority), after starting at a lowered one
+(SETUP_NICE). The preparation threads are not lowered: they share the engine's GIL, and a lowered thread
+holding it while a neighbour process takes its core stalls the step thread until the scheduler runs it.
 
 A budget is CPU time spent by the thread or child doing the work (Spend), not time waited for a core: on a
 node shared with busy neighbours, a prompt that tokenizes in a millisecond waited seconds for a core and was
@@ -42,11 +42,26 @@ T = TypeVar("T")
 Check = tuple[str, str, str]
 # a child importing xgrammar (and torch) on a loaded machine; not the request's budget
 READY_TIMEOUT_S = 120.0
+# A child starts (imports torch and xgrammar: 1-2 s of CPU) this much lower than the engine, not at the
+# lowest: beside two busy loops on a 2-core Zen 4 an API's child importing at SCHED_IDLE was not ready after
+# 120 s (tests/chaos/test_stall.py), while at nice 10 it still leaves the engine ~90 % of a shared core.
+SETUP_NICE = 10
 # how many times its CPU budget a field may wait in all: a node that gives the work less than this share of
 # a core for that long does not serve it
 WALL_FACTOR = 30.0
 # how often a budget is looked at while the work runs
 POLL_S = 0.25
+
+
+class GrammarUnavailable(RuntimeError):
+    """A grammar child did not start, or died: no fault of the request, which is worth sending again (a 503
+    at the API)."""
+
+
+def setup_priority() -> None:
+    """Lower the calling process by SETUP_NICE, for a child's start."""
+    with contextlib.suppress(OSError):
+        os.nice(SETUP_NICE)
 
 
 def lowest_priority() -> None:
@@ -128,11 +143,12 @@ def over_budget(field: str, budget_s: float) -> InvalidParameter:
 def _serve(conn: Connection) -> None:
     """A child's loop: build each constraint of a job, telling the parent which one it is on, then the first
     error (field, message) or None. Ends when the parent's end of the pipe closes."""
-    lowest_priority()  # before the import too: loading torch took a core from the engine's threads
+    setup_priority()  # loading torch at the engine's priority took a core from its threads
     import xgrammar  # noqa: F401  (loaded before "ready": a job's budget is not spent importing torch)
 
     from specserve.engine.grammar import grammar_error
 
+    lowest_priority()
     conn.send(("ready", None))
     while True:
         try:
@@ -153,13 +169,14 @@ def _compile(conn: Connection) -> None:
     """A worker child's loop: first the tokenizer's tables (xgrammar's TokenizerInfo as JSON), then each
     (kind, text) answered ("ok", the compiled grammar as JSON) or ("error", why it does not build). Ends when
     the parent's end of the pipe closes."""
-    lowest_priority()  # before loading torch and the tokenizer's tables, which took a core from the engine
+    setup_priority()  # loading torch and the tokenizer's tables at the engine's priority took a core from it
     import xgrammar as xgr
 
     from specserve.engine.grammar import build_grammar, grammar_error
 
     info = xgr.TokenizerInfo.deserialize_json(conn.recv())
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    lowest_priority()
     conn.send(("ready", None))
     while True:
         try:
@@ -251,7 +268,12 @@ class GrammarPool:
 
     async def _run(self, child: _Child, job: list[Check]) -> tuple[str, str] | None:
         if not child.ready:
-            await _receive(child.conn, READY_TIMEOUT_S)
+            try:
+                await _receive(child.conn, READY_TIMEOUT_S)
+            except (TimeoutError, EOFError, OSError) as e:
+                raise GrammarUnavailable(
+                    f"a grammar checker did not start within {READY_TIMEOUT_S:g} s"
+                ) from e
             child.ready = True
         child.conn.send(job)
         field = job[0][0]
@@ -322,7 +344,7 @@ class GrammarCompilers:
         try:
             child.conn.send(self._info_json)
             if not child.conn.poll(READY_TIMEOUT_S):
-                raise RuntimeError("a grammar compiler did not start")
+                raise GrammarUnavailable(f"a grammar compiler did not start within {READY_TIMEOUT_S:g} s")
             child.conn.recv()
         except BaseException:
             self._drop(child)

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 from redis.exceptions import OutOfMemoryError
 
+from specserve.engine.prepare import GrammarUnavailable
 from specserve.queue.connection import UNAVAILABLE_ERRORS
 from specserve.queue.wire import MAX_JSON_DEPTH, too_deep
 from specserve.service.config import HttpLimits
@@ -170,6 +171,10 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             "redis_out_of_memory",
             5,
         )
+    except GrammarUnavailable as e:
+        # a grammar child that did not start (a node too loaded to run it): the request is not at fault
+        log.warning("grammar checks unavailable on %s %s: %s", request.method, request.path, e)
+        return _retry_later("grammar checks are not available; nothing was queued", "grammar_unavailable", 5)
     except UNAVAILABLE_ERRORS as e:
         # The queue's Redis is away (down, restarting, loading its append-only file, failing over).
         log.warning("Redis unavailable on %s %s: %s", request.method, request.path, e)
