@@ -67,10 +67,11 @@ def setup_priority() -> None:
 def lowest_priority() -> None:
     """Lower the calling process to the lowest CPU priority. A CPU worker's engine threads want every core,
     and a grammar compile at their priority took one: a concurrent 8-token request ran 1.70x as slow beside
-    a regex `[a-z]{1,60000}` being compiled (`cd bench && python stall.py`, quiet 2-core Xeon), and 1.86x
-    and 2.46x at nice 10 against 1.40x and 1.26x at SCHED_IDLE (the same, quiet 2-core Zen 4). SCHED_IDLE
-    runs it only on time the engine leaves; where it is refused, nice 19 comes closest. Beside busy
-    neighbours a compile then waits long for a core: the budget counts its CPU time, not that wait."""
+    a regex `[a-z]{1,60000}` being compiled (`cd bench && python stall.py`, quiet 2-core Xeon); a child at
+    nice 10 from its start to its builds held it 1.86x and 2.46x against 1.40x and 1.26x at SCHED_IDLE (the
+    same bench without its grammar warm-up, quiet 2-core Zen 4; most of that was the child's import).
+    SCHED_IDLE runs it only on time the engine leaves; where it is refused, nice 19 comes closest. Beside
+    busy neighbours a compile then waits long for a core: the budget counts its CPU time, not that wait."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
