@@ -216,8 +216,8 @@ def test_logprobs_are_bounded_by_max_logprobs():
 
 
 def _lowest_priority(pid: int, tid: int | None = None) -> bool:
-    """Whether the kernel runs this process (or one of its threads) at the lowest priority: SCHED_IDLE, or
-    nice 19 where that was refused."""
+    """Whether the kernel runs this process (or one of its threads) at the lowest priority we set: nice 19
+    (or SCHED_IDLE)."""
     task = f"/proc/{pid}" if tid is None else f"/proc/{pid}/task/{tid}"
     with open(f"{task}/sched") as f:
         policy = next(int(line.split(":")[1]) for line in f if line.startswith("policy"))
@@ -236,7 +236,7 @@ def _alive(pid: int) -> bool:
 
 def test_grammar_children_run_lowest_and_preparation_threads_at_the_engines_priority(tiny_model_dir):
     """Grammar checks (API) and grammar compiles (worker) yield the cores to the engine: the kernel holds
-    their children at SCHED_IDLE (or nice 19). The preparation threads share the engine's GIL, so they are
+    their children at nice 19. The preparation threads share the engine's GIL, so they are
     not lowered: one holding it while a neighbour took its core would stall the step thread."""
 
     async def main() -> None:

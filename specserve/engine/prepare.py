@@ -11,8 +11,8 @@
                       checks: a compile past its budget is killed with its process, so a refused grammar
                       stops costing CPU at once (a thread would compile on in the background)
 
-Every child here builds at the lowest CPU priority (lowest_priority), after starting at a lowered one
-(SETUP_NICE). The preparation threads are not lowered: they share the engine's GIL, and a lowered thread
+Every child here builds at the lowest CPU priority (lowest_priority, nice 19), after starting at a lowered
+one (SETUP_NICE). The preparation threads are not lowered: they share the engine's GIL, and a lowered thread
 holding it while a neighbour process takes its core stalls the step thread until the scheduler runs it.
 
 A budget is CPU time spent by the thread or child doing the work (Spend), not time waited for a core: on a
@@ -65,18 +65,15 @@ def setup_priority() -> None:
 
 
 def lowest_priority() -> None:
-    """Lower the calling process to the lowest CPU priority. A CPU worker's engine threads want every core,
-    and a grammar compile at their priority took one: a concurrent 8-token request ran 1.70x as slow beside
-    a regex `[a-z]{1,60000}` being compiled (`cd bench && python stall.py`, quiet 2-core Xeon); a child at
-    nice 10 from its start to its builds held it 1.86x and 2.46x against 1.40x and 1.26x at SCHED_IDLE (the
-    same bench without its grammar warm-up, quiet 2-core Zen 4; most of that was the child's import).
-    SCHED_IDLE runs it only on time the engine leaves; where it is refused, nice 19 comes closest. Beside
-    busy neighbours a compile then waits long for a core: the budget counts its CPU time, not that wait."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        with contextlib.suppress(OSError):
-            os.nice(19)
+    """Lower the calling process to nice 19. A CPU worker's engine threads want every core, and a grammar
+    compile at their priority took one: a concurrent 8-token request ran 1.70x as slow beside a regex
+    `[a-z]{1,60000}` being compiled (`cd bench && python stall.py`, quiet 2-core Xeon). Not SCHED_IDLE,
+    which yields more readily on a quiet node (that regex held the short request 1.07x, 1.01x, 1.47x, 1.00x
+    against 2.21x, 1.12x, 1.75x, 0.98x at nice 19, the same bench, quiet 2-core Zen 4) but starves beside
+    busy neighbours: with two busy loops on that machine a JSON schema's compile at SCHED_IDLE kept its
+    request past a 60 s client timeout (tests/test_structured_api.py), and at nice 19 it was served."""
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
 
 
 def thread_cpu_clock() -> Callable[[], float | None]:
